@@ -1,0 +1,130 @@
+"""Every patch megatron-core 0.19.2 needs to run on CPU (gloo), in one place.
+
+`apply()` is called before the first model build and does nothing when CUDA is available.
+`PATCHED` lists each library symbol replaced here; tests/test_compat.py checks they all still
+exist, so a megatron-core upgrade that moves one fails loudly instead of silently unpatched.
+What breaks and why: ../shared/notes/mcore-on-cpu.md (sites 1-12).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+# (module, attribute) pairs replaced by apply().
+PATCHED = [
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add"),
+    ("megatron.core.transformer.utils", "get_default_causal_mask"),
+    ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
+    ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu"),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
+]
+# torch.cuda entry points megatron calls unconditionally; pointed at CPU stand-ins.
+CUDA_SHIMMED = ["current_device", "Stream", "Event", "current_stream", "stream", "synchronize"]
+
+_applied = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _resolve(module: str, attr: str):
+    obj = importlib.import_module(module)
+    *owners, name = attr.split(".")
+    for owner in owners:
+        obj = getattr(obj, owner)
+    return obj, name
+
+
+class _NoStream:
+    """A CUDA stream/event stand-in: on CPU every op is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):  # wait_stream, record_event, synchronize, record, wait, ...
+        return lambda *args, **kwargs: self if name == "record_event" else None
+
+    def query(self):
+        return True
+
+
+def _shim_cuda():
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def _rng_tracker_add(self, name, seed):
+    """CudaRNGStatesTracker.add on the CPU generator (site 1)."""
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    orig = torch.get_rng_state()
+    torch.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(orig)
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _move_to_cpu(tensor, as_numpy=False, record_stream=False):
+    # Upstream converts only CUDA tensors to numpy; gloo's all_to_all_single wants lists (site 10).
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _make_gather_along_first_dim(original):
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        # gloo has no uneven list all_gather (site 11): pad to the largest split, gather, strip.
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        biggest = max(output_split_sizes)
+        padded = input_.new_zeros((biggest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((biggest * group.size(), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        parts = out.split(biggest)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
+
+    return gather
+
+
+def apply() -> bool:
+    """Patch megatron-core for CPU. Returns True when patches were (or already are) applied."""
+    global _applied
+    if _applied or not needed():
+        return _applied
+    import torch._dynamo
+
+    # megatron's jit_fuser is torch.compile: a 20 s cold start per process for nothing on CPU.
+    torch._dynamo.config.disable = True
+    _shim_cuda()
+    rnd = importlib.import_module("megatron.core.tensor_parallel.random")
+    rnd._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    rnd._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    rnd.CudaRNGStatesTracker.add = _rng_tracker_add
+    for module in ("megatron.core.transformer.utils", "megatron.core.fusions.fused_softmax"):
+        importlib.import_module(module).get_default_causal_mask = _causal_mask
+    for module in ("megatron.core.transformer.moe.moe_utils",
+                   "megatron.core.transformer.moe.token_dispatcher"):  # imported by name there
+        importlib.import_module(module).maybe_move_tensor_to_cpu = _move_to_cpu
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    mappings._gather_along_first_dim = _make_gather_along_first_dim(mappings._gather_along_first_dim)
+    _applied = True
+    return True

@@ -1,0 +1,72 @@
+"""Process groups and seeds: torch.distributed (gloo on CPU, NCCL on GPU) + megatron parallel state.
+
+Works under every launcher users know (`deepspeed`, `torchrun`, `mp.spawn`) and as a plain
+`python` process (a world of one).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_kappa import compat
+from megatron_kappa.config import ConfigError, ParallelConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None):
+    """One-line errors for a layout that cannot be built on `world` ranks."""
+    etp = par.etp or par.tp
+    if world % par.tp:
+        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp={par.tp}")
+    if world % (etp * par.ep):
+        raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
+                          f"ep × etp = {par.ep} × {etp}")
+    if num_experts is not None and num_experts % par.ep:
+        raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
+
+
+def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = None):
+    """Create the default process group (if the launcher has not) and megatron's groups."""
+    compat.apply()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        check_layout(par, int(os.environ["WORLD_SIZE"]), num_experts)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    check_layout(par, dist.get_world_size(), num_experts)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp or par.tp,
+        create_gloo_process_groups=False,
+    )
+    set_seed(seed)
+
+
+def set_seed(seed: int):
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def teardown():
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

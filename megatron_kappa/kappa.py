@@ -56,8 +56,10 @@ class KappaSwiGLU(torch.autograd.Function):
         dh = grad_out.to(compute)
 
         t, kappa = _kappa(s, a, b, log_u, scale, gain)
-        sig = torch.sigmoid(kappa * g)
-        d_up = dh * g * sig
+        kg = kappa * g
+        sig = torch.sigmoid(kg)
+        d_up = torch.nn.functional.silu(kg).div_(kappa).mul_(dh)  # as in forward: exact at κ = 1
+        del kg
         # d(g σ(κg))/dg = σ + κ g σ (1-σ);  d(g σ(κg))/dκ = g² σ (1-σ)
         dsig = sig * (1.0 - sig)
         du_h = dh * u

@@ -39,15 +39,16 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
     """Create the default process group (if the launcher has not) and megatron's groups."""
     compat.apply()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        check_layout(par, int(os.environ["WORLD_SIZE"]), num_experts)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        if "RANK" in os.environ:  # a launcher: deepspeed, torchrun, srun wrapper
+            check_layout(par, int(os.environ["WORLD_SIZE"]), num_experts)
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+        else:  # plain `python`: a world of one
+            check_layout(par, 1, num_experts)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
     check_layout(par, dist.get_world_size(), num_experts)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -1,0 +1,52 @@
+"""A naive per-token reference of a (κ-)SwiGLU MoE layer, in float64, for the tests."""
+import torch
+
+
+def layer_weights(layer):
+    """Router and expert weights of a megatron MoE layer (one process, EP = TP = 1)."""
+    experts = layer.experts.local_experts
+    alpha = getattr(layer.experts, "kappa_alpha", None)
+    bias = getattr(layer.experts, "kappa_bias", None)
+    return dict(
+        router=layer.router.weight,
+        fc1=[e.linear_fc1.weight for e in experts],
+        fc2=[e.linear_fc2.weight for e in experts],
+        alpha=alpha, bias=bias,
+        expert_bias=getattr(layer.router, "expert_bias", None),
+    )
+
+
+def naive_moe(x, w, *, topk, router="softmax", route_scale=1.0, U=3.0, logit_scale=1.0,
+              tanh_gain=1.0, kappa=True, logit_perm=None):
+    """out[t] = Σ_{e ∈ topk(t)} p_e · W2_e (g σ(κ g) u), recomputing s = x·W_r[e] per token.
+
+    `logit_perm` feeds each token the logits of another token (the negative control).
+    """
+    logits_all = x @ w["router"].T
+    kappa_logits = logits_all if logit_perm is None else logits_all[logit_perm]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        s = logits_all[t]
+        if router == "softmax":
+            top = torch.topk(s, topk).indices
+            p = torch.softmax(s[top], dim=0)
+        else:
+            scores = torch.sigmoid(s)
+            biased = scores + (0 if w["expert_bias"] is None else w["expert_bias"].to(scores))
+            top = torch.topk(biased, topk).indices
+            p = scores[top] / (scores[top].sum() + 1e-20)
+        p = p * route_scale
+        for e, pe in zip(top.tolist(), p):
+            h = w["fc1"][e] @ x[t]
+            g, u = h.chunk(2)
+            if kappa:
+                z = torch.zeros_like(g)
+                if w["alpha"] is not None:
+                    z = z + w["alpha"][e] * (logit_scale * kappa_logits[t, e])
+                if w["bias"] is not None:
+                    z = z + w["bias"][e]
+                k = U ** torch.tanh(tanh_gain * z)
+            else:
+                k = 1.0
+            out[t] = out[t] + pe * (w["fc2"][e] @ (g * torch.sigmoid(k * g) * u))
+    return out

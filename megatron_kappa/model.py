@@ -6,6 +6,7 @@ MoELayer subclass; with `model.kappa.enabled: false` the MoE layers are stock me
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -135,12 +136,18 @@ def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubm
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
 
 
-def build_model(cfg: Config) -> GPTModel:
-    """The GPT model of `cfg` on this rank (megatron parallel state must be initialised)."""
+def build_model(cfg: Config, meta: bool = False) -> GPTModel:
+    """The GPT model of `cfg` on this rank (megatron parallel state must be initialised).
+
+    meta=True builds shapes only (no memory, no initialisation), for counting parameters.
+    """
     tconfig = transformer_config(cfg)
-    return GPTModel(
-        config=tconfig, transformer_layer_spec=layer_specs(cfg, tconfig),
-        vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
-        share_embeddings_and_output_weights=False, position_embedding_type="rope",
-        rotary_base=cfg.model.rotary_base,
-    )
+    if meta:
+        tconfig.perform_initialization = False
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return GPTModel(
+            config=tconfig, transformer_layer_spec=layer_specs(cfg, tconfig),
+            vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
+            share_embeddings_and_output_weights=False, position_embedding_type="rope",
+            rotary_base=cfg.model.rotary_base,
+        )

@@ -7,80 +7,99 @@ expert [N]; α, b: per gate unit [F]. scale = gain = 1 is the paper; the authors
 scale 0.15 and gain 2. α = None or b = None are the paper's ablations (that term ≡ 0).
 
 The backward is explicit so that autograd saves only g, u and s (plain SwiGLU saves g, silu(g)
-and u): κ and σ(κg) are recomputed from them instead of being stored as [N, F] tensors.
+and u): κ and σ(κg) are recomputed from them instead of being stored as [N, F] tensors. Both
+passes walk the rows in chunks, so their temporaries are small (bench/kappa_activation.py measures
+time and peak memory against plain SwiGLU). Math is done in the input dtype.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def _kappa(logit, alpha, bias, log_u, scale, gain):
-    """tanh argument t and κ, as [N, F] (or [N, 1] when only the logit varies)."""
-    z = None
+    """κ as a fresh [N, F] tensor ([N, 1] when both α and b are ablated)."""
     if alpha is not None:
-        z = (logit * scale).unsqueeze(-1) * alpha
-    if bias is not None:
-        z = bias.expand(logit.shape[0], -1) if z is None else z + bias
-    if z is None:  # both ablated: κ ≡ 1
+        z = torch.outer(logit * scale, alpha)
+        if bias is not None:
+            z.add_(bias)
+    elif bias is not None:
+        z = bias.expand(logit.shape[0], -1).clone()
+    else:
         z = logit.new_zeros(logit.shape[0], 1)
-    t = torch.tanh(z * gain) if gain != 1.0 else torch.tanh(z)
-    return t, torch.exp(t * log_u)
+    if gain != 1.0:
+        z.mul_(gain)
+    return z.tanh_().mul_(log_u).exp_()
+
+
+# Rows per chunk: temporaries are [rows, F] slices of about 1 MB, so κ, σ(κg) and friends never
+# exist as full [N, F] tensors (forward or backward) and stay in cache while they are used.
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def _row_chunks(n: int, f: int):
+    step = max(1, _CHUNK_ELEMENTS // max(f, 1))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 class KappaSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, logit, alpha, bias, U, scale, gain):
-        compute = torch.promote_types(gate.dtype, torch.float32)
-        g, u = gate.to(compute), up.to(compute)
-        s = logit.to(compute)
-        a = None if alpha is None else alpha.to(compute)
-        b = None if bias is None else bias.to(compute)
-        _, kappa = _kappa(s, a, b, math.log(U), scale, gain)
-        # g·σ(κg) written as silu(κg)/κ: at κ = 1 this is bit-for-bit torch's silu(g).
-        out = torch.nn.functional.silu(kappa * g).div_(kappa).mul_(u)
+        dt = gate.dtype
+        cast = lambda t: None if t is None else t.to(dt)
+        s, a, b = logit.to(dt), cast(alpha), cast(bias)
+        log_u = math.log(U)
+        out = torch.empty_like(gate)
+        for rows in _row_chunks(*gate.shape):
+            kappa = _kappa(s[rows], a, b, log_u, scale, gain)
+            # g·σ(κg) written as silu(κg)/κ: at κ = 1 this is bit-for-bit torch's silu(g).
+            torch.mul(F.silu(kappa * gate[rows], inplace=True).div_(kappa), up[rows], out=out[rows])
         ctx.save_for_backward(gate, up, logit, alpha, bias)
         ctx.consts = (U, scale, gain)
-        return out.to(gate.dtype)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, dh):
         gate, up, logit, alpha, bias = ctx.saved_tensors
         U, scale, gain = ctx.consts
         log_u = math.log(U)
-        compute = torch.promote_types(gate.dtype, torch.float32)
-        g, u, s = gate.to(compute), up.to(compute), logit.to(compute)
-        a = None if alpha is None else alpha.to(compute)
-        b = None if bias is None else bias.to(compute)
-        dh = grad_out.to(compute)
+        dt = gate.dtype
+        s = logit.to(dt)
+        a = None if alpha is None else alpha.to(dt)
+        b = None if bias is None else bias.to(dt)
+        need = ctx.needs_input_grad
+        need_z = (a is not None and any(need[2:4])) or (b is not None and need[4])
 
-        t, kappa = _kappa(s, a, b, log_u, scale, gain)
-        kg = kappa * g
-        sig = torch.sigmoid(kg)
-        d_up = torch.nn.functional.silu(kg).div_(kappa).mul_(dh)  # as in forward: exact at κ = 1
-        del kg
-        # d(g σ(κg))/dg = σ + κ g σ (1-σ);  d(g σ(κg))/dκ = g² σ (1-σ)
-        dsig = sig * (1.0 - sig)
-        du_h = dh * u
-        d_gate = du_h * (sig + kappa * g * dsig)
-        need_z = any(ctx.needs_input_grad[2:5])
-        d_logit = d_alpha = d_bias = None
-        if need_z and (a is not None or b is not None):
-            # dκ/dz = κ · ln U · (1 - t²) · gain, with z = α · scale · s + b
-            dz = du_h * g * g * dsig * kappa * (1.0 - t * t) * (log_u * gain)
-            if a is not None:
-                if ctx.needs_input_grad[2]:
-                    d_logit = (dz @ a) * scale
-                if ctx.needs_input_grad[3]:
-                    d_alpha = (s * scale) @ dz
-            if b is not None and ctx.needs_input_grad[4]:
-                d_bias = dz.sum(0)
-        if ctx.needs_input_grad[2] and d_logit is None:
-            d_logit = torch.zeros_like(s)
-        cast = lambda x, ref: None if x is None or ref is None else x.to(ref.dtype)
-        return (cast(d_gate, gate), cast(d_up, up), cast(d_logit, logit), cast(d_alpha, alpha),
-                cast(d_bias, bias), None, None, None)
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        d_logit = torch.zeros_like(s) if need[2] else None
+        d_alpha = torch.zeros_like(a) if a is not None and need[3] else None
+        d_bias = torch.zeros_like(b) if b is not None and need[4] else None
+        for rows in _row_chunks(*gate.shape):
+            g, u, dy = gate[rows], up[rows], dh[rows]
+            kappa = _kappa(s[rows], a, b, log_u, scale, gain)
+            kg = kappa * g
+            sig = torch.sigmoid(kg)
+            torch.mul(F.silu(kg, inplace=True).div_(kappa), dy, out=d_up[rows])  # as forward
+            del kg
+            # d(gσ(κg))/dg = σ(1 + κg(1-σ)) =: E;  κ · d(gσ(κg))/dκ = κg²σ(1-σ) = g(E - σ)
+            e = torch.sub(1.0, sig).mul_(g).mul_(kappa).add_(1.0).mul_(sig)
+            grad_act = torch.mul(dy, u)
+            if need_z:
+                # dz = dh·u · g(E - σ) · ln U · gain · (1 - t²), with t = ln κ / ln U
+                dz = sig.sub_(e).neg_().mul_(g).mul_(grad_act)
+                dz.mul_(kappa.log_().div_(log_u).square_().neg_().add_(1.0)).mul_(log_u * gain)
+                if d_logit is not None and a is not None:
+                    torch.mv(dz, a, out=d_logit[rows]).mul_(scale)
+                if d_alpha is not None:
+                    d_alpha.addmv_(dz.T, s[rows], alpha=scale)
+                if d_bias is not None:
+                    d_bias.add_(dz.sum(0))
+            torch.mul(e, grad_act, out=d_gate[rows])
+        to = lambda x, ref: None if x is None or ref is None else x.to(ref.dtype)
+        return (d_gate, d_up, to(d_logit, logit), to(d_alpha, alpha), to(d_bias, bias),
+                None, None, None)
 
 
 def kappa_swiglu(gate, up, logit, alpha, bias, U: float = 3.0, logit_scale: float = 1.0,
@@ -96,5 +115,5 @@ def kappa_swiglu(gate, up, logit, alpha, bias, U: float = 3.0, logit_scale: floa
 
 
 def kappa_values(logit, alpha, bias, U: float = 3.0, logit_scale: float = 1.0, tanh_gain: float = 1.0):
-    """κ [N, F] itself (no autograd trick), for statistics and references."""
-    return _kappa(logit, alpha, bias, math.log(U), logit_scale, tanh_gain)[1]
+    """κ [N, F] itself, for statistics and references."""
+    return _kappa(logit, alpha, bias, math.log(U), logit_scale, tanh_gain)

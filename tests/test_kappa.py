@@ -69,6 +69,22 @@ def test_alpha_bias_zero_is_plain_swiglu_bit_for_bit():
     assert torch.equal(uk, up)
 
 
+def test_chunked_rows_give_the_same_result(monkeypatch):
+    """Many chunks (a few rows each) and one chunk agree, forward and backward."""
+    from megatron_kappa import kappa as kappa_module
+
+    args = inputs(n=50, f=8, dtype=torch.float64)
+    results = []
+    for elements in (1 << 18, 24):  # one chunk; chunks of 3 rows with a ragged last one
+        monkeypatch.setattr(kappa_module, "_CHUNK_ELEMENTS", elements)
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        out = kappa_swiglu(*leaves)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for x, y in zip(*results):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
 def test_negative_control_wrong_logits_change_the_output():
     g, u, s, a, b = inputs(dtype=torch.float32)
     out = kappa_swiglu(g, u, s, a, b)

@@ -1,0 +1,155 @@
+"""κ-SwiGLU vs plain SwiGLU activation: forward+backward time and peak memory, as ratios.
+
+    python bench/kappa_activation.py [--tokens 4096] [--ffn 3072] [--dtype fp32] [--reps 5]
+
+Both are measured in the same run on the same inputs. Time: median of `reps` fwd+bwd passes.
+Peak memory: on CUDA, torch.cuda.max_memory_allocated; on CPU, each variant runs in a fresh
+subprocess and reports its peak RSS above the RSS with the inputs already allocated (glibc serves
+these large tensors with mmap, so RSS follows allocations).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megatron_kappa.kappa import kappa_swiglu  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_inputs(n, f, dtype, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    g, u, grad = (r(n, f).requires_grad_(), r(n, f).requires_grad_(), r(n, f))
+    s = (r(n) * 3).requires_grad_()
+    a, b = (r(f) * 0.1).requires_grad_(), (r(f) * 0.1).requires_grad_()
+    return g, u, s, a, b, grad
+
+
+def step(variant, g, u, s, a, b, grad):
+    out = kappa_swiglu(g, u, s, a, b) if variant == "kappa" else F.silu(g) * u
+    out.backward(grad)
+    for t in (g, u, s, a, b):
+        t.grad = None
+
+
+def expert_step(variant, x, w1, w2, s, a, b, grad):
+    """A whole expert, fc1 → activation → fc2, forward and backward."""
+    gate, up = (x @ w1.T).chunk(2, dim=-1)
+    act = kappa_swiglu(gate, up, s, a, b) if variant == "kappa" else F.silu(gate) * up
+    (act @ w2.T).backward(grad)
+    for t in (x, w1, w2, s, a, b):
+        t.grad = None
+
+
+def time_expert_ms(variant, n, f, h, dtype, reps, device) -> float:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    r = lambda *sh, k=1.0: (torch.randn(*sh, generator=gen) * k).to(device=device, dtype=DTYPES[dtype]).requires_grad_()
+    args = (r(n, h), r(2 * f, h, k=h ** -0.5), r(h, f, k=f ** -0.5), r(n, k=3.0), r(f, k=0.1), r(f, k=0.1),
+            torch.randn(n, h, generator=gen).to(device=device, dtype=DTYPES[dtype]))
+    return _timed(lambda: expert_step(variant, *args), reps, device)
+
+
+def peak_bytes(variant, n, f, dtype, device) -> int:
+    inputs = make_inputs(n, f, DTYPES[dtype], device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(variant, *inputs)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    step(variant, *inputs)  # warm-up allocations outside the measurement
+    proc = subprocess.run([sys.executable, __file__, "--_child", variant, str(n), str(f), dtype],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def child(variant, n, f, dtype):
+    torch.set_num_threads(1)
+    inputs = make_inputs(n, f, DTYPES[dtype], "cpu")
+    base = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    step(variant, *inputs)
+    print((_status_kb("VmHWM") - base) * 1024)
+
+
+def _timed(fn, reps, device) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def time_ms(variant, inputs, reps, device) -> float:
+    return _timed(lambda: step(variant, *inputs), reps, device)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 2048])
+    ap.add_argument("--ffn", type=int, nargs="+", default=[3072, 5120])
+    ap.add_argument("--hidden", type=int, default=768, help="d_model for the whole-expert timing")
+    ap.add_argument("--dtype", choices=DTYPES, default="fp32")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._child:
+        variant, n, f, dtype = args._child
+        return child(variant, int(n), int(f), dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    print(f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}")
+    print(f"{'tokens':>7} {'ffn':>6} {'swiglu ms':>10} {'kappa ms':>9} {'time x':>7} "
+          f"{'swiglu MB':>10} {'kappa MB':>9} {'mem x':>6}")
+    for n, f in zip(args.tokens, args.ffn):
+        inputs = make_inputs(n, f, DTYPES[args.dtype], device)
+        t = {v: time_ms(v, inputs, args.reps, device) for v in ("swiglu", "kappa")}
+        del inputs
+        m = {v: peak_bytes(v, n, f, args.dtype, device) for v in ("swiglu", "kappa")}
+        row = dict(tokens=n, ffn=f, dtype=args.dtype, device=device,
+                   swiglu_ms=t["swiglu"], kappa_ms=t["kappa"], time_ratio=t["kappa"] / t["swiglu"],
+                   swiglu_mb=m["swiglu"] / 2**20, kappa_mb=m["kappa"] / 2**20,
+                   memory_ratio=m["kappa"] / m["swiglu"])
+        rows.append(row)
+        print(f"{n:>7} {f:>6} {row['swiglu_ms']:>10.1f} {row['kappa_ms']:>9.1f} {row['time_ratio']:>7.2f} "
+              f"{row['swiglu_mb']:>10.1f} {row['kappa_mb']:>9.1f} {row['memory_ratio']:>6.3f}")
+    print(f"\nwhole expert (fc1 → activation → fc2), d_model {args.hidden}, forward + backward:")
+    print(f"{'tokens':>7} {'ffn':>6} {'swiglu ms':>10} {'kappa ms':>9} {'time x':>7}")
+    for row in rows:
+        n, f = row["tokens"], row["ffn"]
+        t = {v: time_expert_ms(v, n, f, args.hidden, args.dtype, args.reps, device) for v in ("swiglu", "kappa")}
+        row.update(expert_swiglu_ms=t["swiglu"], expert_kappa_ms=t["kappa"],
+                   expert_time_ratio=t["kappa"] / t["swiglu"])
+        print(f"{n:>7} {f:>6} {t['swiglu']:>10.1f} {t['kappa']:>9.1f} {row['expert_time_ratio']:>7.2f}")
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -185,6 +185,11 @@ def _check(value, kind, key: str):
             raise ConfigError(f"config: {key}: expected an integer, got {value!r}")
         return value
     if kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config: {key}: expected a number, got {value!r}")
         return float(value)

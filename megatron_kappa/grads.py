@@ -1,0 +1,78 @@
+"""The gradient reductions megatron-core expects from its caller, written once.
+
+megatron-core's own DDP does these inside `finalize_model_grads`; we train under DeepSpeed (or a
+plain loop in tests), so they are named here:
+
+  sum_tensor_parallel_grads   params tagged `sequence_parallel` (norms, q/k norms, router) hold a
+                              partial gradient on every TP rank: sum over TP.       (always ours)
+  reduce_data_parallel_grads  dense params: average over DP; expert params (`allreduce=False`,
+                              incl. κ's α and b): sum over expert-DP, divide by DP. (DeepSpeed's
+                              job when it drives training)
+  update_expert_bias          the aux-loss-free router bias: token counts summed over TP×DP,
+                              bias += rate · sign(mean − count).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+
+def is_expert(param) -> bool:
+    """megatron marks expert-parallel parameters with allreduce=False."""
+    return not getattr(param, "allreduce", True)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group, op=dist.ReduceOp.SUM, scale: float = 1.0):
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, op=op, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sum_tensor_parallel_grads(model):
+    grads = [p.grad for p in model.parameters()
+             if p.grad is not None and getattr(p, "sequence_parallel", False)]
+    _all_reduce_flat(grads, parallel_state.get_tensor_model_parallel_group())
+
+
+def reduce_data_parallel_grads(model, skip_expert_data_parallel: bool = False):
+    """Dense grads averaged over DP; expert grads summed over expert-DP and divided by DP.
+
+    skip_expert_data_parallel exists for the negative control in the parity tests only.
+    """
+    dense, expert = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (expert if is_expert(p) else dense).append(p.grad)
+    dp = parallel_state.get_data_parallel_world_size()
+    _all_reduce_flat(dense, parallel_state.get_data_parallel_group(), scale=1.0 / dp)
+    if not skip_expert_data_parallel:
+        _all_reduce_flat(expert, parallel_state.get_expert_data_parallel_group(), scale=1.0 / dp)
+
+
+def routers_with_expert_bias(model):
+    return [m for m in model.modules()
+            if getattr(m, "expert_bias", None) is not None and hasattr(m, "local_tokens_per_expert")]
+
+
+@torch.no_grad()
+def update_expert_bias(model, rate: float):
+    """After each optimizer step (the global batch), move each router's bias toward balance."""
+    routers = routers_with_expert_bias(model)
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    biases = torch.stack([r.expert_bias for r in routers])
+    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    for router, bias in zip(routers, get_updated_expert_bias(counts, biases, rate, group)):
+        router.expert_bias.copy_(bias)
+        router.local_tokens_per_expert.zero_()

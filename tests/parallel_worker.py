@@ -1,0 +1,56 @@
+"""Multi-process half of the parity tests: run under `torchrun --nproc_per_node 4`.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/parallel_worker.py PLAN OUT
+
+PLAN is a torch file: a list of cases {name, layout kwargs, model kwargs, reference weights,
+negative}; rank 0 writes {name: {losses, grads}} to OUT. All cases share the processes (the
+imports dominate), re-initialising megatron's parallel state per case.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.core import parallel_state as ps  # noqa: E402
+
+import parity  # noqa: E402
+from megatron_kappa import sharding  # noqa: E402
+from megatron_kappa.parallel import init_distributed  # noqa: E402
+
+
+def run_case(case):
+    cfg = parity.make_cfg(**case["model"], **case["layout"])
+    init_distributed(cfg.parallel, seed=5, num_experts=cfg.model.moe.num_experts)
+    model = parity.build(cfg)
+    global_name = sharding._global_name
+    if case.get("negative") == "bad_expert_map":  # load each EP rank with its neighbour's experts
+        ep = ps.get_expert_model_parallel_world_size()
+        sharding._global_name = lambda name, rank, nl: global_name(name, (rank + 1) % ep, nl)
+    try:
+        sharding.load_full_state_dict(model, case["weights"])
+    finally:
+        sharding._global_name = global_name
+    batches = parity.split_for_rank(parity.global_batch(), ps.get_data_parallel_rank(),
+                                    ps.get_data_parallel_world_size())
+    losses, grads = parity.train(model, cfg, batches,
+                                 skip_expert_data_parallel=case.get("negative") == "skip_edp")
+    return {"losses": losses, "grads": sharding.gather_full(model, grads)}
+
+
+def main(plan_path, out_path):
+    dist.init_process_group("gloo")
+    results = {}
+    for case in torch.load(plan_path, weights_only=False):
+        results[case["name"]] = run_case(case)
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

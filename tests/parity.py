@@ -1,0 +1,81 @@
+"""Shared by the single-process reference (pytest) and the multi-process workers (torchrun):
+the tiny model, a fixed global batch, and a few plain training steps with megatron's reductions."""
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from megatron_kappa.config import load_config
+from megatron_kappa.grads import reduce_data_parallel_grads, sum_tensor_parallel_grads, update_expert_bias
+from megatron_kappa.model import build_model
+
+GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
+
+
+def make_cfg(kappa=True, router="softmax", dispatcher="alltoall", tp=1, ep=1, etp=None):
+    return load_config("configs/tiny.yaml", [
+        f"model.kappa.enabled={str(kappa).lower()}", f"model.moe.router={router}",
+        f"model.moe.dispatcher={dispatcher}", f"model.seq_length={SEQ}",
+        f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.etp={etp if etp else 'null'}",
+        "model.moe.aux_loss=1e-2", "model.moe.z_loss=1e-3", "model.moe.bias_update_rate=1e-2"])
+
+
+def global_batch():
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, 2048, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=gen)
+
+
+def init_reference_weights(model):
+    """Nonzero α, b (so κ ≠ 1 from step 0) and router logits large enough to matter."""
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "kappa_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("router.weight"):
+                p.mul_(20.0)
+
+
+def train(model, cfg, micro_batches_per_step, skip_expert_data_parallel=False):
+    """STEPS Adam steps; each step's micro-batches are this rank's share of the global batch.
+
+    Returns (global losses per step, local step-0 gradients).
+    """
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scale = 1.0 / len(micro_batches_per_step[0])
+    position = torch.arange(SEQ)
+    losses, grads0 = [], None
+    for step, micro_batches in enumerate(micro_batches_per_step):
+        opt.zero_grad()
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
+        total = torch.zeros(())
+        for tokens in micro_batches:
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            loss = model(inputs, position.expand_as(inputs), None, labels=labels).mean() * scale
+            loss.backward()
+            total += loss.detach()
+        sum_tensor_parallel_grads(model)
+        reduce_data_parallel_grads(model, skip_expert_data_parallel=skip_expert_data_parallel)
+        if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_data_parallel_group())
+            total /= ps.get_data_parallel_world_size()
+        if step == 0:
+            grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        update_expert_bias(model, cfg.model.moe.bias_update_rate)
+        losses.append(total.item())
+    return losses, grads0
+
+
+def split_for_rank(batch, dp_rank, dp_size):
+    """Each step's global batch cut into dp_size micro-batches; this DP rank's one."""
+    return [[step.chunk(dp_size)[dp_rank]] for step in batch]
+
+
+def split_for_reference(batch, dp_size):
+    return [list(step.chunk(dp_size)) for step in batch]
+
+
+def build(cfg, seed=5):
+    torch.manual_seed(seed)
+    return build_model(cfg)

@@ -1,0 +1,99 @@
+"""TP / EP / expert-TP (+DP) runs on 4 CPU processes equal a single-process run of the same model.
+
+The reference runs here (one process, the global batch as DP-sized micro-batches with gradient
+accumulation); the parallel runs share one torchrun launch of 4 processes (tests/parallel_worker.py).
+Every case starts from the reference's weights (α, b nonzero so κ matters from step 0).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import parity
+from megatron_kappa.sharding import gather_full
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+LAYOUTS = {  # name: (tp, ep, etp) on 4 ranks; DP = 4 / tp
+    "tp2": (2, 1, None), "ep2": (1, 2, None), "tp2ep2_etp1": (2, 2, 1), "tp2ep2_etp2": (2, 2, 2)}
+
+
+def cases():
+    out = []
+    for layout in LAYOUTS:
+        for kappa in (True, False):
+            for router in ("softmax", "sigmoid"):
+                out.append((f"{layout}-{'kappa' if kappa else 'swiglu'}-{router}-alltoall",
+                            layout, dict(kappa=kappa, router=router, dispatcher="alltoall"), None))
+    for kappa in (True, False):
+        out.append((f"tp2ep2_etp1-{'kappa' if kappa else 'swiglu'}-softmax-allgather", "tp2ep2_etp1",
+                    dict(kappa=kappa, router="softmax", dispatcher="allgather"), None))
+    for negative in ("skip_edp", "bad_expert_map"):
+        out.append((f"ep2-kappa-softmax-alltoall-NEG-{negative}", "ep2",
+                    dict(kappa=True, router="softmax", dispatcher="alltoall"), negative))
+    return out
+
+
+CASES = cases()
+
+
+def dp_size(layout):
+    return WORLD // LAYOUTS[layout][0]
+
+
+@pytest.fixture(scope="module")
+def runs(world1, tmp_path_factory):
+    """References computed here, then all parallel cases in one 4-process launch."""
+    refs, plan, weights = {}, [], {}
+    batch = parity.global_batch()
+    for name, layout, model_kw, negative in CASES:
+        key = (tuple(sorted(model_kw.items())), dp_size(layout))
+        if key not in refs:
+            cfg = parity.make_cfg(**model_kw)
+            from megatron_kappa.parallel import init_distributed
+            init_distributed(cfg.parallel, seed=5)
+            model = parity.build(cfg)
+            parity.init_reference_weights(model)
+            weights[key] = {k: v.clone() for k, v in model.state_dict().items()
+                            if not k.endswith("_extra_state")}
+            losses, grads = parity.train(model, cfg, parity.split_for_reference(batch, dp_size(layout)))
+            refs[key] = {"losses": losses, "grads": gather_full(model, grads)}
+        tp, ep, etp = LAYOUTS[layout]
+        plan.append(dict(name=name, layout=dict(tp=tp, ep=ep, etp=etp), model=model_kw,
+                         weights=weights[key], negative=negative))
+    tmp = tmp_path_factory.mktemp("parity")
+    torch.save(plan, tmp / "plan.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+         str(ROOT / "tests/parallel_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(tmp / "out.pt", weights_only=False)
+    return {name: (refs[(tuple(sorted(kw.items())), dp_size(layout))], results[name])
+            for name, layout, kw, _ in CASES}
+
+
+def max_rel_grad_error(ref, got):
+    assert ref.keys() == got.keys()
+    return max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item() for k in ref)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is None])
+def test_parallel_layout_matches_single_process(runs, name):
+    ref, got = runs[name]
+    assert len(got["losses"]) == parity.STEPS >= 3
+    assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) <= 1e-5, (ref["losses"], got["losses"])
+    assert max_rel_grad_error(ref["grads"], got["grads"]) <= 1e-4
+    if "kappa" in name:  # α, b gradients are part of the comparison
+        assert any("kappa_alpha" in k for k in ref["grads"]) and any("kappa_bias" in k for k in ref["grads"])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is not None])
+def test_negative_controls_break_parity(runs, name):
+    ref, got = runs[name]
+    loss_gap = max(abs(a - b) for a, b in zip(ref["losses"], got["losses"]))
+    assert loss_gap > 1e-4 or max_rel_grad_error(ref["grads"], got["grads"]) > 1e-2

@@ -1,0 +1,1 @@
+"""Evaluation entry points (core.py: CORE; loss.py: validation loss and bits per byte)."""

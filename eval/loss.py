@@ -1,0 +1,68 @@
+"""Validation loss and bits per byte of a trained checkpoint on held-out Megatron shards.
+
+    python eval/loss.py --checkpoint runs/sandwich28 --data data/val/shard_00000 [more prefixes] [--max-tokens N]
+    torchrun --nproc_per_node 8 eval/loss.py ...   (batches split over ranks)
+
+--data takes shard prefixes (PREFIX.bin + PREFIX.idx). See megatron_kappa/lm_eval.py for the rules.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch.distributed as dist
+
+# Run as `python eval/loss.py`, this folder is sys.path[0]; put the repo root there for `eval.core`.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eval.core import data_parallel_layout, init_distributed, is_rank0, write_json  # noqa: E402
+from megatron_kappa.lm_eval import validation_loss  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="validation loss and bits per byte of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="run or checkpoint folder to evaluate")
+    p.add_argument("--data", required=True, nargs="+", help="held-out shard prefixes")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the model's context)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--json", help="also write the result to this JSON file")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def run(args, logits_fn, tokenizer, max_seq_len) -> dict:
+    dp_rank, dp_world = data_parallel_layout()
+    seq_len = min(args.seq_len or max_seq_len, max_seq_len)
+    result = validation_loss(logits_fn, args.data, tokenizer, seq_len, args.max_tokens, args.batch_size,
+                             dp_rank, dp_world, progress=not args.no_progress)
+    result.update(checkpoint=args.checkpoint, data=args.data, seq_len=seq_len)
+    if is_rank0():
+        print(f"loss {result['loss']:.4f}  bits/byte {result['bits_per_byte']:.4f}  "
+              f"tokens {result['tokens']}  bytes {result['bytes']}", flush=True)
+        if args.json:
+            write_json(args.json, result)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    created = False
+    try:
+        created = init_distributed()
+        from megatron_kappa.inference import load_for_eval  # the model side, needed only here
+        logits_fn, tokenizer, max_seq_len = load_for_eval(args.checkpoint)
+        run(args, logits_fn, tokenizer, max_seq_len)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

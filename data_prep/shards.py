@@ -1,0 +1,129 @@
+"""Megatron indexed binary shards (`<prefix>.bin` + `<prefix>.idx`), written without megatron-core.
+
+The layout is megatron.core.datasets.indexed_dataset's (tests check byte equality against its
+IndexedDatasetBuilder): .idx = magic, <Q version 1, <B dtype code, <Q sequence count, <Q document
+count, int32 lengths, int64 byte pointers, int64 document indices 0..n. One sequence per document.
+Shards are written under `<name>.tmp` names and renamed only when complete, so a file with a final
+name is either finished or (if the run died before recording it) deleted on resume.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+DTYPE_CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
+
+
+def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
+    """uint16 when every id fits (megatron-core's own rule: vocab < 65500), else int32."""
+    from data_prep import DataPrepError
+    if requested == "auto":
+        return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+    dtype = np.dtype(requested)
+    if dtype not in DTYPE_CODES:
+        raise DataPrepError(f"--dtype {requested}: expected auto, uint16 or int32")
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise DataPrepError(f"tokenizer vocabulary {vocab_size} does not fit --dtype {requested} "
+                            f"(largest id {np.iinfo(dtype).max}); use --dtype int32 or auto")
+    return dtype
+
+
+def index_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
+    """The whole .idx file for documents of these token lengths, one sequence each."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = len(lengths)
+    pointers = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1] * dtype.itemsize, out=pointers[1:])
+    head = MAGIC + struct.pack("<Q", 1) + struct.pack("<B", DTYPE_CODES[dtype])
+    head += struct.pack("<Q", n) + struct.pack("<Q", n + 1)
+    return b"".join([head, lengths.astype(np.int32).tobytes(), pointers.tobytes(),
+                     np.arange(n + 1, dtype=np.int64).tobytes()])
+
+
+def read_lengths(idx_path: str | Path) -> tuple[np.dtype, np.ndarray]:
+    """Token dtype and per-document lengths of an .idx file written by `index_bytes`."""
+    raw = Path(idx_path).read_bytes()
+    if raw[:len(MAGIC)] != MAGIC:
+        raise ValueError(f"{idx_path}: not a Megatron .idx file")
+    code = raw[17]
+    dtype = next(d for d, c in DTYPE_CODES.items() if c == code)
+    (n,) = struct.unpack_from("<Q", raw, 18)
+    return dtype, np.frombuffer(raw, dtype=np.int32, count=n, offset=HEADER_BYTES).astype(np.int64)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ShardWriter:
+    """Streams documents into `<prefix>.bin.tmp`; `close()` writes the index and renames both."""
+
+    def __init__(self, prefix: Path, dtype: np.dtype):
+        self.prefix = Path(prefix)
+        self.dtype = dtype
+        self.lengths: list[int] = []
+        self.tokens = 0
+        self._bin = open(self._tmp(".bin"), "wb", buffering=8 << 20)
+
+    def _tmp(self, ext: str) -> Path:
+        return self.prefix.with_name(self.prefix.name + ext + ".tmp")
+
+    def add(self, doc: np.ndarray) -> None:
+        self._bin.write(memoryview(doc))
+        self.lengths.append(len(doc))
+        self.tokens += len(doc)
+
+    def add_many(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Consecutive documents already laid out back to back (lengths sum to len(tokens))."""
+        self._bin.write(memoryview(tokens))
+        self.lengths.extend(lengths.tolist())
+        self.tokens += len(tokens)
+
+    @property
+    def documents(self) -> int:
+        return len(self.lengths)
+
+    def close(self) -> dict:
+        """Finish the shard under its final name; returns its manifest entry."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        _write_synced(self._tmp(".idx"), index_bytes(np.array(self.lengths), self.dtype))
+        os.replace(self._tmp(".bin"), self.prefix.with_name(self.prefix.name + ".bin"))
+        os.replace(self._tmp(".idx"), self.prefix.with_name(self.prefix.name + ".idx"))
+        return {"prefix": self.prefix.name, "documents": self.documents, "tokens": self.tokens,
+                "bin_bytes": self.tokens * self.dtype.itemsize}
+
+    def abort(self) -> None:
+        """Drop an unfinished shard (a mid-stream error): nothing with a final name is touched."""
+        self._bin.close()
+        for ext in (".bin", ".idx"):
+            self._tmp(ext).unlink(missing_ok=True)
+
+
+def merge(pieces: list[Path], out_dir: Path, name: str, dtype: np.dtype,
+          shard_tokens: int) -> list[dict]:
+    """Concatenate small shards (in order) into `<name>_00000`, ... of about shard_tokens each."""
+    entries, writer = [], None
+    for piece in pieces:
+        _, lengths = read_lengths(piece.with_suffix(".idx"))
+        data = np.fromfile(piece.with_suffix(".bin"), dtype=dtype)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for i in range(len(lengths)):
+            if writer is None:
+                writer = ShardWriter(out_dir / f"{name}_{len(entries):05d}", dtype)
+            writer.add(data[offsets[i]:offsets[i + 1]])
+            if writer.tokens >= shard_tokens:
+                entries.append(writer.close())
+                writer = None
+    if writer is not None:
+        entries.append(writer.close())
+    return entries

@@ -1,0 +1,325 @@
+"""data_prep: round trip against SentencePiece itself, megatron-core's reader/writer as the format
+reference, determinism across worker counts, resume after SIGKILL, and bad input.
+
+Runs on a slice of the bundled sample and a 600-piece tokenizer so everything stays in seconds.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import sentencepiece as spm
+
+from data_prep import DataPrepError
+from data_prep.fineweb_edu import run
+from data_prep.shards import ShardWriter, choose_dtype
+from megatron_kappa.tokenizer import BOS_ID, EOD_ID, PAD_ID, UNK_ID, Tokenizer, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "data_prep" / "sample"
+SLICE_ROWS, ROW_GROUP, VOCAB = 1536, 128, 600
+COMMON = ["--shard-tokens", "20K", "--valid-fraction", "0.05", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A parquet slice of the sample (12 row groups = 12 work units) and a tokenizer trained on it."""
+    d = tmp_path_factory.mktemp("data_prep")
+    table = pq.read_table(SAMPLE / "fwe_sample_00000.parquet").slice(0, SLICE_ROWS)
+    pq.write_table(table, d / "slice.parquet", row_group_size=ROW_GROUP, compression="zstd")
+    texts = table["text"].to_pylist()
+    train_tokenizer(texts[:800], d / "tok.model", VOCAB, num_threads=1)
+    return d
+
+
+def prep(out, inputs, tokenizer, *extra):
+    return run(["--input", *map(str, inputs), "--output", str(out), "--tokenizer", str(tokenizer),
+                *COMMON, *extra])
+
+
+def read_docs(out, prefixes):
+    """Documents as megatron-core's own reader sees them (the independent format reference)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    docs = []
+    for prefix in prefixes:
+        ds = IndexedDataset(str(Path(out) / prefix))
+        assert len(ds.document_indices) == len(ds) + 1
+        docs += [ds[i].tolist() for i in range(len(ds))]
+    return docs
+
+
+def check_round_trip(texts, model_file, train, valid, eod=EOD_ID):
+    """Every input text, in order, appears as sp.encode(text) + [EOD] in train or in valid, and the
+    shards hold nothing else. Encodes one document at a time, unlike the tool's batched path."""
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    ti = vi = 0
+    for text in texts:
+        want = sp.encode(text) + [eod]
+        if ti < len(train) and train[ti] == want:
+            ti += 1
+        elif vi < len(valid) and valid[vi] == want:
+            vi += 1
+        else:
+            raise AssertionError(f"document {text[:40]!r} missing or out of order")
+        assert sp.decode(want[:-1]) == text
+    assert (ti, vi) == (len(train), len(valid)), "shards hold documents the input does not"
+
+
+def kept_texts(path, min_score=None, language=None):
+    t = pq.read_table(path)
+    mask = pc.greater(pc.utf8_length(t["text"]), 0)
+    if min_score is not None:
+        mask = pc.and_(mask, pc.greater_equal(t["int_score"], min_score))
+    if language is not None:
+        mask = pc.and_(mask, pc.equal(t["language"], language))
+    return t.filter(mask)["text"].to_pylist()
+
+
+def files(out):
+    return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    """The slice with both filters, one process (workers=1 runs in-process)."""
+    out = work / "ref"
+    manifest = prep(out, [work / "slice.parquet"], work / "tok.model", "--workers", "1",
+                    "--min-int-score", "4", "--language", "en")
+    return out, manifest
+
+
+def test_tokenizer_training_deterministic_across_threads(work, tmp_path):
+    texts = pq.read_table(work / "slice.parquet")["text"].to_pylist()[:800]
+    a = train_tokenizer(texts, tmp_path / "a.model", VOCAB, num_threads=2).read_bytes()
+    assert a == (work / "tok.model").read_bytes()  # fixture was trained with one thread
+    other = train_tokenizer(texts[1:], tmp_path / "b.model", VOCAB).read_bytes()
+    assert other != a  # negative control: a different sample gives a different model
+    tok = Tokenizer(work / "tok.model")
+    assert (tok.vocab_size, tok.bos, tok.eod, tok.pad) == (VOCAB, BOS_ID, EOD_ID, PAD_ID)
+    assert tok.sp.unk_id() == UNK_ID and tok.sp.id_to_piece(EOD_ID) == "</s>"
+
+
+def test_train_tokenizer_flag_uses_first_kept_documents(work, tmp_path):
+    """--train-tokenizer trains on the first --tokenizer-sample-docs kept documents, in order."""
+    out = tmp_path / "trained"
+    m = run(["--input", str(work / "slice.parquet"), "--output", str(out), "--train-tokenizer",
+             "--vocab-size", str(VOCAB), "--tokenizer-sample-docs", "300", "--language", "en",
+             "--valid-fraction", "0", "--workers", "2", "--shard-tokens", "1M", "--quiet"])
+    texts = kept_texts(work / "slice.parquet", language="en")
+    ref = train_tokenizer(texts[:300], tmp_path / "ref.model", VOCAB).read_bytes()
+    assert (out / "tokenizer.model").read_bytes() == ref
+    assert m["tokenizer"]["sha256"] == Tokenizer(tmp_path / "ref.model").sha256()
+    assert m["prefixes"]["valid"] == [] and m["totals"]["train"]["documents"] == len(texts)
+
+
+def test_shard_writer_matches_megatron_builder(tmp_path):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 60000, size=n).astype(np.uint16) for n in (5, 1, 300, 17)]
+    ours = ShardWriter(tmp_path / "ours", np.dtype(np.uint16))
+    ref = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    for doc in docs:
+        ours.add(doc)
+        ref.add_document(torch.from_numpy(doc.astype(np.int64)), [len(doc)])
+    ours.close()
+    ref.finalize(str(tmp_path / "ref.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    assert read_docs(tmp_path, ["ours"]) == [d.tolist() for d in docs]
+
+
+def test_round_trip_and_exact_manifest(work, reference):
+    out, manifest = reference
+    texts = kept_texts(work / "slice.parquet", min_score=4, language="en")
+    train = read_docs(out, manifest["prefixes"]["train"])
+    valid = read_docs(out, manifest["prefixes"]["valid"])
+    check_round_trip(texts, out / "tokenizer.model", train, valid)
+    assert 0.02 < len(valid) / len(texts) < 0.1  # --valid-fraction 0.05
+    assert len(manifest["prefixes"]["train"]) > 5  # small shards: several checkpoints
+    t = manifest["totals"]
+    assert t["train"]["documents"] == len(train) and t["valid"]["documents"] == len(valid)
+    assert t["train"]["tokens"] == sum(map(len, train)) and t["valid"]["tokens"] == sum(map(len, valid))
+    for entry in manifest["shards"]:
+        docs = read_docs(out, [entry["prefix"]])
+        assert (entry["documents"], entry["tokens"]) == (len(docs), sum(map(len, docs)))
+    table = pq.read_table(work / "slice.parquet")
+    assert t["rows_read"] == SLICE_ROWS
+    assert t["dropped"]["language"] == pc.sum(pc.not_equal(table["language"], "en")).as_py()
+    assert SLICE_ROWS - sum(t["dropped"].values()) == len(texts)
+    assert manifest["tokenizer"]["sha256"] == Tokenizer(work / "tok.model").sha256()
+    assert manifest["dtype"] == "uint16" and not (out / ".progress").exists()
+
+
+def test_round_trip_check_catches_broken_shards(work, reference):
+    """Negative control: the checker above must fail on swapped documents or a missing EOD."""
+    out, manifest = reference
+    texts = kept_texts(work / "slice.parquet", min_score=4, language="en")
+    train = read_docs(out, manifest["prefixes"]["train"])
+    valid = read_docs(out, manifest["prefixes"]["valid"])
+    swapped = train[:3] + [train[4], train[3]] + train[5:]
+    no_eod = [train[0][:-1]] + train[1:]
+    for bad in (swapped, no_eod, train[:-1]):
+        with pytest.raises(AssertionError):
+            check_round_trip(texts, out / "tokenizer.model", bad, valid)
+
+
+def test_same_bytes_for_any_worker_count_and_jsonl(work, reference, tmp_path):
+    out1, _ = reference
+    args = ("--min-int-score", "4", "--language", "en")
+    before = {p.name: p.stat().st_mtime_ns for p in out1.iterdir()}
+    prep(out1, [work / "slice.parquet"], work / "tok.model", "--workers", "2", *args)  # complete
+    assert {p.name: p.stat().st_mtime_ns for p in out1.iterdir()} == before  # nothing redone
+    prep(tmp_path / "w3", [work / "slice.parquet"], work / "tok.model", "--workers", "3", *args)
+    assert files(tmp_path / "w3") == files(out1)
+    # The same rows as jsonl, cut into many byte-range units: identical shards.
+    table = pq.read_table(work / "slice.parquet")
+    with open(tmp_path / "slice.jsonl", "w") as f:
+        for row in table.to_pylist():
+            f.write(json.dumps(row) + "\n")
+    prep(tmp_path / "js", [tmp_path / "slice.jsonl"], work / "tok.model", "--workers", "2",
+         "--jsonl-unit-bytes", "50K", *args)
+    a, b = files(tmp_path / "js"), files(out1)
+    assert a.pop("manifest.json") != b.pop("manifest.json")  # the source differs, nothing else
+    assert a == b
+
+
+def test_limits_stop_at_exact_counts(work, tmp_path):
+    m = prep(tmp_path / "docs", [work / "slice.parquet"], work / "tok.model", "--workers", "1",
+             "--max-docs", "100")
+    t = m["totals"]
+    assert t["train"]["documents"] + t["valid"]["documents"] == 100
+    sp = spm.SentencePieceProcessor(model_file=str(work / "tok.model"))
+    texts = kept_texts(work / "slice.parquet")
+    lengths = np.array([len(sp.encode(x)) + 1 for x in texts])
+    m = prep(tmp_path / "tok", [work / "slice.parquet"], work / "tok.model", "--workers", "1",
+             "--max-tokens", "30000")
+    t = m["totals"]
+    n = t["train"]["documents"] + t["valid"]["documents"]
+    assert t["train"]["tokens"] + t["valid"]["tokens"] == lengths[:n].sum() <= 30000
+    assert lengths[:n + 1].sum() > 30000
+
+
+def test_hub_path_with_a_local_stand_in(work, reference, tmp_path, monkeypatch):
+    """The streaming hub reader, fed by a local IterableDataset instead of the network."""
+    import datasets
+    stream = datasets.Dataset.from_parquet(str(work / "slice.parquet")).to_iterable_dataset()
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: stream)
+    out = tmp_path / "hub"
+    run(["--input", "HuggingFaceFW/fineweb-edu", "--name", "sample-10BT", "--output", str(out),
+         "--tokenizer", str(work / "tok.model"), "--workers", "1", "--hub-unit-docs", "100",
+         "--min-int-score", "4", "--language", "en", *COMMON])
+    a, b = files(out), files(reference[0])
+    assert json.loads(a.pop("manifest.json"))["source"] == {
+        "hub": "HuggingFaceFW/fineweb-edu", "config": "sample-10BT", "split": "train"}
+    b.pop("manifest.json")
+    assert a == b
+
+
+def test_resume_after_sigkill_is_byte_identical(work, tmp_path):
+    """Kill the CLI (and its workers) once two shards are finished, rerun, compare bytes."""
+    inputs = [str(SAMPLE)]
+    args = ["--tokenizer", str(work / "tok.model"), "--workers", "2", "--shard-tokens", "50K",
+            "--valid-fraction", "0.02", "--quiet"]
+    prep_cli = [sys.executable, str(REPO / "data_prep" / "fineweb_edu.py"), "--input", *inputs]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*prep_cli, "--output", str(killed), *args], env=env,
+                            start_new_session=True, stderr=subprocess.PIPE)
+    state = killed / ".progress" / "state.json"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if state.exists() and len(json.loads(state.read_text())["checkpoints"]) >= 2:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (killed / "manifest.json").exists()
+    first = (killed / "train_00000.bin").stat()
+    (killed / "train_00042.bin").write_bytes(b"partial")  # junk under a final name: not finished
+    (killed / "train_00043.idx.tmp").write_bytes(b"partial")
+    rerun = subprocess.run([*prep_cli, "--output", str(killed), *args], env=env, capture_output=True)
+    assert rerun.returncode == 0, rerun.stderr.decode()[-2000:]
+    again = (killed / "train_00000.bin").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # not redone
+    whole = tmp_path / "whole"
+    run(["--input", *inputs, "--output", str(whole), *args])
+    assert files(killed) == files(whole)
+
+
+def expect_error(match, *argv):
+    with pytest.raises(DataPrepError, match=match) as info:
+        run(list(map(str, argv)))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_inputs_fail_before_work(work, tmp_path):
+    tok = work / "tok.model"
+    out = tmp_path / "out"
+    base = ("--output", out, "--tokenizer", tok, "--quiet")
+    expect_error(r"no column 'body'", "--input", work / "slice.parquet", "--text-column", "body", *base)
+    (tmp_path / "a.jsonl").write_text('{"content": "x"}\n')
+    expect_error(r"a\.jsonl: no column 'text'", "--input", tmp_path / "a.jsonl", *base)
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n')
+    expect_error(r"no column 'int_score'.*--min-int-score", "--input", tmp_path / "b.jsonl",
+                 "--min-int-score", "3", *base)
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    expect_error(r"empty\.parquet: empty file", "--input", tmp_path / "empty.parquet", *base)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all" * 10)
+    expect_error(r"junk\.parquet: corrupt or not a parquet", "--input", tmp_path / "junk.parquet", *base)
+    expect_error(r"no such file", "--input", tmp_path / "nope.parquet", *base)
+    expect_error(r"vocabulary 70000 does not fit --dtype uint16", "--input", work / "slice.parquet",
+                 "--output", out, "--train-tokenizer", "--vocab-size", "70000", "--dtype", "uint16")
+    assert not out.exists()  # every check above ran before the output folder was touched
+    with pytest.raises(DataPrepError, match="does not fit"):
+        choose_dtype(70000, "uint16")
+    assert choose_dtype(70000).name == "int32" and choose_dtype(32768).name == "uint16"
+
+
+def test_output_from_another_tokenizer_or_tool_is_refused(work, reference, tmp_path):
+    texts = pq.read_table(work / "slice.parquet")["text"].to_pylist()
+    other = train_tokenizer(texts[800:1200], tmp_path / "other.model", VOCAB)
+    out = reference[0]
+    before = files(out)
+    expect_error(r"another tokenizer", "--input", work / "slice.parquet", "--output", out,
+                 "--tokenizer", other, "--min-int-score", "4", "--language", "en", *COMMON)
+    assert files(out) == before
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "train_00000.bin").write_bytes(b"\0\0")
+    expect_error(r"not made by a run of this tool", "--input", work / "slice.parquet", "--output",
+                 foreign, "--tokenizer", work / "tok.model", "--quiet")
+    cli = subprocess.run([sys.executable, str(REPO / "data_prep" / "fineweb_edu.py"), "--input",
+                          str(tmp_path / "missing.jsonl"), "--output", str(foreign), "--tokenizer",
+                          str(work / "tok.model")], capture_output=True, text=True)
+    assert cli.returncode == 1 and cli.stderr.startswith("error: ") and cli.stderr.count("\n") == 1
+
+
+def test_corrupt_row_group_mid_stream_keeps_finished_shards(work, reference, tmp_path):
+    bad = tmp_path / "bad.parquet"
+    data = bytearray((work / "slice.parquet").read_bytes())
+    col = pq.ParquetFile(work / "slice.parquet").metadata.row_group(8).column(0)
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    middle = start + col.total_compressed_size // 2
+    data[middle:middle + 64] = b"\xff" * 64
+    bad.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    expect_error(r"bad\.parquet: row group 8: corrupt parquet", "--input", bad, "--output", out,
+                 "--tokenizer", work / "tok.model", "--workers", "2", *COMMON)
+    state = json.loads((out / ".progress" / "state.json").read_text())
+    done = [c["train"]["prefix"] for c in state["checkpoints"] if c["train"]]
+    assert len(done) >= 3 and not list(out.glob("*.tmp"))
+    # Units before the corrupt one are the reference's documents (no filters here): compare.
+    ref = tmp_path / "ref"
+    prep(ref, [work / "slice.parquet"], work / "tok.model", "--workers", "1")
+    for prefix in done:
+        for ext in (".bin", ".idx"):
+            assert (out / f"{prefix}{ext}").read_bytes() == (ref / f"{prefix}{ext}").read_bytes()

@@ -100,11 +100,13 @@ class TrainConfig:
     weight_decay: float = _f(0.05, "AdamW weight decay on matrices")
     betas: list = _f([0.9, 0.95], "AdamW betas")
     grad_clip: float = _f(1.0, "global gradient-norm clip (0: off)")
+    init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
+                                          "random init; ignored when resuming from a checkpoint")
 
 
 @dataclass
 class ZeroConfig:
-    stage: int = _f(1, "DeepSpeed ZeRO stage (1 or 2; 3 is refused with expert parallelism)")
+    stage: int = _f(1, "DeepSpeed ZeRO stage for optimizer state: 1 or 2 (3 is refused with expert parallelism)")
 
 
 @dataclass
@@ -297,9 +299,10 @@ def validate(cfg: Config):
     k = m.kappa
     need(k.U > 1.0, "model.kappa.U", f"must be > 1, got {k.U}")
     need(0.0 <= k.freeze_fraction < 1.0, "model.kappa.freeze_fraction", f"must be in [0, 1), got {k.freeze_fraction}")
-    need(cfg.zero.stage in (0, 1, 2), "zero.stage",
+    need(cfg.zero.stage in (1, 2), "zero.stage",
          "ZeRO-3 is not supported: DeepSpeed refuses ZeRO-3 with expert parallelism; use 1 or 2"
-         if cfg.zero.stage == 3 else f"expected 0, 1 or 2, got {cfg.zero.stage}")
+         if cfg.zero.stage == 3 else f"expected 1 or 2, got {cfg.zero.stage} (checkpoints of expert "
+         "weights need ZeRO's per-rank fp32 partitions)")
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
     need(len(cfg.train.betas) == 2, "train.betas", f"expected two numbers, got {cfg.train.betas}")

@@ -3,8 +3,9 @@
 megatron-core's own DDP does these inside `finalize_model_grads`; we train under DeepSpeed (or a
 plain loop in tests), so they are named here:
 
-  sum_tensor_parallel_grads   params tagged `sequence_parallel` (norms, q/k norms, router) hold a
-                              partial gradient on every TP rank: sum over TP.       (always ours)
+  install_tensor_parallel_grad_hooks   params tagged `sequence_parallel` (norms, q/k norms, router) hold a
+                              partial gradient on every TP rank: sum over TP, by a hook installed
+                              once after building the model.                          (always ours)
   reduce_data_parallel_grads  dense params: average over DP; expert params (`allreduce=False`,
                               incl. κ's α and b): sum over expert-DP, divide by DP. (DeepSpeed's
                               job when it drives training)
@@ -38,10 +39,24 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, op=dist.ReduceOp.SUM, sca
         offset += g.numel()
 
 
-def sum_tensor_parallel_grads(model):
-    grads = [p.grad for p in model.parameters()
-             if p.grad is not None and getattr(p, "sequence_parallel", False)]
-    _all_reduce_flat(grads, parallel_state.get_tensor_model_parallel_group())
+def install_tensor_parallel_grad_hooks(model):
+    """Sum over TP, in backward, the gradient of every `sequence_parallel` parameter.
+
+    A tensor hook runs when the gradient is produced, before DeepSpeed's ZeRO-2 reduction hooks
+    take it, and per micro-batch (the sum is linear, so accumulation stays right).
+    """
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for p in model.parameters():
+        if p.requires_grad and getattr(p, "sequence_parallel", False):
+            p.register_hook(hook)
 
 
 def reduce_data_parallel_grads(model, skip_expert_data_parallel: bool = False):

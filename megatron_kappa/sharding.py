@@ -118,3 +118,53 @@ def gather_full(model, tensors: dict | None = None) -> dict:
             for ep_rank, piece in enumerate(pieces):
                 full[_global_name(name, ep_rank, num_local)] = piece
     return full
+
+
+def rank_coords(model) -> dict:
+    """Where this rank's tensors sit in the full layout (saved with checkpoints)."""
+    return {
+        "tp": [ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()],
+        "ep": [ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()],
+        "etp": [ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()],
+        "num_local_experts": _num_local_experts(model),
+        "split_dim": {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+                      for n, p in model.named_parameters()},
+    }
+
+
+def global_numel(name: str, param) -> int:
+    """Elements of the full tensor(s) this local parameter is a piece of, divided among the
+    ranks that hold distinct pieces: summing it over one rank's parameters gives the full model."""
+    n = param.numel()
+    if getattr(param, "tensor_model_parallel", False):
+        n *= _tp(name)[2]
+    if _is_expert(name):
+        n *= ps.get_expert_model_parallel_world_size()
+    return n
+
+
+def consolidate(ranks: list[tuple[dict, dict]]) -> dict:
+    """Full state dict from every rank's (coords, state_dict), offline (no process group)."""
+    coords0, state0 = ranks[0]
+    by_tp = {c["tp"][0]: s for c, s in ranks}
+    by_expert = {(c["ep"][0], c["etp"][0]): s for c, s in ranks}
+    ep_size, etp_size = coords0["ep"][1], coords0["etp"][1]
+    num_local = coords0["num_local_experts"]
+    full = {}
+    for name, tensor in state0.items():
+        if name.endswith("_extra_state"):
+            continue
+        dim = coords0["split_dim"].get(name)
+        if not _is_expert(name):
+            full[name] = tensor if dim is None else _tp_join([by_tp[r][name] for r in range(len(by_tp))], name, dim)
+            continue
+        per_ep = []
+        for ep in range(ep_size):
+            pieces = [by_expert[(ep, t)][name] for t in range(etp_size)]
+            per_ep.append(pieces[0] if dim is None else _tp_join(pieces, name, dim))
+        if _is_kappa(name):
+            full[name] = torch.cat(per_ep, dim=0)
+        else:
+            for ep, piece in enumerate(per_ep):
+                full[_global_name(name, ep, num_local)] = piece
+    return full

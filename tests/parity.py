@@ -6,7 +6,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa.config import load_config
-from megatron_kappa.grads import reduce_data_parallel_grads, sum_tensor_parallel_grads, update_expert_bias
+from megatron_kappa.grads import reduce_data_parallel_grads, install_tensor_parallel_grad_hooks, update_expert_bias
 from megatron_kappa.model import build_model
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
@@ -41,6 +41,7 @@ def train(model, cfg, micro_batches_per_step, skip_expert_data_parallel=False):
 
     Returns (global losses per step, local step-0 gradients).
     """
+    install_tensor_parallel_grad_hooks(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     scale = 1.0 / len(micro_batches_per_step[0])
     position = torch.arange(SEQ)
@@ -54,7 +55,6 @@ def train(model, cfg, micro_batches_per_step, skip_expert_data_parallel=False):
             loss = model(inputs, position.expand_as(inputs), None, labels=labels).mean() * scale
             loss.backward()
             total += loss.detach()
-        sum_tensor_parallel_grads(model)
         reduce_data_parallel_grads(model, skip_expert_data_parallel=skip_expert_data_parallel)
         if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
             dist.all_reduce(total, group=ps.get_data_parallel_group())

@@ -1,0 +1,74 @@
+"""Training data through megatron-core's datasets: GPTDataset over indexed shards (weighted
+blends, train/valid split) or MockGPTDataset, and a deterministic batch order that resumes from a
+step number alone."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.preflight import check_data, parse_blend  # noqa: F401  (re-exported)
+
+
+class StubTokenizer:
+    """What GPTDataset needs from a tokenizer, for mock data (no tokenizer file)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.eod, self.pad = vocab_size, 0, 0
+        self.unique_identifiers = {"class": "StubTokenizer", "vocab_size": vocab_size}
+
+
+def tokenizer_for(cfg: Config):
+    if cfg.data.tokenizer:
+        from megatron_kappa.tokenizer import Tokenizer
+        tok = Tokenizer(cfg.data.tokenizer)
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"config: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                              f"tokenizer's {tok.vocab_size} ({cfg.data.tokenizer})")
+        return tok
+    return StubTokenizer(cfg.model.vocab_size)
+
+
+def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
+    """(train, valid) megatron-core datasets. Rank 0 writes the index caches, the rest read them."""
+    tok = tokenizer_for(cfg)
+    common = dict(random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, tokenizer=tok,
+                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                  create_attention_mask=False,
+                  path_to_cache=cfg.data.cache_dir or str(Path(cfg.run.dir) / "data_cache"))
+    if cfg.data.mock:
+        config = GPTDatasetConfig(blend=None, split="98,2,0", **common)
+        cls = MockGPTDataset
+    elif cfg.data.valid_paths:
+        config = GPTDatasetConfig(blend_per_split=[parse_blend(cfg.data.paths), parse_blend(cfg.data.valid_paths), None],
+                                  **common)
+        cls = GPTDataset
+    else:
+        config = GPTDatasetConfig(blend=parse_blend(cfg.data.paths), split=cfg.data.split, **common)
+        cls = GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        cls, [train_samples, valid_samples, None], lambda: True, config).build()
+    return train, valid
+
+
+def train_first_sample(step: int, micro: int, cfg: Config, dp_rank: int, dp_size: int) -> int:
+    """Index of the first sample of one DP rank's micro-batch: a pure function of the step, so a
+    resumed run reads exactly what the interrupted one would have."""
+    t = cfg.train
+    return step * t.global_batch + dp_rank * (t.global_batch // dp_size) + micro * t.micro_batch
+
+
+def batch_at(dataset, first: int, count: int) -> dict:
+    """`count` consecutive samples (wrapping around) as tokens / labels / loss_mask tensors."""
+    samples = [dataset[(first + i) % len(dataset)] for i in range(count)]
+    batch = {k: torch.from_numpy(np.stack([np.asarray(s[k]) for s in samples]))
+             for k in ("tokens", "labels", "loss_mask")}
+    batch["tokens"] = batch["tokens"].long()
+    batch["labels"] = batch["labels"].long()
+    batch["loss_mask"] = batch["loss_mask"].float()
+    return batch

@@ -1,0 +1,131 @@
+"""DeepSpeed around a megatron-core model: the mpu adapter, the expert wiring, the engine.
+
+DeepSpeed recognises expert parameters only through its own MoE layer. megatron-core marks
+them with `allreduce=False` and nothing else, and without the four pieces below DeepSpeed
+silently averages different experts together (notes/deepspeed-on-cpu.md §6):
+  1. every `allreduce=False` parameter gets `group_name = "ep_size_<EP>"`;
+  2. DeepSpeed's expert(-data)-parallel group tables are filled from megatron's groups;
+  3. a parameter-free `deepspeed.moe.layer.MoE` marker in the model sets `has_moe_layers`;
+  4. optimizer groups are split with `split_params_into_different_moe_groups_for_optimizer`.
+"""
+from __future__ import annotations
+
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import groups as ds_groups
+from megatron.core import parallel_state as ps
+
+from megatron_kappa.config import Config
+from megatron_kappa.grads import is_expert
+
+
+class MegatronMPU:
+    """The model-parallel-unit interface DeepSpeed asks for, over megatron's parallel state.
+
+    Deliberately no `initialize_sequence_parallel`: DeepSpeed reads its presence as Ulysses.
+    """
+
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_src_rank = staticmethod(ps.get_tensor_model_parallel_src_rank)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    # "model parallel" in DeepSpeed means TP × PP, which is megatron's model-parallel group.
+    get_model_parallel_group = staticmethod(ps.get_model_parallel_group)
+
+    @staticmethod
+    def get_model_parallel_world_size():
+        return dist.get_world_size(ps.get_model_parallel_group())
+
+    @staticmethod
+    def get_model_parallel_rank():
+        return dist.get_rank(ps.get_model_parallel_group())
+
+
+class ExpertMarker(MoE):
+    """Parameter-free stand-in that only tells DeepSpeed the model has expert parameters."""
+
+    def __init__(self, ep_size: int, num_experts: int):
+        torch.nn.Module.__init__(self)
+        self.ep_size, self.num_experts = ep_size, num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = expert_group_name()
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False):
+        pass  # groups come from megatron (wire_experts)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("ExpertMarker is a marker, not a layer")
+
+
+def expert_group_name() -> str:
+    return f"ep_size_{ps.get_expert_model_parallel_world_size()}"
+
+
+def wire_experts(model) -> bool:
+    """Pieces 1-3. Returns False when the model has no expert-parallel parameters."""
+    experts = [p for p in model.parameters() if is_expert(p)]
+    if not experts:
+        return False
+    name = expert_group_name()
+    for p in experts:
+        p.group_name = name
+    ep_group = ps.get_expert_model_parallel_group()
+    edp_group = ps.get_expert_data_parallel_group()
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = ep_group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(ep_group)
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(edp_group)
+    if not any(isinstance(m, ExpertMarker) for m in model.modules()):
+        model.deepspeed_expert_marker = ExpertMarker(ps.get_expert_model_parallel_world_size(),
+                                                     model.config.num_moe_experts)
+    return True
+
+
+def ds_config(cfg: Config, grad_accum: int) -> dict:
+    if cfg.zero.stage == 3:
+        raise ValueError("zero.stage: ZeRO-3 is not supported with expert parallelism "
+                         "(DeepSpeed refuses native MoE under ZeRO-3); use 1 or 2")
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": cfg.train.grad_clip,
+        "zero_optimization": {"stage": cfg.zero.stage, "contiguous_gradients": True,
+                              "reduce_scatter": True, "overlap_comm": False},
+        "bf16": {"enabled": cfg.precision in ("bf16", "fp8")},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int):
+    """Wire experts, split optimizer groups, and start the DeepSpeed engine (client AdamW)."""
+    if "LOCAL_RANK" not in os.environ:  # plain `python` (a world of one): DeepSpeed asks for it
+        os.environ.update(LOCAL_RANK="0", RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+    has_experts = wire_experts(model)
+    if has_experts:
+        param_groups = split_params_into_different_moe_groups_for_optimizer(param_groups)
+    param_groups = [g for g in param_groups if g["params"]]
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  eps=1e-8)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(cfg, grad_accum),
+        dist_init_required=False)
+    return engine, optimizer
+
+
+def avoid_jit_ops():
+    """No JIT-compiled DeepSpeed ops on CPU (a 25-40 s build per op and cache): the shm comm op
+    is only for inference, and the optimizer is torch's AdamW."""
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -1,0 +1,236 @@
+"""Training under DeepSpeed: 1 vs 2 processes, kill -9 and resume, the κ recipe, failure modes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kappa import optim
+from megatron_kappa.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "checkpoint.interval=100",
+          "eval.valid_every=0", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
+          "train.grad_clip=0.05", "model.kappa.freeze_fraction=0.25", "model.kappa.warmup=2",
+          "model.moe.aux_loss=1e-2", "log.tensorboard=false"]
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(ROOT)}
+
+
+def deepspeed_cmd(script, *args, port):
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+            str(script), *args]
+
+
+def free_port():
+    from megatron_kappa.parallel import free_port as fp
+    return fp()
+
+
+@pytest.fixture(scope="module")
+def init_weights(world1, tmp_path_factory):
+    """Full-layout initial weights shared by every run (random init depends on the layout)."""
+    from megatron_kappa.model import build_model
+    tmp = tmp_path_factory.mktemp("init")
+    paths = {}
+    for kappa in (True, False):
+        cfg = load_config("configs/tiny.yaml", COMMON + [f"model.kappa.enabled={str(kappa).lower()}"])
+        torch.manual_seed(3)
+        state = {k: v for k, v in build_model(cfg).state_dict().items() if not k.endswith("_extra_state")}
+        paths[kappa] = tmp / f"init_{kappa}.pt"
+        torch.save(state, paths[kappa])
+    return paths
+
+
+def overrides(init_weights, run_dir, kappa, zero, ep=1):
+    return COMMON + [f"run.dir={run_dir}", f"model.kappa.enabled={str(kappa).lower()}",
+                     f"zero.stage={zero}", f"parallel.ep={ep}", f"train.init_weights={init_weights[kappa]}"]
+
+
+VARIANTS = [(kappa, zero) for kappa in (True, False) for zero in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def runs(init_weights, tmp_path_factory):
+    """Single-process references here; all 2-process runs in one deepspeed launch."""
+    from megatron_kappa.train import run
+    tmp = tmp_path_factory.mktemp("runs")
+    out = {}
+    for kappa, zero in VARIANTS:
+        ref = tmp / f"ref-{kappa}-{zero}"
+        run(load_config("configs/tiny.yaml", overrides(init_weights, ref, kappa, zero)), log=lambda *a: None)
+        out[("ref", kappa, zero)] = ref
+    plan = []
+    for kappa, zero in VARIANTS:
+        for ep in (1, 2):  # DP2 and EP2 (2 processes)
+            out[(f"ep{ep}", kappa, zero)] = tmp / f"ep{ep}-{kappa}-{zero}"
+            plan.append({"overrides": overrides(init_weights, out[(f"ep{ep}", kappa, zero)], kappa, zero, ep)})
+    out["unmarked"] = tmp / "unmarked"
+    plan.append({"overrides": overrides(init_weights, out["unmarked"], True, 2, ep=2), "negative": "unmarked_experts"})
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/training_worker.py", str(tmp / "plan.json"), port=free_port()),
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+@pytest.mark.parametrize("kappa,zero", VARIANTS)
+def test_two_processes_match_one(runs, layout, kappa, zero):
+    ref, got = losses(runs[("ref", kappa, zero)]), losses(runs[(layout, kappa, zero)])
+    assert len(ref) == len(got) == STEPS
+    assert max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5, (ref, got)
+    # clipping was active, so equal losses also mean equal global gradient norms
+    assert all(r["grad_norm"] > 0.05 for r in records(runs[("ref", kappa, zero)]))
+
+
+def test_negative_control_unmarked_experts_break_ep(runs):
+    ref, got = losses(runs[("ref", True, 2)]), losses(runs["unmarked"])
+    assert max(abs(a - b) for a, b in zip(ref, got)) > 1e-4
+
+
+def test_kappa_frozen_at_zero_then_trained(runs):
+    recs = records(runs[("ref", True, 1)])
+    start = optim.unfreeze_step(STEPS, 0.25)  # = 1: step index 0 is frozen
+    layers = [k for k in recs[0] if k.endswith("/alpha_abs")]
+    assert layers
+    for rec in recs:
+        frozen = rec["step"] <= start
+        for key in layers + [k.replace("alpha", "bias") for k in layers]:
+            assert (rec[key] == 0.0) == frozen, (rec["step"], key, rec[key])
+        assert (rec["lr_kappa"] == 0.0) == frozen
+
+
+def test_kappa_lr_schedule_corner_points():
+    cfg = load_config(None, ["model.kappa.freeze_fraction=0.1", "model.kappa.warmup=1000"])
+    total = 20000
+    start = optim.unfreeze_step(total, 0.1)
+    assert start == 2000
+    assert optim.kappa_lr(start - 1, total, cfg) == 0.0
+    assert optim.kappa_lr(start, total, cfg) == pytest.approx(0.12 / 1000)
+    assert optim.kappa_lr(start + 999, total, cfg) == pytest.approx(0.12)
+    assert optim.kappa_lr(total - 1, total, cfg) == pytest.approx(0.06)
+    mid = (start + 999 + total - 1) // 2
+    assert optim.kappa_lr(mid, total, cfg) == pytest.approx(0.09, abs=1e-5)
+
+
+def test_kappa_l2_gradient(world1):
+    from megatron_kappa.model import build_model
+    cfg = load_config("configs/tiny.yaml", ["model.kappa.l2_alpha=0.02", "model.kappa.l2_bias=0.01"])
+    model = build_model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "kappa_" in name:
+                p.copy_(torch.randn(p.shape))
+    loss = optim.kappa_l2(model, cfg)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if name.endswith("kappa_alpha"):
+            torch.testing.assert_close(p.grad, 2 * 0.02 * p.detach())
+        elif name.endswith("kappa_bias"):
+            torch.testing.assert_close(p.grad, 2 * 0.01 * p.detach())
+        else:
+            assert p.grad is None
+    assert loss.item() == pytest.approx(sum(
+        (0.02 if n.endswith("alpha") else 0.01) * p.detach().pow(2).sum().item()
+        for n, p in model.named_parameters() if "kappa_" in n), rel=1e-6)
+
+
+def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
+    """EP2 on 2 processes, killed hard after its first checkpoint, then started again."""
+    steps = 6
+    sets = overrides(init_weights, tmp_path / "killed", True, 2, ep=2) + [
+        f"train.steps={steps}", "checkpoint.interval=2"]
+    straight = overrides(init_weights, tmp_path / "straight", True, 2, ep=2) + [
+        f"train.steps={steps}", "checkpoint.interval=2"]
+    cmd = lambda s: deepspeed_cmd(ROOT / "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *s,
+                                  port=free_port())
+    proc = subprocess.Popen(cmd(sets), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = tmp_path / "killed/checkpoints/step_2/meta.json"
+    deadline = time.time() + 600
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    for s in (sets, straight):
+        done = subprocess.run(cmd(s), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout or True
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
+    assert [r["step"] for r in records(tmp_path / "killed")] == list(range(1, steps + 1))
+
+
+def test_interrupted_checkpoint_write_keeps_previous(tmp_path, world1):
+    from megatron_kappa.checkpoint import Checkpoints
+
+    class DyingEngine:
+        has_moe_layers = False
+
+        def save_checkpoint(self, root, tag, save_latest):
+            (Path(root) / tag / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+            raise KeyboardInterrupt  # the process dies mid-write
+
+    ckpts = Checkpoints(tmp_path, keep=2)
+    good = ckpts.root / "step_2"
+    good.mkdir(parents=True)
+    (good / "meta.json").write_text('{"step": 2}')
+    with pytest.raises(KeyboardInterrupt):
+        ckpts.save(DyingEngine(), 4, {}, {})
+    assert ckpts.latest() == 2 and ckpts.complete() == [2]
+    assert not (ckpts.root / "step_4").exists()
+
+
+def test_config_errors_before_any_process_group(tmp_path):
+    bad = [("data.paths=[/nonexistent/shard]", "data.paths: /nonexistent/shard.bin: no such file"),
+           ("zero.stage=3", "ZeRO-3 is not supported"),
+           ("model.moe.num_experts=3", "parallel.ep"),
+           ("train.init_weights=/nope.pt", "train.init_weights: /nope.pt: no such file")]
+    for setting, message in bad:
+        args = ["--set", "parallel.ep=2", setting] if "num_experts" in setting else ["--set", setting]
+        t = time.time()
+        done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", *args],
+                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert message in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    corrupt = tmp_path / "corrupt"
+    (tmp_path / "corrupt.bin").write_bytes(b"\x00" * 16)
+    (tmp_path / "corrupt.idx").write_bytes(b"not an index")
+    done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
+                           f"data.paths=[{corrupt}]"], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert done.returncode == 2 and "bad magic" in done.stderr
+
+
+def test_nan_loss_stops_with_last_checkpoint_intact(init_weights, tmp_path):
+    from megatron_kappa.train import TrainingDiverged, run
+    run_dir = tmp_path / "nan"
+    cfg = load_config("configs/tiny.yaml", overrides(init_weights, run_dir, True, 1) + ["checkpoint.interval=2"])
+    run(cfg, log=lambda *a: None)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    state = torch.load(init_weights[True], weights_only=True)
+    state = {k: (v * float("nan") if k.endswith("output_layer.weight") else v) for k, v in state.items()}
+    torch.save(state, tmp_path / "nan.pt")
+    cfg = load_config("configs/tiny.yaml", overrides(init_weights, tmp_path / "nan2", True, 1) +
+                      [f"train.init_weights={tmp_path / 'nan.pt'}", "checkpoint.interval=1"])
+    with pytest.raises(TrainingDiverged, match="loss is nan"):
+        run(cfg, log=lambda *a: None)
+    assert not (tmp_path / "nan2/checkpoints").exists() or not list((tmp_path / "nan2/checkpoints").glob("step_*"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

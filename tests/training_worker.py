@@ -1,0 +1,38 @@
+"""Runs several trainings in one multi-process launch (the imports dominate on CPU):
+
+    deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
+
+PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts"}; each entry is a
+full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides.
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_kappa import deepspeed_setup, train  # noqa: E402
+from megatron_kappa.config import load_config  # noqa: E402
+
+
+def unmarked(original):
+    """Negative control: experts look like dense parameters to DeepSpeed (no marking at all)."""
+    def wire(model):
+        for p in model.parameters():
+            p.allreduce = True
+        return False
+    return wire
+
+
+def main(plan_path):
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    plan = json.loads(Path(args[0]).read_text())
+    wire = deepspeed_setup.wire_experts
+    for case in plan:
+        deepspeed_setup.wire_experts = unmarked(wire) if case.get("negative") == "unmarked_experts" else wire
+        train.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)
+    deepspeed_setup.wire_experts = wire
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -50,12 +50,19 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     check_layout(par, dist.get_world_size(), num_experts)
+    etp = par.etp or par.tp
     if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
+        if current == (par.tp, par.ep, etp):  # same layout: keep the groups (creating more is slow)
+            set_seed(seed)
+            return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         expert_model_parallel_size=par.ep,
-        expert_tensor_parallel_size=par.etp or par.tp,
+        expert_tensor_parallel_size=etp,
         create_gloo_process_groups=False,
     )
     set_seed(seed)

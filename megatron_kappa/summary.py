@@ -32,11 +32,12 @@ def _category(name: str) -> str:
     return "norm"
 
 
-def count(model, cfg: Config) -> dict:
-    """Parameter counts by category and the derived totals (on an unsharded model)."""
+def count(model, cfg: Config, numel=lambda name, p: p.numel()) -> dict:
+    """Parameter counts by category and the derived totals. On a sharded model pass
+    `numel=megatron_kappa.sharding.global_numel` to count the full model."""
     by = {k: 0 for k in ("embedding", "attention", "dense_mlp", "router", "experts", "norm")}
     for name, p in model.named_parameters():
-        by[_category(name)] += p.numel()
+        by[_category(name)] += numel(name, p)
     total = sum(by.values())
     k, E = cfg.model.moe.topk, cfg.model.moe.num_experts
     has_moe = any(moe_layer_pattern(cfg))

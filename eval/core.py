@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kappa import core_eval
+from megatron_kappa.config import ConfigError
 
 
 def parse_args(argv=None):
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         from megatron_kappa.inference import load_for_eval  # the model side, needed only here
         logits_fn, tokenizer, max_seq_len = load_for_eval(args.checkpoint)
         run(args, logits_fn, tokenizer, max_seq_len, bundle)
-    except (core_eval.BundleError, FileNotFoundError) as e:
+    except (core_eval.BundleError, FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval.core import data_parallel_layout, init_distributed, is_rank0, write_json  # noqa: E402
+from megatron_kappa.config import ConfigError  # noqa: E402
 from megatron_kappa.lm_eval import validation_loss  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
         from megatron_kappa.inference import load_for_eval  # the model side, needed only here
         logits_fn, tokenizer, max_seq_len = load_for_eval(args.checkpoint)
         run(args, logits_fn, tokenizer, max_seq_len)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -1,0 +1,97 @@
+"""The main job end to end (`make demo` at a reduced step count), its rerun, and evaluation of
+its EP2 checkpoint with 1 and 2 processes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kappa.checkpoint import Checkpoints
+from megatron_kappa.config import load_config
+from megatron_kappa.inference import load_for_eval, logits_fn_for
+from megatron_kappa.model import build_model
+from megatron_kappa.sharding import consolidate, load_full_state_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(ROOT)}
+
+
+def run(cmd, timeout=900):
+    done = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    stdout = run([sys.executable, "launch/demo.py", "--out", out, "--steps", "6", "--max-docs", "1500"])
+    return out, stdout
+
+
+def test_demo_pipeline_runs_and_reports(demo):
+    out, stdout = demo
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_valid_loss"] > 0 and -1 <= summary["core"] <= 1
+    assert (out / "run/loss.png").stat().st_size > 1000
+    records = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 6 and "core" in records[-1]  # the training loop's CORE subset
+    assert any(k.startswith("kappa/layer") for k in records[-1])
+    for word in ("run directory", "metrics", "TensorBoard", "checkpoints", "loss curve", "summary"):
+        assert word in stdout
+    # the training loss went down over the run
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_demo_rerun_reuses_data_and_training(demo):
+    out, _ = demo
+    shard = out / "data/train_00000.bin"
+    before = shard.stat().st_mtime_ns
+    steps_before = (out / "run/metrics.jsonl").read_text()
+    stdout = run([sys.executable, "launch/demo.py", "--out", out, "--steps", "6", "--max-docs", "1500"])
+    assert shard.stat().st_mtime_ns == before
+    assert "resumed from" in stdout
+    assert (out / "run/metrics.jsonl").read_text() == steps_before
+
+
+def test_checkpoint_evaluates_the_same_with_one_and_two_processes(demo, tmp_path):
+    out, _ = demo
+    port = lambda: str(__import__("megatron_kappa.parallel", fromlist=["free_port"]).free_port())
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    run(launcher + ["--master_port", port(), "eval/core.py", "--checkpoint", out / "run", "--bundle",
+                    "tests/core_bundle", "--no-progress", "--json", tmp_path / "core2.json"])
+    one = json.loads((out / "core.json").read_text())
+    two = json.loads((tmp_path / "core2.json").read_text())
+    assert [(t["task"], t["n"], t["accuracy"]) for t in one["tasks"]] == \
+        [(t["task"], t["n"], t["accuracy"]) for t in two["tasks"]]
+    valid = sorted(str(p)[:-4] for p in (out / "data").glob("valid_*.bin"))
+    run(launcher + ["--master_port", port(), "eval/loss.py", "--checkpoint", out / "run", "--data", *valid,
+                    "--no-progress", "--json", tmp_path / "valid2.json"])
+    loss1 = json.loads((out / "valid.json").read_text())["loss"]
+    loss2 = json.loads((tmp_path / "valid2.json").read_text())["loss"]
+    assert abs(loss1 - loss2) < 1e-5
+
+
+def test_consolidated_weights_negative_control(demo, world1):
+    """Consolidating the EP2 checkpoint with the two expert ranks swapped changes the model."""
+    out, _ = demo
+    logits_fn, _, _ = load_for_eval(out / "run")
+    tokens = torch.arange(64).reshape(2, 32) * 13 % 2000
+    right = logits_fn(tokens)
+    folder = Checkpoints(out / "run", 1).root / "step_6"
+    files = [torch.load(folder / f"rank_{r}.pt", weights_only=False) for r in range(2)]
+    for f in files:
+        f["coords"]["ep"][0] = 1 - f["coords"]["ep"][0]
+    cfg = load_config(out / "run/config.yaml", ["parallel.ep=1"])
+    swapped = build_model(cfg).eval()
+    load_full_state_dict(swapped, consolidate([(f["coords"], f["model"]) for f in files]))
+    wrong = logits_fn_for(swapped, cfg.model.vocab_size)(tokens)
+    assert (right - wrong).abs().max() > 1e-3

@@ -112,3 +112,10 @@ def test_tiny_model_learns_on_cpu(world1, kappa):
     if kappa:  # α, b got gradients through the router logits
         assert any("kappa_alpha" in n and p.grad is not None and p.grad.abs().sum() > 0
                    for n, p in model.named_parameters())
+
+
+def test_config_reference_in_docs_is_current():
+    from megatron_kappa.config import markdown_reference
+    doc = Path(__file__).resolve().parents[1] / "docs/config.md"
+    assert doc.read_text().strip() == markdown_reference().strip(), \
+        "regenerate: python -m megatron_kappa.config --markdown > docs/config.md"

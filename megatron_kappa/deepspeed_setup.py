@@ -111,7 +111,7 @@ def ds_config(cfg: Config, grad_accum: int) -> dict:
 def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int):
     """Wire experts, split optimizer groups, and start the DeepSpeed engine (client AdamW)."""
     if "LOCAL_RANK" not in os.environ:  # plain `python` (a world of one): DeepSpeed asks for it
-        os.environ.update(LOCAL_RANK="0", RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+        os.environ["LOCAL_RANK"] = "0"
     has_experts = wire_experts(model)
     if has_experts:
         param_groups = split_params_into_different_moe_groups_for_optimizer(param_groups)

@@ -40,11 +40,15 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
     compat.apply()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:  # a launcher: deepspeed, torchrun, srun wrapper
-            check_layout(par, int(os.environ["WORLD_SIZE"]), num_experts)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # deepspeed, torchrun, srun wrapper
+            check_layout(par, world, num_experts)
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend)
+        elif world > 1:
+            raise ConfigError(f"WORLD_SIZE={world} but MASTER_ADDR is not set: start multi-process "
+                              "runs with deepspeed or torchrun")
         else:  # plain `python`: a world of one
             check_layout(par, 1, num_experts)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",

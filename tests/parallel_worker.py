@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 import parity  # noqa: E402
 from megatron_kappa import sharding  # noqa: E402
 from megatron_kappa.parallel import init_distributed  # noqa: E402
+from megatron_kappa.summary import count  # noqa: E402
 
 
 def run_case(case):
@@ -38,7 +39,8 @@ def run_case(case):
                                     ps.get_data_parallel_world_size())
     losses, grads = parity.train(model, cfg, batches,
                                  skip_expert_data_parallel=case.get("negative") == "skip_edp")
-    return {"losses": losses, "grads": sharding.gather_full(model, grads)}
+    total = count(model, cfg, numel=sharding.global_numel)["total_params"]
+    return {"losses": losses, "grads": sharding.gather_full(model, grads), "total_params": total}
 
 
 def main(plan_path, out_path):

@@ -60,7 +60,8 @@ def runs(world1, tmp_path_factory):
             weights[key] = {k: v.clone() for k, v in model.state_dict().items()
                             if not k.endswith("_extra_state")}
             losses, grads = parity.train(model, cfg, parity.split_for_reference(batch, dp_size(layout)))
-            refs[key] = {"losses": losses, "grads": gather_full(model, grads)}
+            refs[key] = {"losses": losses, "grads": gather_full(model, grads),
+                         "total_params": sum(p.numel() for p in model.parameters())}
         tp, ep, etp = LAYOUTS[layout]
         plan.append(dict(name=name, layout=dict(tp=tp, ep=ep, etp=etp), model=model_kw,
                          weights=weights[key], negative=negative))
@@ -88,6 +89,7 @@ def test_parallel_layout_matches_single_process(runs, name):
     assert len(got["losses"]) == parity.STEPS >= 3
     assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) <= 1e-5, (ref["losses"], got["losses"])
     assert max_rel_grad_error(ref["grads"], got["grads"]) <= 1e-4
+    assert got["total_params"] == ref["total_params"]  # global_numel counts the full model from a shard
     if "kappa" in name:  # α, b gradients are part of the comparison
         assert any("kappa_alpha" in k for k in ref["grads"]) and any("kappa_bias" in k for k in ref["grads"])
 

@@ -3,7 +3,6 @@ blends, train/valid split) or MockGPTDataset, and a deterministic batch order th
 step number alone."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np

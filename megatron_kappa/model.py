@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -99,20 +100,15 @@ def transformer_config(cfg: Config) -> TransformerConfig:
 
 
 def _with_sp_norms(spec):
+    """The layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm."""
     sub = spec.submodules
     attn = sub.self_attention
-    attn_sub = dataclasses.replace(
-        attn.submodules,
-        q_layernorm=SPTorchNorm if cfg_has_qk(attn.submodules.q_layernorm) else attn.submodules.q_layernorm,
-        k_layernorm=SPTorchNorm if cfg_has_qk(attn.submodules.k_layernorm) else attn.submodules.k_layernorm)
+    qk = {name: SPTorchNorm for name in ("q_layernorm", "k_layernorm")
+          if getattr(attn.submodules, name) is not IdentityOp}
+    attention = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **qk))
     sub = dataclasses.replace(sub, input_layernorm=SPTorchNorm, pre_mlp_layernorm=SPTorchNorm,
-                              self_attention=dataclasses.replace(attn, submodules=attn_sub))
+                              self_attention=attention)
     return dataclasses.replace(spec, submodules=sub)
-
-
-def cfg_has_qk(norm) -> bool:
-    from megatron.core.transformer.identity_op import IdentityOp
-    return norm is not IdentityOp
 
 
 def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubmodules:

@@ -5,7 +5,6 @@ checkpoint in `run.dir` if there is one.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -187,7 +186,3 @@ class CoreSubset:
                                    dp_world=ps.get_data_parallel_world_size())
         self.engine.train()
         return core_metrics(result)
-
-
-def write_summary(path: Path, record: dict):
-    path.write_text(json.dumps(record, indent=1))

@@ -97,3 +97,21 @@ def test_consolidated_weights_negative_control(demo, world1):
     load_full_state_dict(swapped, consolidate([(f["coords"], f["model"]) for f in files]))
     wrong = logits_fn_for(swapped, cfg.model.vocab_size)(tokens)
     assert (right - wrong).abs().max() > 1e-3
+
+
+def test_tensor_parallel_checkpoint_evaluates_the_same_with_one_and_two_processes(demo, tmp_path):
+    """A TP2 (sequence-parallel) checkpoint: the padded, TP-gathered logits in 2 processes and the
+    consolidated model in 1 process give the same validation loss."""
+    out, _ = demo
+    port = lambda: str(__import__("megatron_kappa.parallel", fromlist=["free_port"]).free_port())
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    run_dir = tmp_path / "tp2"
+    run(launcher + ["--master_port", port(), "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
+                    f"run.dir={run_dir}", "train.steps=2", "parallel.tp=2", "data.mock=true",
+                    f"data.tokenizer={out / 'data/tokenizer.model'}", "eval.valid_every=0"])
+    valid = sorted(str(p)[:-4] for p in (out / "data").glob("valid_*.bin"))
+    args = ["eval/loss.py", "--checkpoint", run_dir, "--data", *valid, "--no-progress", "--max-tokens", "3000"]
+    run([sys.executable, *args, "--json", tmp_path / "one.json"])
+    run(launcher + ["--master_port", port(), *args, "--json", tmp_path / "two.json"])
+    one, two = (json.loads((tmp_path / f).read_text())["loss"] for f in ("one.json", "two.json"))
+    assert abs(one - two) < 1e-5

@@ -179,7 +179,8 @@ def test_kappa_l2_gradient(world1):
 
 
 def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
-    """EP2 on 2 processes, killed hard after its first checkpoint, then started again."""
+    """EP2 on 2 processes (deepspeed launcher), killed hard after its first checkpoint, then
+    started again; compared with an uninterrupted run started by torchrun."""
     steps = 6
     sets = overrides(init_weights, tmp_path / "killed", True, 2, ep=2) + [
         f"train.steps={steps}", "checkpoint.interval=2"]
@@ -197,8 +198,11 @@ def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
     proc.wait()
     assert marker.exists()
     outputs = []
-    for s in (sets, straight):
-        done = subprocess.run(cmd(s), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    # The uninterrupted run goes through torchrun: the launcher must not matter either.
+    torchrun = lambda s: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *s]
+    for command in (cmd(sets), torchrun(straight)):
+        done = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         outputs.append(done.stdout)
     assert "resumed from" in outputs[0] and "resumed from" not in outputs[1]

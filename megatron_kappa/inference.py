@@ -63,12 +63,22 @@ def load_for_eval(run_dir: str | Path):
     init_distributed(par, cfg.train.seed, num_experts)
     cfg.parallel = par
     model = build_model(cfg)
-    folder = ckpts.root / f"step_{step}"
     if same_layout:
-        state = torch.load(folder / f"rank_{dist.get_rank()}.pt", weights_only=False)["model"]
-        model.load_state_dict(state, strict=True)
+        state = torch.load(ckpts.root / f"step_{step}" / f"rank_{dist.get_rank()}.pt", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
     else:
-        files = [torch.load(folder / f"rank_{r}.pt", weights_only=False) for r in range(trained["world"])]
-        load_full_state_dict(model, consolidate([(f["coords"], f["model"]) for f in files]))
+        load_full_state_dict(model, consolidated_state(run_dir))
     model.eval()
     return logits_fn_for(model, cfg.model.vocab_size), Tokenizer(cfg.data.tokenizer), cfg.model.seq_length
+
+
+def consolidated_state(run_dir: str | Path) -> dict:
+    """The full (single-process layout) weights of the latest checkpoint in `run_dir`, assembled
+    offline from every rank's file; no process group needed."""
+    ckpts = Checkpoints(run_dir, keep=1)
+    step = ckpts.latest()
+    if step is None:
+        raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
+    folder, world = ckpts.root / f"step_{step}", ckpts.meta(step)["layout"]["world"]
+    files = [torch.load(folder / f"rank_{r}.pt", weights_only=False) for r in range(world)]
+    return consolidate([(f["coords"], f["model"]) for f in files])

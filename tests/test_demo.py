@@ -115,3 +115,20 @@ def test_tensor_parallel_checkpoint_evaluates_the_same_with_one_and_two_processe
     run(launcher + ["--master_port", port(), *args, "--json", tmp_path / "two.json"])
     one, two = (json.loads((tmp_path / f).read_text())["loss"] for f in ("one.json", "two.json"))
     assert abs(one - two) < 1e-5
+
+
+def test_consolidate_cli_writes_weights_that_start_a_new_run(demo, tmp_path, world1):
+    """launch/consolidate.py → train.init_weights: a one-process model from the EP2 checkpoint's
+    consolidated file computes what the checkpoint does."""
+    out, _ = demo
+    run([sys.executable, "launch/consolidate.py", "--checkpoint", out / "run", "--output", tmp_path / "full.pt"])
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    cfg = load_config(out / "run/config.yaml", ["parallel.ep=1"])
+    model = build_model(cfg).eval()
+    load_full_state_dict(model, state)
+    tokens = torch.arange(64).reshape(2, 32) * 7 % 2000
+    expected, _, _ = load_for_eval(out / "run")
+    torch.testing.assert_close(logits_fn_for(model, cfg.model.vocab_size)(tokens), expected(tokens))
+    done = subprocess.run([sys.executable, "launch/consolidate.py", "--checkpoint", tmp_path, "--output",
+                           tmp_path / "x.pt"], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert done.returncode == 2 and "no complete checkpoint" in done.stderr

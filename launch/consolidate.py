@@ -1,0 +1,39 @@
+"""Write the full weights of a run's latest checkpoint as one state dict (any training layout).
+
+    python launch/consolidate.py --checkpoint runs/sandwich28 --output full.pt
+
+The file loads into any layout with `train.init_weights: full.pt` (or
+megatron_kappa.sharding.load_full_state_dict).
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_kappa.config import ConfigError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="training run directory")
+    ap.add_argument("--output", required=True, help="where to write the state dict (.pt)")
+    args = ap.parse_args(argv)
+    import torch
+
+    from megatron_kappa.inference import consolidated_state
+    try:
+        state = consolidated_state(args.checkpoint)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tmp = args.output + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, args.output)
+    print(f"wrote {args.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

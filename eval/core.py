@@ -94,22 +94,30 @@ def run(args, logits_fn, tokenizer, max_seq_len, bundle=None) -> dict:
     return result
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
+    """The CLIs' frame: join the launcher's group, `prepare()` cheap inputs (so bad ones fail
+    before the model loads), load the checkpoint, `evaluate(prepared, logits_fn, tokenizer,
+    max_seq_len)`; one-line errors with exit status 2."""
     created = False
     try:
         created = init_distributed()
-        bundle = get_bundle(args)  # a malformed bundle fails before the model is loaded
+        prepared = prepare()
         from megatron_kappa.inference import load_for_eval  # the model side, needed only here
-        logits_fn, tokenizer, max_seq_len = load_for_eval(args.checkpoint)
-        run(args, logits_fn, tokenizer, max_seq_len, bundle)
-    except (core_eval.BundleError, FileNotFoundError, ConfigError) as e:
+        evaluate(prepared, *load_for_eval(args.checkpoint))
+    except (FileNotFoundError, ConfigError, *errors) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if created:  # a group someone else made (a test session, a caller) is theirs to end
             dist.destroy_process_group()
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return run_on_checkpoint(
+        args, lambda bundle, *model: run(args, *model, bundle), prepare=lambda: get_bundle(args),
+        errors=(core_eval.BundleError,))
 
 
 if __name__ == "__main__":

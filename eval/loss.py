@@ -11,13 +11,10 @@ import argparse
 import os
 import sys
 
-import torch.distributed as dist
-
 # Run as `python eval/loss.py`, this folder is sys.path[0]; put the repo root there for `eval.core`.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.core import data_parallel_layout, init_distributed, is_rank0, write_json  # noqa: E402
-from megatron_kappa.config import ConfigError  # noqa: E402
+from eval.core import data_parallel_layout, is_rank0, run_on_checkpoint, write_json  # noqa: E402
 from megatron_kappa.lm_eval import validation_loss  # noqa: E402
 
 
@@ -50,19 +47,7 @@ def run(args, logits_fn, tokenizer, max_seq_len) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    created = False
-    try:
-        created = init_distributed()
-        from megatron_kappa.inference import load_for_eval  # the model side, needed only here
-        logits_fn, tokenizer, max_seq_len = load_for_eval(args.checkpoint)
-        run(args, logits_fn, tokenizer, max_seq_len)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if created:
-            dist.destroy_process_group()
-    return 0
+    return run_on_checkpoint(args, lambda _, *model: run(args, *model))
 
 
 if __name__ == "__main__":

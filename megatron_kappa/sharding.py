@@ -112,12 +112,17 @@ def gather_full(model, tensors: dict | None = None) -> dict:
             continue
         pieces = [torch.empty_like(t) for _ in range(ep_size)]
         dist.all_gather(pieces, t, group=ep_group)
-        if _is_kappa(name):
-            full[name] = torch.cat(pieces, dim=0)
-        else:
-            for ep_rank, piece in enumerate(pieces):
-                full[_global_name(name, ep_rank, num_local)] = piece
+        _place_expert_pieces(full, name, pieces, num_local)
     return full
+
+
+def _place_expert_pieces(full: dict, name: str, per_ep: list[torch.Tensor], num_local: int):
+    """Put one local expert parameter's per-EP-rank tensors into the full state dict."""
+    if _is_kappa(name):  # [local experts, F]: EP ranks stack along the expert dim
+        full[name] = torch.cat(per_ep, dim=0)
+    else:
+        for ep_rank, piece in enumerate(per_ep):
+            full[_global_name(name, ep_rank, num_local)] = piece
 
 
 def rank_coords(model) -> dict:
@@ -162,9 +167,5 @@ def consolidate(ranks: list[tuple[dict, dict]]) -> dict:
         for ep in range(ep_size):
             pieces = [by_expert[(ep, t)][name] for t in range(etp_size)]
             per_ep.append(pieces[0] if dim is None else _tp_join(pieces, name, dim))
-        if _is_kappa(name):
-            full[name] = torch.cat(per_ep, dim=0)
-        else:
-            for ep, piece in enumerate(per_ep):
-                full[_global_name(name, ep, num_local)] = piece
+        _place_expert_pieces(full, name, per_ep, num_local)
     return full

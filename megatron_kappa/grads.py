@@ -3,14 +3,14 @@
 megatron-core's own DDP does these inside `finalize_model_grads`; we train under DeepSpeed (or a
 plain loop in tests), so they are named here:
 
-  install_tensor_parallel_grad_hooks   params tagged `sequence_parallel` (norms, q/k norms, router) hold a
-                              partial gradient on every TP rank: sum over TP, by a hook installed
-                              once after building the model.                          (always ours)
-  reduce_data_parallel_grads  dense params: average over DP; expert params (`allreduce=False`,
-                              incl. κ's α and b): sum over expert-DP, divide by DP. (DeepSpeed's
-                              job when it drives training)
-  update_expert_bias          the aux-loss-free router bias: token counts summed over TP×DP,
-                              bias += rate · sign(mean − count).
+  install_tensor_parallel_grad_hooks
+      params tagged `sequence_parallel` (norms, q/k norms, router) hold a partial gradient on
+      every TP rank: sum over TP, by a hook installed once after building the model. (always ours)
+  reduce_data_parallel_grads
+      dense params: average over DP; expert params (`allreduce=False`, incl. κ's α and b): sum
+      over expert-DP, divide by DP. (DeepSpeed's job when it drives training)
+  update_expert_bias
+      the aux-loss-free router bias: token counts summed over TP×DP, bias += rate · sign(mean − count).
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ def is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group, op=dist.ReduceOp.SUM, scale: float = 1.0):
+def _all_reduce_flat(grads: list[torch.Tensor], group, scale: float = 1.0):
+    """Sum the tensors over `group` in one collective, then scale them, in place."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, op=op, group=group)
+        dist.all_reduce(flat, group=group)
     if scale != 1.0:
         flat.mul_(scale)
     offset = 0

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa import deepspeed_setup, optim
@@ -23,7 +24,7 @@ from megatron_kappa.grads import install_tensor_parallel_grad_hooks, update_expe
 from megatron_kappa.metrics import MetricsLog, kappa_stats, router_losses
 from megatron_kappa.model import build_model, moe_layer_pattern
 from megatron_kappa.parallel import init_distributed
-from megatron_kappa.sharding import load_full_state_dict, rank_coords
+from megatron_kappa.sharding import global_numel, load_full_state_dict, rank_coords
 from megatron_kappa.summary import count
 
 
@@ -39,7 +40,6 @@ def layout(cfg: Config) -> dict:
 def total_steps(cfg: Config, model) -> int:
     if cfg.train.steps is not None:
         return cfg.train.steps
-    from megatron_kappa.sharding import global_numel
     return count(model, cfg, numel=global_numel)["steps_for_budget"]
 
 
@@ -136,8 +136,10 @@ def run(cfg: Config, log=print) -> dict:
             update_expert_bias(model, cfg.model.moe.bias_update_rate)
         done = step + 1
         window_steps += 1
-        routers = router_losses(model.config, grad_accum, ps.get_data_parallel_group())
-        if done % cfg.log.interval == 0 or done == steps:
+        if done % cfg.log.interval and done != steps:
+            get_moe_metrics_tracker().clear()  # router losses are reduced only on logged steps
+        else:
+            routers = router_losses(model.config, grad_accum, ps.get_data_parallel_group())
             elapsed = time.perf_counter() - window_start
             record = {"step": done, "loss": loss, **routers, "kappa_l2": optim.global_kappa_l2(l2),
                       "lr": lrs["matrix"], "lr_kappa": lrs["kappa"],

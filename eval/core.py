@@ -14,11 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from megatron_kappa import core_eval
 from megatron_kappa.config import ConfigError
+from megatron_kappa.evaluation import core as core_eval
 
 
 def parse_args(argv=None):
@@ -62,17 +61,6 @@ def data_parallel_layout():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def init_distributed() -> bool:
-    """Join the process group a launcher (torchrun, deepspeed) describes in the environment.
-    True when this call created it (and so should destroy it)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        return True
-    return False
-
-
 def write_json(path, result):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
@@ -100,9 +88,13 @@ def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
     max_seq_len)`; one-line errors with exit status 2."""
     created = False
     try:
-        created = init_distributed()
+        from megatron_kappa.parallel.launch_env import export_environment
+        export_environment()  # RANK & co. from torchrun/deepspeed, or from Slurm under srun
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher's group: join it before work
+            from megatron_kappa.parallel.groups import init_process_group, pick_device
+            created = init_process_group(pick_device())
         prepared = prepare()
-        from megatron_kappa.inference import load_for_eval  # the model side, needed only here
+        from megatron_kappa.evaluation.loading import load_for_eval  # the model side, needed only here
         evaluate(prepared, *load_for_eval(args.checkpoint))
     except (FileNotFoundError, ConfigError, *errors) as e:
         print(f"error: {e}", file=sys.stderr)

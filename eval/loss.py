@@ -3,7 +3,7 @@
     python eval/loss.py --checkpoint runs/sandwich28 --data data/val/shard_00000 [more prefixes] [--max-tokens N]
     torchrun --nproc_per_node 8 eval/loss.py ...   (batches split over ranks)
 
---data takes shard prefixes (PREFIX.bin + PREFIX.idx). See megatron_kappa/lm_eval.py for the rules.
+--data takes shard prefixes (PREFIX.bin + PREFIX.idx). See megatron_kappa/evaluation/lm_loss.py for the rules.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval.core import data_parallel_layout, is_rank0, run_on_checkpoint, write_json  # noqa: E402
-from megatron_kappa.lm_eval import validation_loss  # noqa: E402
+from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
 
 
 def parse_args(argv=None):

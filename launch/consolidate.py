@@ -3,7 +3,7 @@
     python launch/consolidate.py --checkpoint runs/sandwich28 --output full.pt
 
 The file loads into any layout with `train.init_weights: full.pt` (or
-megatron_kappa.sharding.load_full_state_dict).
+megatron_kappa.parallel.sharding.load_full_state_dict).
 """
 import argparse
 import os
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from megatron_kappa.inference import consolidated_state
+    from megatron_kappa.evaluation.loading import consolidated_state
     try:
         state = consolidated_state(args.checkpoint)
     except ConfigError as e:

@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
+
 BUNDLE = ROOT / "tests" / "core_bundle"
 
 
@@ -33,13 +36,6 @@ def sh(cmd: list[str], **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=True, **kw)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot_losses(records: list[dict], path: Path):

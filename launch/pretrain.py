@@ -5,18 +5,18 @@
     torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny.yaml
     python launch/pretrain.py --config configs/tiny.yaml --set data.mock=true
 
-Resumes from the latest checkpoint in run.dir. Config errors exit with status 2 and one line.
+Resumes from the latest checkpoint in run.dir. Bad configs and inputs exit with status 2 and one
+line (megatron_kappa.preflight), before any process group is created or anything is written.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser: compile cost, no gain on CPU
 
 from megatron_kappa.config import ConfigError, load_config  # noqa: E402
-from megatron_kappa.preflight import check_data  # noqa: E402
+from megatron_kappa.parallel.launch_env import LaunchEnvError, export_environment  # noqa: E402
+from megatron_kappa.preflight import preflight  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -31,12 +31,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        found = export_environment()  # RANK & co. from torchrun/deepspeed, or from Slurm under srun
         cfg = load_config(args.config, args.set)
-        check_data(cfg)
-        from megatron_kappa.train import run  # heavy imports only once the inputs are known good
-        rank = int(os.environ.get("RANK", "0"))
+        preflight(cfg)
+        from megatron_kappa.train.loop import run  # heavy imports only once the inputs are known good
+        rank = found.rank if found else 0
         run(cfg, log=print if rank == 0 else (lambda *a, **k: None))
-    except ConfigError as e:
+    except (ConfigError, LaunchEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -3,7 +3,12 @@
 The schema is the one place every settable value and its default lives (docs/config.md is
 generated from it by `python -m megatron_kappa.config --markdown`). Unknown keys, wrong types and
 bad values are one-line `ConfigError`s naming the key. Overrides use the Megatron/Hydra-ish form
-`--set a.b=1 c.d=[1,2]` (values parsed as YAML).
+`--set a.b=1 c.d=[1,2]` (values parsed as YAML). A config file may start from another one with
+`extends: other.yaml` (a path relative to the file): the other file's values are the base, this
+file's values are merged over them key by key, then the overrides.
+
+Checks that need more than the config (files, world size, installed packages) are in
+megatron_kappa.preflight; both run before any process group or model exists.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
+
+from megatron_kappa.kappa import DEFAULTS as KAPPA
 
 
 class ConfigError(ValueError):
@@ -31,11 +38,11 @@ def _f(default, help: str, **kw):
 @dataclass
 class KappaConfig:
     enabled: bool = _f(True, "κ-SwiGLU experts (false: plain SwiGLU experts, the baseline)")
-    U: float = _f(3.0, "κ range: κ ∈ (1/U, U)")
-    use_alpha: bool = _f(True, "learn α (false: the paper's κ-SwiGLU₋α ablation)")
-    use_bias: bool = _f(True, "learn b (false: the paper's κ-SwiGLU₋b ablation)")
-    logit_scale: float = _f(1.0, "multiplies the router logit (authors' code: 0.15)")
-    tanh_gain: float = _f(1.0, "gain inside tanh (authors' code: 2.0)")
+    U: float = _f(KAPPA.U, "κ range: κ ∈ (1/U, U)")
+    use_alpha: bool = _f(KAPPA.use_alpha, "learn α (false: the paper's κ-SwiGLU₋α ablation)")
+    use_bias: bool = _f(KAPPA.use_bias, "learn b (false: the paper's κ-SwiGLU₋b ablation)")
+    logit_scale: float = _f(KAPPA.logit_scale, "multiplies the router logit (authors' code: 0.15)")
+    tanh_gain: float = _f(KAPPA.tanh_gain, "gain inside tanh (authors' code: 2.0)")
     freeze_fraction: float = _f(0.1, "α, b held at exactly 0 for this fraction of iterations")
     lr: float = _f(0.12, "κ learning-rate peak, reached after `warmup` iterations past unfreezing")
     lr_end: float = _f(0.06, "κ learning rate at the last iteration (linear decay)")
@@ -86,6 +93,11 @@ class ParallelConfig:
     ep: int = _f(1, "expert parallel size")
     etp: Optional[int] = _f(None, "expert tensor parallel size (null: same as tp)")
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (`etp`, or `tp` when unset)."""
+        return self.etp or self.tp
+
 
 @dataclass
 class TrainConfig:
@@ -102,6 +114,9 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "global gradient-norm clip (0: off)")
     init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
                                           "random init; ignored when resuming from a checkpoint")
+    deterministic: bool = _f(False, "deterministic kernels (torch.use_deterministic_algorithms): "
+                                    "bit-exact resume and reruns on GPUs, at some speed; CPU runs "
+                                    "are deterministic anyway")
 
 
 @dataclass
@@ -236,19 +251,38 @@ def parse_overrides(items: list[str]) -> list[tuple[str, object]]:
     return pairs
 
 
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """A config file's mapping, with its `extends:` chain resolved (not yet validated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config: {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path}: expected a mapping at the top level")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config: {path}: extends: expected a file name, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in _seen:
+        raise ConfigError(f"config: {path}: extends: {base} is already in the chain (a cycle)")
+    return _deep_merge(read_yaml(base_path, _seen + (path.resolve(),)), data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read a YAML config (or the defaults), apply `key=value` overrides, validate."""
-    data = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config: {path}: no such file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config: {path}: expected a mapping at the top level")
+    data = read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(list(overrides)):
         _merge(data, key, value)
     cfg = _build(Config, data)
@@ -271,12 +305,22 @@ def validate(cfg: Config):
                        ("train.micro_batch", cfg.train.micro_batch),
                        ("train.global_batch", cfg.train.global_batch),
                        ("log.interval", cfg.log.interval), ("checkpoint.interval", cfg.checkpoint.interval),
-                       ("checkpoint.keep", cfg.checkpoint.keep)]:
+                       ("checkpoint.keep", cfg.checkpoint.keep), ("eval.valid_iters", cfg.eval.valid_iters),
+                       ("model.moe.num_experts", moe.num_experts), ("model.moe.topk", moe.topk)]:
         need(value > 0, key, f"must be positive, got {value}")
+    if cfg.train.steps is not None:
+        need(cfg.train.steps > 0, "train.steps", f"must be positive (or null for the token budget), got {cfg.train.steps}")
+    for key, value in [("train.warmup", cfg.train.warmup), ("model.kappa.warmup", m.kappa.warmup),
+                       ("eval.valid_every", cfg.eval.valid_every), ("eval.core_every", cfg.eval.core_every),
+                       ("train.lr", cfg.train.lr), ("train.lr_non_matrix", cfg.train.lr_non_matrix),
+                       ("train.grad_clip", cfg.train.grad_clip), ("train.weight_decay", cfg.train.weight_decay)]:
+        need(value >= 0, key, f"must not be negative, got {value}")
+    need(not (cfg.data.mock and (cfg.data.paths or cfg.data.valid_paths)), "data.mock",
+         "is true, but data.paths/valid_paths are set too: the mock dataset would silently replace "
+         "them (set data.mock=false to train on the files)")
     need(m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
          f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     if m.layout != "dense":
-        need(moe.num_experts >= 1, "model.moe.num_experts", "must be at least 1")
         need(1 <= moe.topk <= moe.num_experts, "model.moe.topk",
              f"must be in [1, num_experts={moe.num_experts}], got {moe.topk}")
         need(moe.num_experts % par.ep == 0, "parallel.ep",
@@ -290,7 +334,7 @@ def validate(cfg: Config):
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={par.tp}")
     groups = m.num_query_groups or m.num_attention_heads
     need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
-    etp = par.etp or par.tp
+    etp = par.expert_tp
     need(etp > 0, "parallel.etp", f"must be positive, got {etp}")
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     need(ffn % par.tp == 0, "parallel.tp", f"model.ffn_hidden_size={ffn} is not divisible by tp={par.tp}")
@@ -316,7 +360,10 @@ def markdown_reference() -> str:
     """The config reference (docs/config.md), generated from the schema."""
     lines = ["# Configuration reference", "",
              "Generated by `python -m megatron_kappa.config --markdown` from `megatron_kappa/config.py`.",
-             "Every key below can be set in the YAML file or with `--set key=value`.", ""]
+             "Every key below can be set in the YAML file or with `--set key=value`. A file may begin",
+             "with `extends: other.yaml` (relative to the file): the other file is the base and this",
+             "file's keys are merged over it, section by section (`configs/paper.yaml` is the base of",
+             "the paper configs).", ""]
 
     def walk(cls, prefix):
         rows = []

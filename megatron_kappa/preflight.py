@@ -1,12 +1,28 @@
-"""Checks of a run's inputs that need no heavy imports, so a bad path fails in the first second,
-before torch.distributed, megatron-core or DeepSpeed are even imported."""
+"""Every check of a run's inputs that can run before process groups and the model exist.
+
+`preflight(cfg)` runs in the first second of `launch/pretrain.py` — before torch.distributed,
+megatron-core or DeepSpeed are imported and before anything is written — and stops a bad run with
+a one-line ConfigError naming the key or file and what was expected. It checks what the config
+alone cannot (megatron_kappa.config.validate does the rest): the world size the launcher gives
+against the parallel layout and batch sizes, the precision against what is installed, the data
+files (index magic, truncated shards, empty train/valid splits that would hang megatron-core's
+dataset builder), the tokenizer against the vocabulary, the CORE bundle, the init weights, and a
+checkpoint to resume against the layout.
+"""
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import struct
+from pathlib import Path
 
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import Config, ConfigError, ParallelConfig
+from megatron_kappa.parallel import launch_env
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
+# megatron-core's DType codes in .idx files → bytes per token
+_ITEMSIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
 
 
 def parse_blend(paths: list) -> tuple[list[str], list[float] | None]:
@@ -21,26 +37,191 @@ def parse_blend(paths: list) -> tuple[list[str], list[float] | None]:
     return [str(p) for p in paths[1::2]], [float(w) for w in paths[::2]]
 
 
+# --- layout -------------------------------------------------------------------------------------
+
+def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None):
+    """One-line errors for a layout that cannot be built on `world` ranks."""
+    etp = par.expert_tp
+    if world % par.tp:
+        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp={par.tp}")
+    if world % (etp * par.ep):
+        raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
+                          f"ep × etp = {par.ep} × {etp} (start {par.ep * etp} or a multiple of "
+                          f"processes, or lower parallel.ep)")
+    if num_experts is not None and num_experts % par.ep:
+        raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
+
+
+def world_size() -> int:
+    """The number of processes the launcher (torchrun, deepspeed, srun) started; 1 for python."""
+    env = launch_env.from_environment()
+    return env["world_size"] if env else 1
+
+
+def check_parallel(cfg: Config, world: int):
+    from megatron_kappa.model.layout import moe_layer_pattern
+
+    num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
+    check_layout(cfg.parallel, world, num_experts)
+    dp = world // cfg.parallel.tp
+    per_step = cfg.train.micro_batch * dp
+    if cfg.train.global_batch % per_step:
+        raise ConfigError(f"config: train.global_batch: {cfg.train.global_batch} is not a multiple of "
+                          f"micro_batch × data-parallel size = {cfg.train.micro_batch} × {dp}")
+
+
+def check_precision(cfg: Config):
+    if cfg.precision != "fp8":
+        return
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("config: precision: fp8 needs Transformer Engine, which is not installed "
+                          "here (use bf16)")
+    raise ConfigError("config: precision: fp8 is not implemented: the model uses megatron-core's "
+                      "local (non-TE) layers, which have no FP8 path (use bf16)")
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def read_index(idx_path: str) -> tuple[int, list[int], int]:
+    """(bytes per token, sequence lengths, expected .bin size) of a Megatron .idx file."""
+    with open(idx_path, "rb") as f:
+        if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
+            raise ValueError("not a Megatron index file (bad magic)")
+        header = f.read(8 + 1 + 8 + 8)
+        if len(header) < 25:
+            raise ValueError("truncated header")
+        _version, code, n_seq, _n_doc = struct.unpack("<QBQQ", header)
+        if code not in _ITEMSIZE:
+            raise ValueError(f"unknown token dtype code {code}")
+        lengths_raw, pointers_raw = f.read(4 * n_seq), f.read(8 * n_seq)
+    if len(lengths_raw) < 4 * n_seq or len(pointers_raw) < 8 * n_seq:
+        raise ValueError(f"truncated: says {n_seq} sequences but is shorter")
+    lengths = list(struct.unpack(f"<{n_seq}i", lengths_raw))
+    last_pointer = struct.unpack("<q", pointers_raw[-8:])[0] if n_seq else 0
+    itemsize = _ITEMSIZE[code]
+    return itemsize, lengths, last_pointer + (lengths[-1] * itemsize if n_seq else 0)
+
+
+def _split_ranges(split: str, n: int) -> list[tuple[int, int] | None]:
+    """megatron-core's [train, valid, test] sequence ranges for `split` ("99,1,0") over n
+    sequences: bookends of the normalised weights, each end rounded."""
+    try:
+        weights = [float(w) for w in split.split(",")]
+    except ValueError:
+        raise ConfigError(f"config: data.split: expected three numbers like '99,1,0', got {split!r}") from None
+    weights += [0.0] * (3 - len(weights))
+    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"config: data.split: expected three non-negative numbers like '99,1,0', got {split!r}")
+    total, edges = sum(weights), [0.0]
+    for w in weights:
+        edges.append(edges[-1] + w / total)
+    return [None if hi <= lo else (int(round(lo * n)), int(round(hi * n))) for lo, hi in zip(edges, edges[1:])]
+
+
+def check_shard(key: str, prefix: str) -> list[int]:
+    """A shard's files exist, its index parses and its .bin is as long as the index says;
+    returns its sequence lengths."""
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise ConfigError(f"config: {key}: {prefix}{ext}: no such file")
+    try:
+        _, lengths, expected = read_index(prefix + ".idx")
+    except (ValueError, struct.error) as e:
+        raise ConfigError(f"config: {key}: {prefix}.idx: {e}") from None
+    size = os.path.getsize(prefix + ".bin")
+    if size == 0:
+        raise ConfigError(f"config: {key}: {prefix}.bin: empty file")
+    if size < expected:
+        raise ConfigError(f"config: {key}: {prefix}.bin: truncated ({size} bytes, the index expects {expected})")
+    return lengths
+
+
 def check_data(cfg: Config):
-    """Fail in the first seconds (before any process group) on missing or corrupt inputs."""
-    if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
-        raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
+    """Shard files, and splits that megatron-core can build (an empty split makes its dataset
+    builder loop forever)."""
     if cfg.data.mock:
         return
     prefixes, _ = parse_blend(cfg.data.paths)
     if not prefixes:
         raise ConfigError("config: data.paths: empty (give shard prefixes, or set data.mock: true)")
-    for key, group in (("data.paths", prefixes), ("data.valid_paths", parse_blend(cfg.data.valid_paths)[0])):
-        for prefix in group:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise ConfigError(f"config: {key}: {prefix}{ext}: no such file")
-            with open(prefix + ".idx", "rb") as f:
-                if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
-                    raise ConfigError(f"config: {key}: {prefix}.idx: not a Megatron index file (bad magic)")
-            if os.path.getsize(prefix + ".bin") == 0:
-                raise ConfigError(f"config: {key}: {prefix}.bin: empty file")
-    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
+    valid_prefixes, _ = parse_blend(cfg.data.valid_paths)
+    for prefix in valid_prefixes:
+        if not sum(check_shard("data.valid_paths", prefix)):
+            raise ConfigError(f"config: data.valid_paths: {prefix}: no tokens")
+    for prefix in prefixes:
+        lengths = check_shard("data.paths", prefix)
+        if valid_prefixes:
+            if not sum(lengths):
+                raise ConfigError(f"config: data.paths: {prefix}: no tokens")
+            continue
+        ranges = _split_ranges(cfg.data.split, len(lengths))
+        for name, rng in zip(("train", "valid"), ranges[:2]):
+            tokens = 0 if rng is None else sum(lengths[rng[0]:rng[1]])
+            if not tokens:
+                counts = ", ".join(f"{n} {0 if r is None else r[1] - r[0]}" for n, r in
+                                   zip(("train", "valid", "test"), ranges))
+                raise ConfigError(
+                    f"config: data.split: '{cfg.data.split}' leaves the {name} split of {prefix} empty "
+                    f"({len(lengths)} documents: {counts}); give that split a larger share (e.g. "
+                    f"data.split=90,10,0) or set data.valid_paths to held-out shards")
+
+
+def check_tokenizer(cfg: Config):
+    if not cfg.data.tokenizer:
+        return
+    if not os.path.isfile(cfg.data.tokenizer):
         raise ConfigError(f"config: data.tokenizer: {cfg.data.tokenizer}: no such file")
+    from megatron_kappa.tokenizer import Tokenizer
+
+    try:
+        vocab = Tokenizer(cfg.data.tokenizer).vocab_size
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ConfigError(f"config: data.tokenizer: {cfg.data.tokenizer}: not a SentencePiece model "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"config: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's {vocab} ({cfg.data.tokenizer})")
 
 
+# --- evaluation, init weights, resume -----------------------------------------------------------
+
+def check_eval(cfg: Config):
+    if not cfg.eval.core_every:
+        return
+    if not cfg.eval.core_bundle or not cfg.data.tokenizer:
+        raise ConfigError("config: eval.core_every: needs eval.core_bundle and data.tokenizer")
+    from megatron_kappa.evaluation.bundle import BundleError, load_bundle
+
+    try:
+        load_bundle(cfg.eval.core_bundle)
+    except BundleError as e:
+        raise ConfigError(f"config: eval.core_bundle: {e}") from None
+
+
+def check_resume(cfg: Config, world: int):
+    """A checkpoint in run.dir must have been written with this layout (conversion: see
+    launch/consolidate.py and train.init_weights)."""
+    root = Path(cfg.run.dir) / "checkpoints"
+    steps = sorted(int(d.name[5:]) for d in root.glob("step_*")
+                   if d.name[5:].isdigit() and (d / "meta.json").is_file()) if root.is_dir() else []
+    if not steps:
+        return
+    saved = json.loads((root / f"step_{steps[-1]}" / "meta.json").read_text())["layout"]
+    now = {"world": world, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "etp": cfg.parallel.expert_tp}
+    if saved != now:
+        raise ConfigError(f"config: parallel: checkpoint {root}/step_{steps[-1]} was written with {saved}, "
+                          f"this run is {now} (start a new run.dir from `launch/consolidate.py` "
+                          "weights with train.init_weights to change the layout)")
+
+
+def preflight(cfg: Config, world: int | None = None):
+    """All of the above, cheapest first. `world` defaults to what the launcher says."""
+    world = world_size() if world is None else world
+    check_parallel(cfg, world)
+    check_precision(cfg)
+    if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
+        raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
+    check_data(cfg)
+    check_tokenizer(cfg)
+    check_eval(cfg)
+    check_resume(cfg, world)

@@ -15,17 +15,18 @@ import math
 import sys
 
 from megatron_kappa.config import Config, ConfigError, load_config
-from megatron_kappa.model import moe_layer_pattern
+from megatron_kappa.model.layout import moe_layer_pattern
+from megatron_kappa.model.params import is_embedding_or_output, is_expert, is_router
 
 
 def _category(name: str) -> str:
-    if ".mlp.experts." in name:
+    if is_expert(name):
         return "experts"
-    if ".mlp.router." in name:
+    if is_router(name):
         return "router"
     if ".self_attention." in name and "layernorm" not in name:
         return "attention"
-    if "embedding" in name or name.startswith("output_layer"):
+    if is_embedding_or_output(name):
         return "embedding"
     if ".mlp." in name:
         return "dense_mlp"
@@ -34,7 +35,7 @@ def _category(name: str) -> str:
 
 def count(model, cfg: Config, numel=lambda name, p: p.numel()) -> dict:
     """Parameter counts by category and the derived totals. On a sharded model pass
-    `numel=megatron_kappa.sharding.global_numel` to count the full model."""
+    `numel=megatron_kappa.parallel.sharding.global_numel` to count the full model."""
     by = {k: 0 for k in ("embedding", "attention", "dense_mlp", "router", "experts", "norm")}
     for name, p in model.named_parameters():
         by[_category(name)] += numel(name, p)
@@ -63,8 +64,8 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel()) -> dict:
 def summarize(cfg: Config) -> dict:
     """Build the full model on the meta device (no memory, no init) and count it."""
     from megatron_kappa.config import ParallelConfig
-    from megatron_kappa.model import build_model
-    from megatron_kappa.parallel import init_distributed
+    from megatron_kappa.model.build import build_model
+    from megatron_kappa.parallel.groups import init_distributed
 
     # The summary describes the whole model: build it unsharded, as one rank would hold it.
     unsharded = Config(**{**cfg.__dict__, "parallel": ParallelConfig()})

@@ -6,6 +6,10 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Triton kernels run on CPU tensors through Triton's interpreter when there is no GPU; the flag is
+# read when a kernel is defined, so it must be set before any kernel module is imported.
+if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data_prep/, eval/, launch/
 
 import pytest  # noqa: E402
@@ -18,7 +22,16 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def world1():
     """megatron parallel state for one process (TP = EP = 1) on a gloo group of one."""
     from megatron_kappa.config import ParallelConfig
-    from megatron_kappa.parallel import init_distributed
+    from megatron_kappa.parallel.groups import init_distributed
 
     init_distributed(ParallelConfig(), seed=1)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_moe_metrics_tracker():
+    """megatron's MoE metrics tracker is a process-wide singleton sized by the first model that
+    records into it; each test starts with none, so no test depends on which ran before it."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    destroy_moe_metrics_tracker()
     yield

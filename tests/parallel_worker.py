@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.core import parallel_state as ps  # noqa: E402
 
 import parity  # noqa: E402
-from megatron_kappa import sharding  # noqa: E402
-from megatron_kappa.parallel import init_distributed  # noqa: E402
+from megatron_kappa.parallel import sharding  # noqa: E402
+from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.summary import count  # noqa: E402
 
 

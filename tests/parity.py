@@ -6,8 +6,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa.config import load_config
-from megatron_kappa.grads import reduce_data_parallel_grads, install_tensor_parallel_grad_hooks, update_expert_bias
-from megatron_kappa.model import build_model
+from megatron_kappa.model.build import build_model
+from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, reduce_data_parallel_grads, update_expert_bias
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
 

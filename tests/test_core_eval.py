@@ -8,7 +8,6 @@ import json
 import math
 import random
 import shutil
-import socket
 import sys
 import zipfile
 from pathlib import Path
@@ -22,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `eval` is a folder of the repo, not an installed package
 
 from eval import core as core_cli  # noqa: E402
-from eval.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
-from megatron_kappa import core_eval as ce  # noqa: E402
-from megatron_kappa.lm_eval import validation_loss  # noqa: E402
+from megatron_kappa.evaluation import core as ce  # noqa: E402
+from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
+from toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 TOK = ByteTokenizer()
@@ -262,12 +262,6 @@ def test_batched_forward_passes_decide_like_one_per_choice():
     single = ce.evaluate_task(model, TOK, task, 256, batch_size=1)
     for kwargs in ({"batch_size": 32}, {"batch_size": 7, "max_batch_tokens": 600}):
         assert ce.evaluate_task(model, TOK, task, 256, **kwargs)["correct"] == single["correct"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_worker(rank, world, port, out_dir):

@@ -1,6 +1,7 @@
 """The main job end to end (`make demo` at a reduced step count), its rerun, and evaluation of
 its EP2 checkpoint with 1 and 2 processes."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_kappa.checkpoint import Checkpoints
 from megatron_kappa.config import load_config
-from megatron_kappa.inference import load_for_eval, logits_fn_for
-from megatron_kappa.model import build_model
-from megatron_kappa.sharding import consolidate, load_full_state_dict
+from megatron_kappa.evaluation.loading import load_for_eval, logits_fn_for
+from megatron_kappa.model.build import build_model
+from megatron_kappa.parallel.launch_env import free_port
+from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict
+from megatron_kappa.train.checkpoint import Checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,15 +44,26 @@ def demo(tmp_path_factory):
 def test_demo_pipeline_runs_and_reports(demo):
     out, stdout = demo
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["final_valid_loss"] > 0 and -1 <= summary["core"] <= 1
-    assert (out / "run/loss.png").stat().st_size > 1000
+    valid = json.loads((out / "valid.json").read_text())
+    core = json.loads((out / "core.json").read_text())
     records = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))  # log.interval = max(1, 6 // 20)
+    # The summary reports what the evaluations and the training loop measured, not made-up numbers.
+    assert summary["steps"] == 6 and summary["final_train_loss"] == records[-1]["loss"]
+    assert summary["final_valid_loss"] == valid["loss"] and summary["valid_bits_per_byte"] == valid["bits_per_byte"]
+    assert summary["core"] == core["core"] and len(core["tasks"]) == 7 and -1 <= core["core"] <= 1
+    # A model that learned: below the uniform loss over the 2048-piece vocabulary, falling during
+    # training, with bits per byte that agree with the loss (a few bytes per token).
+    uniform = math.log(2048)
+    assert records[0]["loss"] < uniform + 0.5 and valid["loss"] < uniform - 0.2
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert 1.5 < valid["loss"] / math.log(2) / valid["bits_per_byte"] < 8
+    assert valid["tokens"] > 1000 and valid["bytes"] > valid["tokens"]
+    assert (out / "run/loss.png").stat().st_size > 1000
     assert records[-1]["step"] == 6 and "core" in records[-1]  # the training loop's CORE subset
     assert any(k.startswith("kappa/layer") for k in records[-1])
     for word in ("run directory", "metrics", "TensorBoard", "checkpoints", "loss curve", "summary"):
         assert word in stdout
-    # the training loss went down over the run
-    assert records[-1]["loss"] < records[0]["loss"]
 
 
 def test_demo_rerun_reuses_data_and_training(demo):
@@ -66,7 +79,7 @@ def test_demo_rerun_reuses_data_and_training(demo):
 
 def test_checkpoint_evaluates_the_same_with_one_and_two_processes(demo, tmp_path):
     out, _ = demo
-    port = lambda: str(__import__("megatron_kappa.parallel", fromlist=["free_port"]).free_port())
+    port = lambda: str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
     run(launcher + ["--master_port", port(), "eval/core.py", "--checkpoint", out / "run", "--bundle",
                     "tests/core_bundle", "--no-progress", "--json", tmp_path / "core2.json"])
@@ -88,13 +101,12 @@ def test_consolidated_weights_negative_control(demo, world1):
     logits_fn, _, _ = load_for_eval(out / "run")
     tokens = torch.arange(64).reshape(2, 32) * 13 % 2000
     right = logits_fn(tokens)
-    folder = Checkpoints(out / "run", 1).root / "step_6"
-    files = [torch.load(folder / f"rank_{r}.pt", weights_only=False) for r in range(2)]
+    files = Checkpoints(out / "run").rank_files(6)
     for f in files:
         f["coords"]["ep"][0] = 1 - f["coords"]["ep"][0]
     cfg = load_config(out / "run/config.yaml", ["parallel.ep=1"])
     swapped = build_model(cfg).eval()
-    load_full_state_dict(swapped, consolidate([(f["coords"], f["model"]) for f in files]))
+    load_full_state_dict(swapped, consolidate([(f["coords"], f["weights"]) for f in files]))
     wrong = logits_fn_for(swapped, cfg.model.vocab_size)(tokens)
     assert (right - wrong).abs().max() > 1e-3
 
@@ -103,7 +115,7 @@ def test_tensor_parallel_checkpoint_evaluates_the_same_with_one_and_two_processe
     """A TP2 (sequence-parallel) checkpoint: the padded, TP-gathered logits in 2 processes and the
     consolidated model in 1 process give the same validation loss."""
     out, _ = demo
-    port = lambda: str(__import__("megatron_kappa.parallel", fromlist=["free_port"]).free_port())
+    port = lambda: str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
     run_dir = tmp_path / "tp2"
     run(launcher + ["--master_port", port(), "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",

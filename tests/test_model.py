@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.model import build_model, moe_layer_pattern
+from megatron_kappa.model.build import build_model, moe_layer_pattern
 from megatron_kappa.summary import count, main as summary_main, summarize
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
-from megatron_kappa.model import layer_specs, transformer_config
+from megatron_kappa.model.build import layer_specs, transformer_config
 from moe_reference import layer_weights, naive_moe
 
 S, B, H = 8, 3, 16

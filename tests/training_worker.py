@@ -11,7 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_kappa import deepspeed_setup, train  # noqa: E402
+from megatron_kappa.parallel import engine  # noqa: E402
+from megatron_kappa.train import loop  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 
 
@@ -27,11 +28,11 @@ def unmarked(original):
 def main(plan_path):
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     plan = json.loads(Path(args[0]).read_text())
-    wire = deepspeed_setup.wire_experts
+    wire = engine.wire_experts
     for case in plan:
-        deepspeed_setup.wire_experts = unmarked(wire) if case.get("negative") == "unmarked_experts" else wire
-        train.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)
-    deepspeed_setup.wire_experts = wire
+        engine.wire_experts = unmarked(wire) if case.get("negative") == "unmarked_experts" else wire
+        loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)
+    engine.wire_experts = wire
 
 
 if __name__ == "__main__":

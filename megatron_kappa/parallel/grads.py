@@ -7,8 +7,8 @@ plain loop in tests), so they are named here:
       params tagged `sequence_parallel` (norms, q/k norms, router) hold a partial gradient on
       every TP rank: sum over TP, by a hook installed once after building the model. (always ours)
   reduce_data_parallel_grads
-      dense params: average over DP; expert params (`allreduce=False`, incl. κ's α and b): sum
-      over expert-DP, divide by DP. (DeepSpeed's job when it drives training)
+      dense params: average over DP; expert params (incl. κ's α and b): sum over expert-DP,
+      divide by DP. (DeepSpeed's job when it drives training; the parity tests use it)
   update_expert_bias
       the aux-loss-free router bias: token counts summed over TP×DP, bias += rate · sign(mean − count).
 """
@@ -19,10 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
-
-def is_expert(param) -> bool:
-    """megatron marks expert-parallel parameters with allreduce=False."""
-    return not getattr(param, "allreduce", True)
+from megatron_kappa.model.params import is_expert
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group, scale: float = 1.0):
@@ -66,9 +63,9 @@ def reduce_data_parallel_grads(model, skip_expert_data_parallel: bool = False):
     skip_expert_data_parallel exists for the negative control in the parity tests only.
     """
     dense, expert = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.grad is not None:
-            (expert if is_expert(p) else dense).append(p.grad)
+            (expert if is_expert(name) else dense).append(p.grad)
     dp = parallel_state.get_data_parallel_world_size()
     _all_reduce_flat(dense, parallel_state.get_data_parallel_group(), scale=1.0 / dp)
     if not skip_expert_data_parallel:

@@ -15,15 +15,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kappa.model.params import is_expert as _is_expert, is_kappa as _is_kappa
+
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def _is_kappa(name: str) -> bool:
-    return name.endswith(("experts.kappa_alpha", "experts.kappa_bias"))
 
 
 def _is_glu_fc1(name: str) -> bool:
@@ -82,10 +76,17 @@ def local_shard(full_state: dict, name: str, local: torch.Tensor, model) -> torc
 @torch.no_grad()
 def load_full_state_dict(model, full_state: dict):
     """Copy a single-process state dict into this rank's (sharded) model."""
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if tensor is None or name.endswith("_extra_state"):
-            continue
+    for name, tensor in _state(model).items():
         tensor.copy_(local_shard(full_state, name, tensor, model))
+
+
+@torch.no_grad()
+def load_local_state(model, state: dict):
+    """Copy a state of this rank's own layout (e.g. from local_state) into the model."""
+    for name, tensor in _state(model).items():
+        if name not in state:
+            raise KeyError(f"state has no '{name}' for this rank")
+        tensor.copy_(state[name])
 
 
 def gather_full(model, tensors: dict | None = None) -> dict:
@@ -126,15 +127,37 @@ def _place_expert_pieces(full: dict, name: str, per_ep: list[torch.Tensor], num_
 
 
 def rank_coords(model) -> dict:
-    """Where this rank's tensors sit in the full layout (saved with checkpoints)."""
+    """Where this rank's tensors sit in the full layout, and which of them it owns (saved with
+    checkpoints, so that consolidation needs no process group)."""
     return {
         "tp": [ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()],
         "ep": [ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()],
         "etp": [ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()],
+        "dp": [ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()],
+        "edp": [ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()],
         "num_local_experts": _num_local_experts(model),
         "split_dim": {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
-                      for n, p in model.named_parameters()},
+                      for n, p in _state(model).items()},
     }
+
+
+def _state(model) -> dict:
+    """Parameters and persistent buffers by name (megatron's empty `_extra_state` entries left out)."""
+    return {n: t for n, t in model.state_dict(keep_vars=True).items()
+            if t is not None and not n.endswith("_extra_state")}
+
+
+def _owns(coords: dict, name: str) -> bool:
+    """Data-parallel replicas hold the same tensor; the one at DP rank 0 (expert-DP rank 0 for
+    expert tensors) is its owner."""
+    return (coords["edp"] if _is_expert(name) else coords["dp"])[0] == 0
+
+
+def owned_state(model) -> dict:
+    """This rank's parameters and buffers that no other rank stores (see _owns): saving these on
+    every rank stores each weight exactly once."""
+    coords = rank_coords(model)
+    return {n: t.detach() for n, t in _state(model).items() if _owns(coords, n)}
 
 
 def global_numel(name: str, param) -> int:
@@ -149,23 +172,35 @@ def global_numel(name: str, param) -> int:
 
 
 def consolidate(ranks: list[tuple[dict, dict]]) -> dict:
-    """Full state dict from every rank's (coords, state_dict), offline (no process group)."""
-    coords0, state0 = ranks[0]
-    by_tp = {c["tp"][0]: s for c, s in ranks}
-    by_expert = {(c["ep"][0], c["etp"][0]): s for c, s in ranks}
-    ep_size, etp_size = coords0["ep"][1], coords0["etp"][1]
-    num_local = coords0["num_local_experts"]
+    """Full state dict from every rank's (coords, owned state), offline (no process group)."""
+    coords0 = ranks[0][0]
+    names = list(coords0["split_dim"])  # every parameter and buffer, in model order
+    dense = {c["tp"][0]: s for c, s in ranks if c["dp"][0] == 0}
+    experts = {(c["ep"][0], c["etp"][0]): s for c, s in ranks if c["edp"][0] == 0}
+    tp_size, ep_size, etp_size = coords0["tp"][1], coords0["ep"][1], coords0["etp"][1]
     full = {}
-    for name, tensor in state0.items():
-        if name.endswith("_extra_state"):
-            continue
-        dim = coords0["split_dim"].get(name)
+    for name in names:
+        dim = coords0["split_dim"][name]
         if not _is_expert(name):
-            full[name] = tensor if dim is None else _tp_join([by_tp[r][name] for r in range(len(by_tp))], name, dim)
+            pieces = [dense[r][name] for r in range(tp_size)]
+            full[name] = pieces[0] if dim is None else _tp_join(pieces, name, dim)
             continue
         per_ep = []
         for ep in range(ep_size):
-            pieces = [by_expert[(ep, t)][name] for t in range(etp_size)]
+            pieces = [experts[(ep, t)][name] for t in range(etp_size)]
             per_ep.append(pieces[0] if dim is None else _tp_join(pieces, name, dim))
-        _place_expert_pieces(full, name, per_ep, num_local)
+        _place_expert_pieces(full, name, per_ep, coords0["num_local_experts"])
     return full
+
+
+def local_state(ranks: list[tuple[dict, dict]], coords: dict) -> dict:
+    """The state (parameters, buffers) of the rank at `coords`, in the checkpoint's layout,
+    collected from its owners' files."""
+    state = {}
+    for c, owned in ranks:
+        same_dense = c["tp"][0] == coords["tp"][0] and c["dp"][0] == 0
+        same_experts = (c["ep"][0], c["etp"][0]) == (coords["ep"][0], coords["etp"][0]) and c["edp"][0] == 0
+        for name, tensor in owned.items():
+            if (same_experts if _is_expert(name) else same_dense):
+                state[name] = tensor
+    return state

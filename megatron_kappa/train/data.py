@@ -1,6 +1,9 @@
 """Training data through megatron-core's datasets: GPTDataset over indexed shards (weighted
-blends, train/valid split) or MockGPTDataset, and a deterministic batch order that resumes from a
-step number alone."""
+blends, train/valid split) or MockGPTDataset, a deterministic batch order that resumes from a
+step number alone, and the move of each batch to the device (pinned, non-blocking).
+
+Every input check (files, index magic, truncated shards, empty splits, tokenizer vs vocabulary)
+runs earlier, in megatron_kappa.preflight."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +13,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.preflight import check_data, parse_blend  # noqa: F401  (re-exported)
+from megatron_kappa.config import Config
+from megatron_kappa.preflight import parse_blend
 
 
 class StubTokenizer:
@@ -25,11 +28,7 @@ class StubTokenizer:
 def tokenizer_for(cfg: Config):
     if cfg.data.tokenizer:
         from megatron_kappa.tokenizer import Tokenizer
-        tok = Tokenizer(cfg.data.tokenizer)
-        if tok.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"config: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
-                              f"tokenizer's {tok.vocab_size} ({cfg.data.tokenizer})")
-        return tok
+        return Tokenizer(cfg.data.tokenizer)
     return StubTokenizer(cfg.model.vocab_size)
 
 
@@ -62,12 +61,21 @@ def train_first_sample(step: int, micro: int, cfg: Config, dp_rank: int, dp_size
     return step * t.global_batch + dp_rank * (t.global_batch // dp_size) + micro * t.micro_batch
 
 
-def batch_at(dataset, first: int, count: int) -> dict:
-    """`count` consecutive samples (wrapping around) as tokens / labels / loss_mask tensors."""
+def batch_at(dataset, first: int, count: int, device: torch.device | str = "cpu") -> dict:
+    """`count` consecutive samples (wrapping around) as tokens / labels / loss_mask tensors on
+    `device`. For CUDA the host copy is pinned and the copy is asynchronous, so the next batch's
+    transfer overlaps the current step's kernels instead of stalling them."""
     samples = [dataset[(first + i) % len(dataset)] for i in range(count)]
     batch = {k: torch.from_numpy(np.stack([np.asarray(s[k]) for s in samples]))
              for k in ("tokens", "labels", "loss_mask")}
     batch["tokens"] = batch["tokens"].long()
     batch["labels"] = batch["labels"].long()
     batch["loss_mask"] = batch["loss_mask"].float()
-    return batch
+    return to_device(batch, device)
+
+
+def to_device(batch: dict, device: torch.device | str) -> dict:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,9 +1,24 @@
-"""Every patch megatron-core 0.19.2 needs to run on CPU (gloo), in one place.
+"""Every patch the stack needs to run on the CPU (gloo), in one place, applied only there.
 
-`apply()` is called before the first model build and does nothing when CUDA is available.
-`PATCHED` lists each library symbol replaced here; tests/test_compat.py checks they all still
-exist, so a megatron-core upgrade that moves one fails loudly instead of silently unpatched.
-What breaks and why: ../shared/notes/mcore-on-cpu.md (sites 1-12).
+`apply(device)` is called once per process before the first model build (by
+megatron_kappa.parallel.groups.init_distributed) and does nothing unless the device is the CPU.
+It covers megatron-core 0.19.2 (the sites below), torch.compile (megatron's jit_fuser: a cold
+start per process for nothing on CPU) and DeepSpeed's JIT-built ops (a 25-40 s compile each; the
+shm comm op serves only inference, and the optimizer is torch's). `PATCHED` lists each library
+symbol replaced here; tests/test_compat.py checks they all still exist, so an upgrade that moves
+one fails loudly instead of silently unpatched.
+
+What breaks on a CPU without each patch (megatron-core 0.19.2):
+  - CUDA RNG tracker (`tensor_parallel/random.py`, forked in every attention forward): "Found no
+    NVIDIA driver"; the tracker keeps CPU generator states instead.
+  - `torch.cuda.current_device/Stream/Event/current_stream/stream/synchronize`, called without a
+    device check by the global memory buffer, RoPE, the router, the expert bias, the alltoall
+    dispatcher's side stream and the TP mappings: pointed at CPU stand-ins.
+  - the default causal mask is built with device="cuda": built on the CPU.
+  - `maybe_move_tensor_to_cpu(as_numpy=True)` converts only CUDA tensors, and gloo's
+    all_to_all_single wants the split sizes as lists (EP > 1): CPU tensors are converted too.
+  - `_gather_along_first_dim(output_split_sizes=...)` uses an uneven list all_gather, which gloo
+    lacks (ETP > 1 with EP > 1): pad to the largest split, gather, strip.
 """
 from __future__ import annotations
 
@@ -26,11 +41,14 @@ PATCHED = [
 # torch.cuda entry points megatron calls unconditionally; pointed at CPU stand-ins.
 CUDA_SHIMMED = ["current_device", "Stream", "Event", "current_stream", "stream", "synchronize"]
 
+# DeepSpeed ops kept from JIT-compiling on CPU.
+DEEPSPEED_OPS_OFF = ["deepspeed_shm_comm"]
+
 _applied = False
 
 
-def needed() -> bool:
-    return not torch.cuda.is_available()
+def applied() -> bool:
+    return _applied
 
 
 def _resolve(module: str, attr: str):
@@ -39,6 +57,22 @@ def _resolve(module: str, attr: str):
     for owner in owners:
         obj = getattr(obj, owner)
     return obj, name
+
+
+def missing_symbols(entries=None, cuda_names=None) -> list[str]:
+    """The library symbols this module would replace that do not exist (meaningful only before
+    `apply`, which would otherwise have put them there)."""
+    missing = []
+    for module, attr in PATCHED if entries is None else entries:
+        try:
+            obj, name = _resolve(module, attr)
+            if not hasattr(obj, name):
+                missing.append(f"{module}.{attr}")
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{attr}")
+    missing += [f"torch.cuda.{n}" for n in (CUDA_SHIMMED if cuda_names is None else cuda_names)
+                if not hasattr(torch.cuda, n)]
+    return missing
 
 
 class _NoStream:
@@ -105,15 +139,20 @@ def _make_gather_along_first_dim(original):
     return gather
 
 
-def apply() -> bool:
-    """Patch megatron-core for CPU. Returns True when patches were (or already are) applied."""
+def apply(device: torch.device | str = "cpu") -> bool:
+    """Patch for CPU runs. Returns True when patches were (or already are) applied."""
     global _applied
-    if _applied or not needed():
+    if _applied or torch.device(device).type != "cpu":
         return _applied
-    import torch._dynamo
-
+    missing = missing_symbols()
+    if missing:  # patching would add them, and nothing upstream would call them
+        raise RuntimeError(f"megatron_kappa.parallel.compat: {', '.join(missing)} no longer exist "
+                           "upstream; review the CPU patches for this library version")
     # megatron's jit_fuser is torch.compile: a 20 s cold start per process for nothing on CPU.
-    torch._dynamo.config.disable = True
+    importlib.import_module("torch._dynamo").config.disable = True
+    ds_ops = importlib.import_module("deepspeed.ops")
+    for op in DEEPSPEED_OPS_OFF:
+        ds_ops.__compatible_ops__[op] = False
     _shim_cuda()
     rnd = importlib.import_module("megatron.core.tensor_parallel.random")
     rnd._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()

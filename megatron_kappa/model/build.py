@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from functools import partial
 
 import torch
@@ -20,47 +19,17 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.moe import KappaMoELayer, KappaRouter, KappaSequentialMLP, KappaSettings
+from megatron_kappa.config import Config
+from megatron_kappa.kappa import KappaSettings
+from megatron_kappa.model.experts import KappaSequentialMLP
+from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
+from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
+from megatron_kappa.model.norms import SPTorchNorm
 
 
-class SPTorchNorm:
-    """torch RMSNorm whose weight is tagged for the TP gradient all-reduce.
-
-    megatron's WrappedTorchNorm refuses sequence parallelism (which MoE + TP requires); the norm
-    itself is the same, only its gradient needs summing over the TP group, which is what the
-    `sequence_parallel` tag asks for (megatron_kappa.grads).
-    """
-
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        # q/k norms see only this rank's heads, sequence-parallel norms only its tokens: both
-        # need the sum over TP.
-        for p in norm.parameters():
-            p.sequence_parallel = config.tensor_model_parallel_size > 1
-        return norm
-
-
-def moe_layer_pattern(cfg: Config) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one, per layer."""
-    m = cfg.model
-    if m.layout == "dense":
-        return [0] * m.num_layers
-    if m.layout == "moe":
-        return [0] * m.first_dense + [1] * (m.num_layers - m.first_dense)
-    middle = m.num_layers // 2
-    return [1 if i in (middle - 1, middle) else 0 for i in range(m.num_layers)]
-
-
-def padded_vocab_size(cfg: Config) -> int:
-    multiple = 128 * cfg.parallel.tp
-    return int(math.ceil(cfg.model.vocab_size / multiple) * multiple)
-
-
-def transformer_config(cfg: Config) -> TransformerConfig:
+def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> TransformerConfig:
+    """megatron's TransformerConfig for `cfg`, with weights created on `device`."""
     m, moe, par = cfg.model, cfg.model.moe, cfg.parallel
-    if cfg.precision == "fp8" and not torch.cuda.is_available():
-        raise ConfigError("config: precision: fp8 needs Transformer Engine on a GPU (use fp32 or bf16)")
     has_moe = any(moe_layer_pattern(cfg))
     dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
@@ -74,8 +43,8 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=par.tp, sequence_parallel=par.tp > 1,
-        expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.etp or par.tp,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp,
+        use_cpu_initialization=torch.device(device).type == "cpu",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         fp8="hybrid" if cfg.precision == "fp8" else None,
     )
@@ -111,6 +80,12 @@ def _with_sp_norms(spec):
     return dataclasses.replace(spec, submodules=sub)
 
 
+def kappa_settings(cfg: Config) -> KappaSettings:
+    k = cfg.model.kappa
+    return KappaSettings(U=k.U, use_alpha=k.use_alpha, use_bias=k.use_bias,
+                         logit_scale=k.logit_scale, tanh_gain=k.tanh_gain)
+
+
 def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubmodules:
     """Local (plain torch) specs per layer; κ routers/experts in the MoE layers when enabled."""
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
@@ -121,9 +96,7 @@ def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubm
         moe = _with_sp_norms(spec(num_experts=cfg.model.moe.num_experts))
         if cfg.model.kappa.enabled:
             stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of the stock layer
-            k = cfg.model.kappa
-            settings = KappaSettings(U=k.U, use_alpha=k.use_alpha, use_bias=k.use_bias,
-                                     logit_scale=k.logit_scale, tanh_gain=k.tanh_gain)
+            settings = kappa_settings(cfg)
             experts = partial(KappaSequentialMLP, submodules=stock.experts.keywords["submodules"],
                               kappa=settings)
             mlp = partial(KappaMoELayer, submodules=MoESubmodules(experts=experts, router=KappaRouter))
@@ -132,18 +105,27 @@ def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubm
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
 
 
-def build_model(cfg: Config, meta: bool = False) -> GPTModel:
-    """The GPT model of `cfg` on this rank (megatron parallel state must be initialised).
+def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False) -> GPTModel:
+    """The GPT model of `cfg` on this rank, on `device` (default: the device chosen by
+    megatron_kappa.parallel.groups.init_distributed, whose parallel state must exist).
 
     meta=True builds shapes only (no memory, no initialisation), for counting parameters.
     """
-    tconfig = transformer_config(cfg)
+    if device is None:
+        from megatron_kappa.parallel.groups import current_device
+        device = current_device()
+    tconfig = transformer_config(cfg, device)
     if meta:
         tconfig.perform_initialization = False
     with torch.device("meta") if meta else contextlib.nullcontext():
-        return GPTModel(
+        model = GPTModel(
             config=tconfig, transformer_layer_spec=layer_specs(cfg, tconfig),
             vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
         )
+    if not meta and torch.device(device).type == "cuda":
+        # megatron creates the router weight on the CPU and moves it at the first forward; move
+        # everything now, so the optimizer and the checkpoints see the model where it runs.
+        model.to(device)
+    return model

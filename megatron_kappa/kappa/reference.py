@@ -1,4 +1,4 @@
-"""κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the router logit.
+"""The reference κ-SwiGLU op in plain torch: the CPU path of `kappa_swiglu` and the tests' oracle.
 
     h = g · σ(κ g) · u,   κ = U ** tanh(gain · (α · (scale · s) + b))
 
@@ -102,18 +102,12 @@ class KappaSwiGLU(torch.autograd.Function):
                 None, None, None)
 
 
-def kappa_swiglu(gate, up, logit, alpha, bias, U: float = 3.0, logit_scale: float = 1.0,
-                 tanh_gain: float = 1.0):
+def kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain):
     """κ-SwiGLU of gate/up [N, F] with router logits [N] and per-unit α, b [F] (either may be None)."""
-    if gate.shape != up.shape or gate.dim() != 2 or logit.shape != gate.shape[:1]:
-        raise ValueError(f"kappa_swiglu: expected gate/up [N, F] and logit [N], got "
-                         f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(logit.shape)}")
-    if not U > 1.0:
-        raise ValueError(f"kappa_swiglu: U must be > 1, got {U}")
     return KappaSwiGLU.apply(gate, up, logit, alpha, bias, float(U), float(logit_scale),
                              float(tanh_gain))
 
 
-def kappa_values(logit, alpha, bias, U: float = 3.0, logit_scale: float = 1.0, tanh_gain: float = 1.0):
+def kappa_values(logit, alpha, bias, U, logit_scale, tanh_gain):
     """κ [N, F] itself, for statistics and references."""
     return _kappa(logit, alpha, bias, math.log(U), logit_scale, tanh_gain)

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from megatron_kappa.evaluation.core import device_of
+
 
 def _documents(data):
     """(total tokens, iterator over documents) for shard prefixes or in-memory token lists."""
@@ -77,6 +79,7 @@ def validation_loss(logits_fn, data, tokenizer, seq_len: int, max_tokens=None, b
 
     With torch.distributed, batches are split over dp_rank/dp_world (default: every process) and
     the sums gathered over the default group; all ranks run the same number of forward passes.
+    Token windows go to `device`, by default the logits function's (`logits_fn.device`).
     """
     if dp_rank is None:
         on = dist.is_available() and dist.is_initialized()
@@ -98,7 +101,7 @@ def validation_loss(logits_fn, data, tokenizer, seq_len: int, max_tokens=None, b
         for i, w in enumerate(batch):
             ids[i, :len(w) - 1] = torch.from_numpy(w[:-1])
             targets[i, :len(w) - 1] = torch.from_numpy(w[1:])
-        logits = logits_fn(ids if device is None else ids.to(device))
+        logits = logits_fn(ids.to(device_of(logits_fn, device)))
         keep = targets >= 0
         nll = F.cross_entropy(logits[keep.to(logits.device)].float(), targets[keep].to(logits.device),
                               reduction="none").double().cpu()
@@ -107,7 +110,7 @@ def validation_loss(logits_fn, data, tokenizer, seq_len: int, max_tokens=None, b
         passes += 1
     # Expert parallelism exchanges tokens inside every forward pass: keep the pass count equal.
     for _ in range(math.ceil(n_batches / dp_world) - passes):
-        logits_fn(torch.full((1, min(8, seq_len)), pad, dtype=torch.long, device=device or "cpu"))
+        logits_fn(torch.full((1, min(8, seq_len)), pad, dtype=torch.long, device=device_of(logits_fn, device)))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (dp_rank, sums.tolist()))

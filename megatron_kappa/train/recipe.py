@@ -1,9 +1,7 @@
-"""The paper's recipe: parameter groups, learning-rate schedules, and the κ freeze.
+"""The paper's training recipe: learning-rate schedules, the κ freeze and the κ L2 penalty.
 
-Groups (each carries `kind`, which survives DeepSpeed's expert split of the groups):
-  matrix      2-D weights inside the transformer blocks (attention, MLPs, experts, routers)
-  non_matrix  embeddings, the output layer, norms
-  kappa       κ's α and b (own schedule, L2 penalty in the loss, no weight decay)
+It acts on the optimizer's parameter groups by their `kind` (matrix, non_matrix, kappa; built by
+megatron_kappa.train.optimizer) and on κ's α and b, found by megatron_kappa.model.params.is_kappa.
 """
 from __future__ import annotations
 
@@ -14,20 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import Config
-
-
-def param_groups(model, cfg: Config) -> list[dict]:
-    matrix, non_matrix, kappa = [], [], []
-    for name, p in model.named_parameters():
-        if getattr(p, "is_kappa", False):
-            kappa.append(p)
-        elif p.dim() >= 2 and "embedding" not in name and not name.startswith("output_layer"):
-            matrix.append(p)
-        else:
-            non_matrix.append(p)
-    return [dict(name="matrix", kind="matrix", params=matrix, weight_decay=cfg.train.weight_decay),
-            dict(name="non_matrix", kind="non_matrix", params=non_matrix, weight_decay=0.0),
-            dict(name="kappa", kind="kappa", params=kappa, weight_decay=0.0)]
+from megatron_kappa.model.params import is_kappa
 
 
 def main_lr(step: int, peak: float, total: int, warmup: int, min_ratio: float) -> float:
@@ -76,25 +61,24 @@ def l2_scale() -> float:
     return ps.get_data_parallel_world_size() / ps.get_expert_data_parallel_world_size()
 
 
-def kappa_l2(model, cfg: Config) -> torch.Tensor:
-    """λ_α Σ α² + λ_b Σ b² over this rank's κ parameters (unscaled)."""
+def kappa_l2(model, cfg: Config, device: torch.device) -> torch.Tensor:
+    """λ_α Σ α² + λ_b Σ b² over this rank's κ parameters (unscaled), a scalar on `device`."""
     k = cfg.model.kappa
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for name, p in model.named_parameters():
-        if name.endswith("kappa_alpha"):
-            total = total + k.l2_alpha * p.float().pow(2).sum()
-        elif name.endswith("kappa_bias"):
-            total = total + k.l2_bias * p.float().pow(2).sum()
+        if is_kappa(name):
+            weight = k.l2_alpha if name.endswith("kappa_alpha") else k.l2_bias
+            total = total + weight * p.float().pow(2).sum()
     return total
 
 
-def global_kappa_l2(local: torch.Tensor) -> float:
-    """The penalty over all experts, each entry counted once (for logging)."""
+def global_kappa_l2(local: torch.Tensor) -> torch.Tensor:
+    """The penalty over all experts, each entry counted once (for logging; a tensor, no sync)."""
     value = local.detach().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value)
         value /= ps.get_expert_data_parallel_world_size()  # ranks holding each entry
-    return value.item()
+    return value
 
 
 class KappaFreeze:
@@ -108,7 +92,7 @@ class KappaFreeze:
     def __init__(self, model, total: int, cfg: Config):
         self.start = unfreeze_step(total, cfg.model.kappa.freeze_fraction)
         self.frozen = True
-        self.params = [p for p in model.parameters() if getattr(p, "is_kappa", False)]
+        self.params = [p for n, p in model.named_parameters() if is_kappa(n)]
         for p in self.params:
             p.register_hook(lambda g: torch.zeros_like(g) if self.frozen else g)
 

@@ -1,5 +1,8 @@
 """Metrics: one JSON line per log interval in <run.dir>/metrics.jsonl, the same to TensorBoard,
-and a progress line on stdout. κ statistics per MoE layer come from the last forward's logits."""
+and a progress line on stdout. κ statistics per MoE layer come from the last forward's logits.
+
+Everything here runs on logging steps only: its collectives take tensors on the model's device
+(NCCL refuses CPU tensors), and the numbers are read on the host once, at the end."""
 from __future__ import annotations
 
 import json
@@ -10,20 +13,21 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-from megatron_kappa.moe import KappaSequentialMLP
+from megatron_kappa.model.experts import KappaExpertActivation
+from megatron_kappa.parallel.groups import dp_mean
 
 _SAMPLE = 20000  # κ values per rank and layer used for the quantiles
 
 
 def kappa_layers(model):
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, KappaSequentialMLP)]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, KappaExpertActivation)]
 
 
 def _layer_index(name: str) -> int:
     return int(name.split("layers.")[1].split(".")[0])
 
 
-def kappa_stats(model) -> dict:
+def kappa_stats(model, device: torch.device) -> dict:
     """Per κ layer: mean κ, 5% / 95% quantiles of κ, mean |α|, mean |b| (collective)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
@@ -32,18 +36,19 @@ def kappa_stats(model) -> dict:
         for e, logits in enumerate(layer.last_logits or []):
             if logits.numel():
                 values.append(layer.kappa_of(logits.float(), e).reshape(-1))
-        local = torch.cat(values) if values else torch.zeros(0)
+        local = torch.cat(values).cpu() if values else torch.zeros(0)
         if local.numel() > _SAMPLE:
             local = local[torch.randperm(local.numel(), generator=gen)[:_SAMPLE]]
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, local)  # CPU tensors: pickled, whatever the backend
         kappa = torch.cat(gathered)
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
         for i, p in enumerate((layer.kappa_alpha, layer.kappa_bias)):
             if p is not None:
                 sums[2 * i] = p.detach().abs().double().sum()
                 sums[2 * i + 1] = p.numel()
         dist.all_reduce(sums)  # replicas count equally, so the mean is unchanged by them
+        sums = sums.cpu()
         prefix = f"kappa/layer{_layer_index(name)}"
         if kappa.numel():
             q = torch.quantile(kappa.double(), torch.tensor([0.05, 0.95], dtype=torch.float64))
@@ -54,22 +59,19 @@ def kappa_stats(model) -> dict:
     return out
 
 
-def router_losses(config, micro_batches: int, dp_group) -> dict:
+def router_losses(config, micro_batches: int, device: torch.device) -> dict:
     """Weighted aux and z losses (what entered the objective), summed over layers, averaged over
     micro-batches and DP ranks; clears megatron's tracker for the next step."""
     tracker = get_moe_metrics_tracker()
-    totals = torch.zeros(2)
+    totals = torch.zeros(2, device=device)
     for key, entry in tracker.metrics.items():
         if key == "z_loss":
             totals[1] += entry.values.sum() * (config.moe_z_loss_coeff or 0.0)
         else:
             totals[0] += entry.values.sum() * (config.moe_aux_loss_coeff or 0.0)
     tracker.clear()
-    totals /= micro_batches
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(totals, group=dp_group)
-        totals /= dist.get_world_size(dp_group)
-    return {"aux_loss": totals[0].item(), "z_loss": totals[1].item()}
+    aux, z = dp_mean(totals / micro_batches).tolist()
+    return {"aux_loss": aux, "z_loss": z}
 
 
 class MetricsLog:

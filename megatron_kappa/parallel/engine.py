@@ -2,15 +2,17 @@
 
 DeepSpeed recognises expert parameters only through its own MoE layer. megatron-core marks
 them with `allreduce=False` and nothing else, and without the four pieces below DeepSpeed
-silently averages different experts together (notes/deepspeed-on-cpu.md §6):
+silently averages different experts together (tests/test_training.py has that negative control):
   1. every `allreduce=False` parameter gets `group_name = "ep_size_<EP>"`;
   2. DeepSpeed's expert(-data)-parallel group tables are filled from megatron's groups;
   3. a parameter-free `deepspeed.moe.layer.MoE` marker in the model sets `has_moe_layers`;
   4. optimizer groups are split with `split_params_into_different_moe_groups_for_optimizer`.
+The optimizer itself is built by megatron_kappa.train.optimizer.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import deepspeed
 import torch
@@ -21,7 +23,7 @@ from deepspeed.utils import groups as ds_groups
 from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import Config
-from megatron_kappa.grads import is_expert
+from megatron_kappa.model.params import is_expert
 
 
 class MegatronMPU:
@@ -73,9 +75,11 @@ def expert_group_name() -> str:
 
 
 def wire_experts(model) -> bool:
-    """Pieces 1-3. Returns False when the model has no expert-parallel parameters."""
-    experts = [p for p in model.parameters() if is_expert(p)]
-    if not experts:
+    """Pieces 1-3. Returns False when the model has no experts that DeepSpeed must reduce apart:
+    megatron marks them (`allreduce=False`) only when EP > 1 or expert-TP differs from TP;
+    otherwise the expert-data-parallel group is the data-parallel group and they reduce as dense."""
+    experts = [p for n, p in model.named_parameters() if is_expert(n)]
+    if not experts or all(getattr(p, "allreduce", True) for p in experts):
         return False
     name = expert_group_name()
     for p in experts:
@@ -93,9 +97,6 @@ def wire_experts(model) -> bool:
 
 
 def ds_config(cfg: Config, grad_accum: int) -> dict:
-    if cfg.zero.stage == 3:
-        raise ValueError("zero.stage: ZeRO-3 is not supported with expert parallelism "
-                         "(DeepSpeed refuses native MoE under ZeRO-3); use 1 or 2")
     return {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
         "gradient_accumulation_steps": grad_accum,
@@ -108,24 +109,16 @@ def ds_config(cfg: Config, grad_accum: int) -> dict:
     }
 
 
-def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int):
-    """Wire experts, split optimizer groups, and start the DeepSpeed engine (client AdamW)."""
+def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int,
+               build_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
+    """Wire experts, split the optimizer groups for them, build the optimizer from the groups and
+    start the DeepSpeed engine. Returns (engine, optimizer)."""
     if "LOCAL_RANK" not in os.environ:  # plain `python` (a world of one): DeepSpeed asks for it
         os.environ["LOCAL_RANK"] = "0"
-    has_experts = wire_experts(model)
-    if has_experts:
+    if wire_experts(model):
         param_groups = split_params_into_different_moe_groups_for_optimizer(param_groups)
-    param_groups = [g for g in param_groups if g["params"]]
-    optimizer = torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                  eps=1e-8)
+    optimizer = build_optimizer([g for g in param_groups if g["params"]])
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(cfg, grad_accum),
         dist_init_required=False)
     return engine, optimizer
-
-
-def avoid_jit_ops():
-    """No JIT-compiled DeepSpeed ops on CPU (a 25-40 s build per op and cache): the shm comm op
-    is only for inference, and the optimizer is torch's AdamW."""
-    if not torch.cuda.is_available():
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

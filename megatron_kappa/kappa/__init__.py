@@ -1,0 +1,97 @@
+"""κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the router logit.
+
+    h = g · σ(κ g) · u,   κ = U ** tanh(gain · (α · (scale · s) + b))
+
+g, u: an expert's gate and up projections [N, F]; s: the raw router logit of each row's expert
+[N]; α, b: per gate unit [F] (or [E, F] for rows grouped by expert, see `tokens_per_expert`).
+scale = gain = 1 is the paper; the authors' code uses scale 0.15 and gain 2. α = None or
+b = None are the paper's ablations (that term ≡ 0).
+
+Backends, one math:
+  "torch"   megatron_kappa.kappa.reference: a row-chunked autograd function (the CPU path and
+            the tests' oracle);
+  "triton"  megatron_kappa.kappa.triton_op: fused forward and backward kernels (the GPU path;
+            runs on CPU tensors under TRITON_INTERPRET=1, which is how CI tests it);
+  "auto"    Triton for CUDA tensors, torch otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where the op runs: the config reads KappaSettings without it
+    import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KappaSettings:
+    """The κ-SwiGLU knobs of an expert layer. The one place their defaults are declared
+    (config: model.kappa.*, which takes its defaults from here)."""
+
+    U: float = 3.0
+    use_alpha: bool = True
+    use_bias: bool = True
+    logit_scale: float = 1.0
+    tanh_gain: float = 1.0
+
+
+DEFAULTS = KappaSettings()
+
+
+def _check(gate, up, logit, alpha, bias, U, tokens_per_expert):
+    if gate.shape != up.shape or gate.dim() != 2 or logit.shape != gate.shape[:1]:
+        raise ValueError(f"kappa_swiglu: expected gate/up [N, F] and logit [N], got "
+                         f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(logit.shape)}")
+    if not U > 1.0:
+        raise ValueError(f"kappa_swiglu: U must be > 1, got {U}")
+    f = gate.shape[1]
+    want = (f,) if tokens_per_expert is None else (tokens_per_expert.shape[0], f)
+    for name, p in (("alpha", alpha), ("bias", bias)):
+        if p is not None and tuple(p.shape) != want:
+            raise ValueError(f"kappa_swiglu: expected {name} of shape {list(want)}, got {list(p.shape)}")
+
+
+def resolve_backend(backend: str, device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"kappa_swiglu: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
+                 logit_scale: float = DEFAULTS.logit_scale, tanh_gain: float = DEFAULTS.tanh_gain,
+                 backend: str = "auto", tokens_per_expert: torch.Tensor | None = None):
+    """κ-SwiGLU of gate/up [N, F] with router logits [N].
+
+    α, b: [F] (one expert), or [E, F] with `tokens_per_expert` [E] giving how many consecutive
+    rows belong to each expert (the grouped-experts layout); either may be None (ablations).
+    """
+    import torch
+
+    from megatron_kappa.kappa.reference import kappa_swiglu_torch
+
+    _check(gate, up, logit, alpha, bias, U, tokens_per_expert)
+    backend = resolve_backend(backend, gate.device)
+    if backend == "triton":
+        from megatron_kappa.kappa.triton_op import kappa_swiglu_triton
+        return kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
+                                   tokens_per_expert)
+    if tokens_per_expert is None:
+        return kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain)
+    # Grouped rows on the torch path: one call per expert segment (the sizes are read on the
+    # host, which costs nothing on CPU; the Triton path reads them on the device).
+    counts = tokens_per_expert.tolist()
+    pick = lambda p, e: None if p is None else p[e]  # noqa: E731
+    parts = [kappa_swiglu_torch(g, u, s, pick(alpha, e), pick(bias, e), U, logit_scale, tanh_gain)
+             for e, (g, u, s) in enumerate(zip(gate.split(counts), up.split(counts), logit.split(counts)))]
+    return torch.cat(parts) if parts else gate.new_empty(0, gate.shape[1])
+
+
+def kappa_values(logit, alpha, bias, U: float = DEFAULTS.U, logit_scale: float = DEFAULTS.logit_scale,
+                 tanh_gain: float = DEFAULTS.tanh_gain):
+    """κ [N, F] itself ([N, 1] when both α and b are ablated), for statistics and references."""
+    from megatron_kappa.kappa.reference import kappa_values as _kappa_values_torch
+    return _kappa_values_torch(logit, alpha, bias, U, logit_scale, tanh_gain)

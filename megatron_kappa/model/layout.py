@@ -1,0 +1,22 @@
+"""The model's shape decisions that need no torch: which layers are MoE, the padded vocabulary."""
+from __future__ import annotations
+
+import math
+
+from megatron_kappa.config import Config
+
+
+def moe_layer_pattern(cfg: Config) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one, per layer."""
+    m = cfg.model
+    if m.layout == "dense":
+        return [0] * m.num_layers
+    if m.layout == "moe":
+        return [0] * m.first_dense + [1] * (m.num_layers - m.first_dense)
+    middle = m.num_layers // 2
+    return [1 if i in (middle - 1, middle) else 0 for i in range(m.num_layers)]
+
+
+def padded_vocab_size(cfg: Config) -> int:
+    multiple = 128 * cfg.parallel.tp
+    return int(math.ceil(cfg.model.vocab_size / multiple) * multiple)

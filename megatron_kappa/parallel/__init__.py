@@ -1,0 +1,9 @@
+"""Parallelism: how the model is spread over processes and how its gradients meet again.
+
+groups.py      the device, torch.distributed and megatron's process groups, seeds
+launch_env.py  rank/world/rendezvous from torchrun, deepspeed or Slurm; free ports
+grads.py       the gradient reductions megatron-core leaves to its caller
+sharding.py    full (single-process) weights <-> any TP/EP/ETP layout
+engine.py      DeepSpeed around the megatron model (mpu adapter, expert wiring, ZeRO config)
+compat.py      every CPU-only patch (megatron-core, torch.compile, DeepSpeed JIT ops)
+"""

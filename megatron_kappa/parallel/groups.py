@@ -1,0 +1,112 @@
+"""Process groups, the device, and seeds: torch.distributed + megatron's parallel state.
+
+The device is decided once here, at start-up: `cuda:LOCAL_RANK` where CUDA is available, else
+the CPU (or what MEGATRON_KAPPA_DEVICE says: `cpu` pins a process to the CPU on a GPU machine, as
+the CPU tests do). Everything that creates tensors takes it from `current_device()` or is handed
+it by the caller. The backend follows the device: NCCL on CUDA, gloo on the CPU.
+
+Works under every launcher users know (`deepspeed`, `torchrun`, `srun`, `mp.spawn`) and as a
+plain `python` process (a world of one).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_kappa.config import ConfigError, ParallelConfig
+from megatron_kappa.parallel import compat, launch_env
+from megatron_kappa.preflight import check_layout
+
+DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"
+_device: torch.device | None = None
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    """`cuda:LOCAL_RANK` when CUDA is available (or requested), else the CPU."""
+    requested = requested or os.environ.get(DEVICE_ENV) or "auto"
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"{DEVICE_ENV}: expected auto, cpu or cuda, got {requested!r}")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{DEVICE_ENV}=cuda but CUDA is not available on this machine")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def current_device() -> torch.device:
+    """The device of this process (decided by the first `init_distributed`; the CPU before)."""
+    return _device if _device is not None else pick_device()
+
+
+def init_process_group(device: torch.device, timeout_s: float | None = None) -> bool:
+    """Join the group a launcher describes in the environment, or make a world of one.
+    True when this call created the group (and so should destroy it)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    if launch_env.export_environment() is not None:  # deepspeed, torchrun, srun
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python`: a world of one
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{launch_env.free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = None,
+                     device: torch.device | str | None = None,
+                     timeout_s: float | None = None) -> torch.device:
+    """Create the default process group (if the launcher has not) and megatron's groups; returns
+    this process's device."""
+    global _device
+    launch_env.export_environment()  # under srun, LOCAL_RANK (and so the GPU) comes from Slurm's variables
+    _device = torch.device(device) if device is not None else pick_device()
+    compat.apply(_device)
+    init_process_group(_device, timeout_s)
+    check_layout(par, dist.get_world_size(), num_experts)
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
+        if current == (par.tp, par.ep, par.expert_tp):  # same layout: keep the groups (creating more is slow)
+            set_seed(seed)
+            return _device
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+        create_gloo_process_groups=False,
+    )
+    set_seed(seed)
+    return _device
+
+
+def set_seed(seed: int):
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def dp_mean(value: torch.Tensor) -> torch.Tensor:
+    """The mean of `value` over the data-parallel group, as a tensor on value's device (no host
+    sync: call `.item()` only where the number is needed)."""
+    value = value.detach().clone().float()
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return value
+
+
+def teardown():
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,9 @@
+"""Training: the loop and what it needs.
+
+loop.py        run(cfg): setup → data → steps → metrics/checkpoints (the algorithm)
+recipe.py      the paper's recipe: learning-rate schedules, the κ freeze, the κ L2 penalty
+optimizer.py   parameter groups and the optimizer built from them
+data.py        megatron-core datasets, the resumable batch order, batches to the device
+checkpoint.py  atomic checkpoints that store each weight once
+metrics.py     metrics.jsonl, TensorBoard, κ and router statistics
+"""

@@ -1,0 +1,194 @@
+"""The training job: config → model/parallel setup → data → train loop → checkpoints/metrics → eval.
+
+`run(cfg)` is what `launch/pretrain.py` calls under any launcher, after the preflight has checked
+every input. It resumes from the latest checkpoint in `run.dir` if there is one.
+
+Host–device synchronisation: a step enqueues its work and moves on; numbers are read on the host
+(`.item()`, `.tolist()`) only on logging and checkpoint steps, where the loss is also checked for
+NaN — so a diverged step is never saved. The syncs that remain inside a step belong to
+megatron-core's MoE dispatch and are listed in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from megatron_kappa.config import Config, to_dict
+from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.parallel import engine as ds_engine
+from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, update_expert_bias
+from megatron_kappa.parallel.groups import dp_mean, init_distributed
+from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
+from megatron_kappa.summary import count
+from megatron_kappa.train import optimizer as optim, recipe
+from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
+from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
+from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def layout(cfg: Config, world: int) -> dict:
+    return {"world": world, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "etp": cfg.parallel.expert_tp}
+
+
+def total_steps(cfg: Config, model) -> int:
+    if cfg.train.steps is not None:
+        return cfg.train.steps
+    return count(model, cfg, numel=global_numel)["steps_for_budget"]
+
+
+def lm_loss(model, batch, position_ids) -> torch.Tensor:
+    """Mean next-token loss over the batch's unmasked tokens (a device scalar)."""
+    per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+    mask = batch["loss_mask"]
+    return (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tensor:
+    engine.eval()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mb = cfg.train.micro_batch
+    losses = [lm_loss(engine, batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device), position_ids)
+              for i in range(cfg.eval.valid_iters)]
+    engine.train()
+    return dp_mean(torch.stack(losses).mean())
+
+
+def grad_accumulation(cfg: Config) -> int:
+    """Micro-batches per optimizer step on each rank (divisibility: checked by the preflight)."""
+    return cfg.train.global_batch // (cfg.train.micro_batch * ps.get_data_parallel_world_size())
+
+
+def train_step(engine, model, cfg: Config, train_ds, step: int, device, position_ids):
+    """One optimizer step over this rank's micro-batches. `engine` is DeepSpeed's (or anything
+    with its forward/backward/step). Returns the step's loss averaged over data-parallel ranks and
+    the last κ L2 penalty, as device tensors: nothing here waits for the device."""
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    l2_scale = recipe.l2_scale()
+    losses = []
+    for micro in range(grad_accumulation(cfg)):
+        first = train_first_sample(step, micro, cfg, dp_rank, dp)
+        batch = batch_at(train_ds, first, cfg.train.micro_batch, device)
+        loss = lm_loss(engine, batch, position_ids)
+        l2 = recipe.kappa_l2(model, cfg, device)
+        engine.backward(loss + l2 * l2_scale)
+        engine.step()
+        losses.append(loss.detach())
+    return dp_mean(torch.stack(losses).mean()), l2
+
+
+def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
+    """What a logging step records beyond the loss (collectives; numbers read on the host)."""
+    return {**router_losses(model.config, grad_accumulation(cfg), device),
+            "kappa_l2": recipe.global_kappa_l2(l2).item(),
+            "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            **kappa_stats(model, device)}
+
+
+def use_deterministic_kernels():
+    """Same inputs, same bits on a GPU too: no atomics-based kernels, a fixed cuBLAS workspace."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at the first cuBLAS call
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def run(cfg: Config, log=print) -> dict:
+    """Train (or resume) the job described by `cfg`; returns the last metrics record."""
+    if cfg.train.deterministic:
+        use_deterministic_kernels()
+    # --- model and parallel setup
+    num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
+    device = init_distributed(cfg.parallel, cfg.train.seed, num_experts)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
+    run_dir = Path(cfg.run.dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    dist.barrier()
+
+    model = build_model(cfg, device)
+    destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
+    ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
+    start = ckpts.latest() or 0  # a layout change on resume was refused by the preflight
+    if cfg.train.init_weights and not start:
+        load_full_state_dict(model, torch.load(cfg.train.init_weights, map_location=device, weights_only=True))
+    steps = total_steps(cfg, model)
+    install_tensor_parallel_grad_hooks(model)
+    freeze = recipe.KappaFreeze(model, steps, cfg)
+    engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, grad_accum,
+                                             lambda groups: optim.build_optimizer(groups, cfg))
+    if start:
+        saved = ckpts.load(engine, start, device)
+        model.load_state_dict(saved["buffers"], strict=False)
+        set_rng_state(saved["rng"], device)
+        log(f"resumed from {ckpts.folder(start)}")
+    metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0)
+    metrics.truncate_after(start)
+
+    # --- data
+    valid_samples = max(cfg.eval.valid_iters, 1) * cfg.train.micro_batch * dp
+    train_ds, valid_ds = build_datasets(cfg, steps * cfg.train.global_batch, valid_samples)
+    position_ids = torch.arange(cfg.model.seq_length, device=device).expand(cfg.train.micro_batch, -1)
+
+    # --- the loop
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / grad_accum, device=device))
+    core = None
+    if cfg.eval.core_every:
+        from megatron_kappa.evaluation.core_subset import CoreSubset
+        core = CoreSubset(cfg, engine, device)
+    record, window_start, window_steps = {}, time.perf_counter(), 0
+    for step in range(start, steps):
+        freeze.begin_step(step, optimizer)
+        lrs = recipe.set_learning_rates(optimizer, step, steps, cfg)
+        step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
+        if cfg.model.moe.router == "sigmoid":
+            update_expert_bias(model, cfg.model.moe.bias_update_rate)
+        done = step + 1
+        window_steps += 1
+        logging = done % cfg.log.interval == 0 or done == steps
+        saving = done % cfg.checkpoint.interval == 0 or done == steps
+        if not (logging or saving):
+            get_moe_metrics_tracker().clear()  # router losses are reduced only on logged steps
+            continue
+        loss_value = step_loss.item()  # the step's one host sync, on logging/checkpoint steps
+        if not math.isfinite(loss_value):
+            last = ckpts.latest()
+            raise TrainingDiverged(f"step {done}: loss is {loss_value}; stopped without saving"
+                                   + (f", the last good checkpoint is {ckpts.folder(last)}" if last else ""))
+        if logging:
+            elapsed = time.perf_counter() - window_start
+            record = {"step": done, "loss": loss_value, "lr": lrs["matrix"], "lr_kappa": lrs["kappa"],
+                      "tokens_per_s": window_steps * tokens_per_step / elapsed,
+                      "tokens_seen": done * tokens_per_step, **step_metrics(engine, model, cfg, l2, device)}
+            if cfg.eval.valid_every and (done % cfg.eval.valid_every == 0 or done == steps):
+                record["valid_loss"] = validate(engine, valid_ds, cfg, device, position_ids).item()
+            if core is not None and (done % cfg.eval.core_every == 0 or done == steps):
+                record.update(core.evaluate())
+            metrics.write(record)
+            log(f"step {done}/{steps} loss {loss_value:.4f} lr {lrs['matrix']:.2e} grad_norm "
+                f"{record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f}"
+                + (f" valid {record['valid_loss']:.4f}" if "valid_loss" in record else ""))
+            window_start, window_steps = time.perf_counter(), 0
+        else:
+            get_moe_metrics_tracker().clear()
+        if saving:
+            ckpts.save(engine, done, {"layout": layout(cfg, world), "config": to_dict(cfg)},
+                       {"rng": rng_state(device), "coords": rank_coords(model),
+                        "weights": owned_state(model), "buffers": dict(model.named_buffers())})
+    metrics.close()
+    return record

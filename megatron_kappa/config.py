@@ -64,6 +64,9 @@ class MoEConfig:
     bias_update_rate: float = _f(1e-3, "expert-bias update rate (sigmoid router)")
     dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "megatron-core token dispatcher")
     capacity_factor: Optional[float] = _f(None, "expert capacity factor (null: no token dropping)")
+    grouped_gemm: bool = _f(True, "all local experts in two grouped GEMMs (torch.nn.functional.grouped_mm) "
+                                  "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
+                                  "the expert ffn size / etp to be multiples of 4 (fp32) or 8 (bf16)")
 
 
 @dataclass
@@ -340,6 +343,12 @@ def validate(cfg: Config):
     need(ffn % par.tp == 0, "parallel.tp", f"model.ffn_hidden_size={ffn} is not divisible by tp={par.tp}")
     need((moe.ffn_hidden_size or ffn) % etp == 0, "parallel.etp",
          f"expert ffn size {moe.ffn_hidden_size or ffn} is not divisible by etp={etp}")
+    if m.layout != "dense" and moe.grouped_gemm:
+        align = 4 if cfg.precision == "fp32" else 8  # grouped_mm wants 16-byte strides
+        expert_ffn = (moe.ffn_hidden_size or ffn) // etp
+        need(m.hidden_size % align == 0 and expert_ffn % align == 0, "model.moe.grouped_gemm",
+             f"grouped GEMMs in {cfg.precision} need model.hidden_size ({m.hidden_size}) and the expert "
+             f"ffn size / etp ({expert_ffn}) to be multiples of {align}; set model.moe.grouped_gemm: false")
     k = m.kappa
     need(k.U > 1.0, "model.kappa.U", f"must be > 1, got {k.U}")
     need(0.0 <= k.freeze_fraction < 1.0, "model.kappa.freeze_fraction", f"must be in [0, 1), got {k.freeze_fraction}")

@@ -3,17 +3,34 @@ import torch
 
 
 def layer_weights(layer):
-    """Router and expert weights of a megatron MoE layer (one process, EP = TP = 1)."""
-    experts = layer.experts.local_experts
-    alpha = getattr(layer.experts, "kappa_alpha", None)
-    bias = getattr(layer.experts, "kappa_bias", None)
+    """Router and expert weights of a megatron MoE layer (one process, EP = TP = 1), with either
+    experts class (megatron's per-expert modules or grouped stacks)."""
+    experts = layer.experts
+    if hasattr(experts, "fc1_weight"):  # grouped: one stack per projection
+        fc1, fc2 = list(experts.fc1_weight), list(experts.fc2_weight)
+    else:
+        fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+        fc2 = [e.linear_fc2.weight for e in experts.local_experts]
     return dict(
-        router=layer.router.weight,
-        fc1=[e.linear_fc1.weight for e in experts],
-        fc2=[e.linear_fc2.weight for e in experts],
-        alpha=alpha, bias=bias,
+        router=layer.router.weight, fc1=fc1, fc2=fc2,
+        alpha=getattr(experts, "kappa_alpha", None), bias=getattr(experts, "kappa_bias", None),
         expert_bias=getattr(layer.router, "expert_bias", None),
     )
+
+
+def expert_grads(layer) -> dict:
+    """Gradients under megatron's per-expert names, with either experts class."""
+    out = {}
+    for name, p in layer.named_parameters():
+        if p.grad is None:
+            continue
+        stack = getattr(p, "expert_stack", None)
+        if stack is None:
+            out[name] = p.grad.clone()
+        else:
+            prefix = name.rsplit(".", 1)[0]
+            out.update({f"{prefix}.local_experts.{i}.{stack}": g.clone() for i, g in enumerate(p.grad)})
+    return out
 
 
 def naive_moe(x, w, *, topk, router="softmax", route_scale=1.0, U=3.0, logit_scale=1.0,

@@ -4,13 +4,14 @@ import torch
 
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
-from moe_reference import layer_weights, naive_moe
+from moe_reference import expert_grads, layer_weights, naive_moe
 
 S, B, H = 8, 3, 16
 
 
-def make_cfg(dispatcher="alltoall", router="softmax", kappa=True, aux=0.0, z=0.0, **extra):
+def make_cfg(dispatcher="alltoall", router="softmax", kappa=True, aux=0.0, z=0.0, grouped=True, **extra):
     sets = [f"model.moe.dispatcher={dispatcher}", f"model.moe.router={router}",
+            f"model.moe.grouped_gemm={str(grouped).lower()}",
             f"model.kappa.enabled={str(kappa).lower()}", f"model.moe.aux_loss={aux}",
             f"model.moe.z_loss={z}", "model.num_layers=1", "model.first_dense=0",
             f"model.hidden_size={H}", "model.num_attention_heads=2", "model.ffn_hidden_size=24",
@@ -36,24 +37,27 @@ def randomize_kappa(layer, seed=1):
         if getattr(layer.router, "expert_bias", None) is not None:
             layer.router.expert_bias.copy_(torch.randn(layer.router.expert_bias.shape, generator=gen) * 0.1)
         layer.router.weight.mul_(8.0)  # logits of a few units, so κ moves well away from 1
-        for expert in layer.experts.local_experts:  # activations of order 1
-            expert.linear_fc1.weight.mul_(25.0)
-            expert.linear_fc2.weight.mul_(10.0)
+        for fc1, fc2 in zip(*(layer_weights(layer)[k] for k in ("fc1", "fc2"))):  # activations of order 1
+            fc1.mul_(25.0)
+            fc2.mul_(10.0)
 
 
 def run(layer, x):
     x = x.clone().requires_grad_()
     out, _ = layer(x)
     out.backward(torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape).sin())
-    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return out.detach(), x.grad, expert_grads(layer)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_kappa_layer_with_zero_alpha_bias_equals_stock_megatron(world1, dispatcher, router):
+def test_kappa_layer_with_zero_alpha_bias_equals_stock_megatron(world1, dispatcher, router, grouped):
+    """κ experts (grouped or megatron's loop) at α = b = 0 against stock megatron-core
+    (SequentialMLP, TopKRouter, MoELayer)."""
     aux = 1e-2 if router == "softmax" else 0.0
-    kappa = build_layer(make_cfg(dispatcher, router, kappa=True, aux=aux, z=1e-3))
-    stock = build_layer(make_cfg(dispatcher, router, kappa=False, aux=aux, z=1e-3), seed=7)
+    kappa = build_layer(make_cfg(dispatcher, router, kappa=True, aux=aux, z=1e-3, grouped=grouped))
+    stock = build_layer(make_cfg(dispatcher, router, kappa=False, aux=aux, z=1e-3, grouped=False), seed=7)
     missing, unexpected = stock.load_state_dict(kappa.state_dict(), strict=False)
     assert not missing and sorted(unexpected) == ["experts.kappa_alpha", "experts.kappa_bias"]
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(3))
@@ -75,11 +79,12 @@ def reference_grads(layer, x, **kw):
     return out.detach(), x64.grad, w
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_kappa_layer_matches_naive_per_token_loop(world1, dispatcher, router):
+def test_kappa_layer_matches_naive_per_token_loop(world1, dispatcher, router, grouped):
     route_scale = 1.0 if router == "softmax" else 2.448
-    layer = build_layer(make_cfg(dispatcher, router, **{"model.moe.route_scale": route_scale}))
+    layer = build_layer(make_cfg(dispatcher, router, grouped=grouped, **{"model.moe.route_scale": route_scale}))
     randomize_kappa(layer)
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4))
     out, dx, grads = run(layer, x)
@@ -111,11 +116,12 @@ def test_ablations_and_authors_variant_match_reference(world1):
         torch.testing.assert_close(out.reshape(-1, H).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_kappa_parameters_are_zero_initialised_expert_parameters(world1):
-    layer = build_layer(make_cfg())
+@pytest.mark.parametrize("grouped", [True, False])
+def test_kappa_parameters_are_zero_initialised_expert_parameters(world1, grouped):
+    layer = build_layer(make_cfg(grouped=grouped))
     for p in (layer.experts.kappa_alpha, layer.experts.kappa_bias):
         assert p.shape == (4, 24) and not p.any()
-        fc1 = layer.experts.local_experts[0].linear_fc1.weight
+        fc1 = layer.experts.fc1_weight if grouped else layer.experts.local_experts[0].linear_fc1.weight
         assert p.allreduce == getattr(fc1, "allreduce", True)
         assert p.tensor_model_parallel and p.partition_dim == 1
 

@@ -2,7 +2,8 @@
 
 The reference runs here (one process, the global batch as DP-sized micro-batches with gradient
 accumulation); the parallel runs share one torchrun launch of 4 processes (tests/parallel_worker.py).
-Every case starts from the reference's weights (α, b nonzero so κ matters from step 0).
+Every case starts from the reference's weights (α, b nonzero so κ matters from step 0). The
+experts are grouped GEMMs (the default) except in the cases named "sequential".
 """
 import os
 import subprocess
@@ -32,6 +33,10 @@ def cases():
     for kappa in (True, False):
         out.append((f"tp2ep2_etp1-{'kappa' if kappa else 'swiglu'}-softmax-allgather", "tp2ep2_etp1",
                     dict(kappa=kappa, router="softmax", dispatcher="allgather"), None))
+    for layout in ("ep2", "tp2ep2_etp2"):  # megatron's per-expert loop (the default is grouped GEMMs)
+        for kappa in (True, False):
+            out.append((f"{layout}-{'kappa' if kappa else 'swiglu'}-softmax-alltoall-sequential", layout,
+                        dict(kappa=kappa, router="softmax", dispatcher="alltoall", grouped=False), None))
     for negative in ("skip_edp", "bad_expert_map"):
         out.append((f"ep2-kappa-softmax-alltoall-NEG-{negative}", "ep2",
                     dict(kappa=True, router="softmax", dispatcher="alltoall"), negative))

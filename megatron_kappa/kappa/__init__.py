@@ -77,12 +77,15 @@ def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
     backend = resolve_backend(backend, gate.device)
     if backend == "triton":
         from megatron_kappa.kappa.triton_op import kappa_swiglu_triton
+        if tokens_per_expert is not None:  # the kernels read the offsets on the device
+            tokens_per_expert = tokens_per_expert.to(gate.device, non_blocking=True)
         return kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
                                    tokens_per_expert)
     if tokens_per_expert is None:
         return kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain)
-    # Grouped rows on the torch path: one call per expert segment (the sizes are read on the
-    # host, which costs nothing on CPU; the Triton path reads them on the device).
+    # Grouped rows on the torch path: one call per expert segment. The sizes are read on the
+    # host: free for the host counts megatron's dispatchers give, and the Triton path (CUDA)
+    # reads them on the device instead.
     counts = tokens_per_expert.tolist()
     pick = lambda p, e: None if p is None else p[e]  # noqa: E731
     parts = [kappa_swiglu_torch(g, u, s, pick(alpha, e), pick(bias, e), U, logit_scale, tanh_gain)

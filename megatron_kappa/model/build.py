@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.config import Config
 from megatron_kappa.kappa import KappaSettings
-from megatron_kappa.model.experts import KappaSequentialMLP
+from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
 from megatron_kappa.model.norms import SPTorchNorm
@@ -86,21 +86,39 @@ def kappa_settings(cfg: Config) -> KappaSettings:
                          logit_scale=k.logit_scale, tanh_gain=k.tanh_gain)
 
 
+def router_spec(cfg: Config, stock: MoESubmodules):
+    """The router class: κ needs each pair's raw logit handed on with the probabilities."""
+    return KappaRouter if cfg.model.kappa.enabled else stock.router
+
+
+def experts_spec(cfg: Config, stock: MoESubmodules):
+    """The experts: grouped GEMMs or megatron's per-expert loop, with κ-SwiGLU or plain SwiGLU."""
+    kappa = kappa_settings(cfg) if cfg.model.kappa.enabled else None
+    if cfg.model.moe.grouped_gemm:
+        return partial(GroupedExperts, kappa=kappa)
+    if kappa is not None:
+        return partial(KappaSequentialMLP, submodules=stock.experts.keywords["submodules"], kappa=kappa)
+    return stock.experts
+
+
+def moe_layer_spec(cfg: Config, stock: MoESubmodules):
+    """The MoE layer: the κ layer swaps in the dispatcher that carries the logit."""
+    layer = KappaMoELayer if cfg.model.kappa.enabled else MoELayer
+    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock), router=router_spec(cfg, stock)))
+
+
 def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubmodules:
-    """Local (plain torch) specs per layer; κ routers/experts in the MoE layers when enabled."""
+    """Local (plain torch) specs per layer; the MoE layers' router, experts and layer class come
+    from router_spec, experts_spec and moe_layer_spec."""
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
     dense = _with_sp_norms(spec(num_experts=None))
     moe = None
     if any(moe_layer_pattern(cfg)):
         moe = _with_sp_norms(spec(num_experts=cfg.model.moe.num_experts))
-        if cfg.model.kappa.enabled:
-            stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of the stock layer
-            settings = kappa_settings(cfg)
-            experts = partial(KappaSequentialMLP, submodules=stock.experts.keywords["submodules"],
-                              kappa=settings)
-            mlp = partial(KappaMoELayer, submodules=MoESubmodules(experts=experts, router=KappaRouter))
-            moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
+        stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
+        mlp = moe_layer_spec(cfg, stock)
+        moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
     layers = [moe if is_moe else dense for is_moe in moe_layer_pattern(cfg)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
 

@@ -1,7 +1,11 @@
-"""κ-SwiGLU experts: α, b and the activation, and megatron's SequentialMLP with that activation."""
+"""Routed experts: κ-SwiGLU's α, b and activation, megatron's SequentialMLP with that activation,
+and grouped-GEMM experts (κ or plain SwiGLU) that replace the per-expert loop."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings, kappa_swiglu, kappa_values
@@ -92,3 +96,122 @@ class KappaSequentialMLP(SequentialMLP, KappaExpertActivation):
             outputs.append(out)
         self.last_logits = [s.detach() for s in logits.split(counts)]
         return torch.cat(outputs, dim=0), None
+
+
+class GroupedExperts(MegatronModule, KappaExpertActivation):
+    """All local experts in two grouped GEMMs, with the activation applied once over all rows.
+
+    The weights are stacked: `fc1_weight` [experts, 2·F/ETP, H] (each expert's slice is what
+    megatron's `linear_fc1.weight` holds: [gate; up] for this expert-TP rank) and `fc2_weight`
+    [experts, H, F/ETP]. fc1 and fc2 are `torch.nn.functional.grouped_mm` over the rows grouped by
+    expert, with the group offsets computed on the device, so no per-expert loop and no host
+    sync here. The activation is κ-SwiGLU (`kappa` settings) or plain SwiGLU (`kappa=None`, the
+    baseline), scaled by the routing probabilities.
+
+    State dicts use megatron's per-expert names (`local_experts.<i>.linear_fc1.weight`, ...), so a
+    consolidated file loads into sequential or grouped experts alike (megatron_kappa.parallel
+    .sharding expands the stacks the same way).
+    """
+
+    STACKS = {"fc1_weight": "linear_fc1.weight", "fc2_weight": "linear_fc2.weight"}
+
+    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, name=None,
+                 kappa: KappaSettings | None = DEFAULTS):
+        super().__init__(config=config)
+        if kappa is not None:
+            check_kappa_config(config)
+        elif not config.gated_linear_unit or config.add_bias_linear:
+            raise ValueError("grouped experts need gated_linear_unit=True and no linear biases")
+        etp = config.expert_tensor_parallel_size
+        ffn = config.moe_ffn_hidden_size // etp
+        self.num_local_experts, self.ffn_local = num_local_experts, ffn
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        make = lambda *shape: torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))  # noqa: E731
+        self.fc1_weight = make(num_local_experts, 2 * ffn, config.hidden_size)
+        self.fc2_weight = make(num_local_experts, config.hidden_size, ffn)
+        # megatron's marks: expert-TP splits fc1's rows and fc2's columns; `allreduce=False` means
+        # "reduced over expert-DP" and is set, as megatron sets it, when EP > 1 or ETP != TP.
+        reduced_apart = config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size
+        for param, dim, leaf in ((self.fc1_weight, 1, "linear_fc1.weight"), (self.fc2_weight, 2, "linear_fc2.weight")):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+            param.allreduce = not reduced_apart
+            param.expert_stack = leaf  # per-expert name of each slice (sharding, state dicts)
+        if config.perform_initialization:
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for i in range(num_local_experts):
+                    config.init_method(self.fc1_weight.data[i])
+                    config.output_layer_init_method(self.fc2_weight.data[i])
+        if kappa is not None:
+            self._init_kappa(kappa, num_local_experts, ffn, self.fc1_weight)
+        else:
+            self.kappa = None
+        self.last_logits = None
+        self._register_state_dict_hook(_per_expert_state)
+        self._register_load_state_dict_pre_hook(_stack_expert_state, with_module=True)
+
+    def forward(self, hidden_states, tokens_per_expert, permuted_probs):
+        if self.config.fp8 or self.config.fp4:
+            raise NotImplementedError("grouped experts: FP8 needs the TE experts path")
+        # megatron's dispatchers hand the counts over on the host (they read them for the
+        # all-to-all anyway); the GEMMs take their offsets on the device.
+        counts = tokens_per_expert.to(hidden_states.device, torch.int32, non_blocking=True)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        fc1 = F.grouped_mm(hidden_states, self.fc1_weight.transpose(1, 2), offs=offs)
+        gate, up = fc1.chunk(2, dim=-1)
+        if self.kappa is not None:
+            probs, logits = permuted_probs.unbind(-1)
+            act = self.activation(gate, up, probs, logits, tokens_per_expert=tokens_per_expert)
+            self.last_logits = (logits.detach(), tokens_per_expert)
+        else:
+            act = (F.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(gate.dtype)
+        return F.grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs), None
+
+    def routed_logits(self) -> list:
+        """Per local expert, the router logits of the rows it got in the last forward."""
+        if self.last_logits is None:
+            return []
+        logits, counts = self.last_logits
+        return list(logits.split(counts.tolist()))  # a host read: logging steps only
+
+    def backward_dw(self):
+        pass  # weight gradients come with the backward (no delayed wgrad)
+
+
+def _per_expert_state(module, state, prefix, local_metadata):
+    """State dict hook: each stack becomes megatron's per-expert entries (views, tagged like the
+    stack, so that sharding can read their layout)."""
+    for stack, leaf in GroupedExperts.STACKS.items():
+        tensor = state.pop(prefix + stack, None)
+        if tensor is None:
+            continue
+        param = getattr(module, stack)
+        for i in range(tensor.shape[0]):
+            view = tensor[i]
+            for attr in ("tensor_model_parallel", "partition_stride", "allreduce"):
+                if hasattr(param, attr):
+                    setattr(view, attr, getattr(param, attr))
+            view.partition_dim = param.partition_dim - 1
+            state[f"{prefix}local_experts.{i}.{leaf}"] = view
+    return state
+
+
+def _stack_expert_state(module, state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Load pre-hook: megatron's per-expert entries become the stacks."""
+    for stack, leaf in GroupedExperts.STACKS.items():
+        keys = [f"{prefix}local_experts.{i}.{leaf}" for i in range(module.num_local_experts)]
+        if all(k in state for k in keys):
+            state[prefix + stack] = torch.stack([state.pop(k) for k in keys])
+
+
+def routed_logits(experts) -> list:
+    """Per local expert, the logits of its rows in the last forward (either experts class)."""
+    if isinstance(experts, GroupedExperts):
+        return experts.routed_logits()
+    return list(experts.last_logits or [])
+
+
+def gate_weights(experts) -> torch.Tensor:
+    """[local experts, F/ETP, H]: each expert's gate projection rows (either experts class)."""
+    if isinstance(experts, GroupedExperts):
+        return experts.fc1_weight[:, : experts.ffn_local]
+    return torch.stack([e.linear_fc1.weight[: e.linear_fc1.weight.shape[0] // 2] for e in experts.local_experts])

@@ -89,6 +89,18 @@ def load_local_state(model, state: dict):
         tensor.copy_(state[name])
 
 
+def _per_expert(name: str, param, tensor: torch.Tensor):
+    """(name, tensor, TP split dim) of a parameter, or of each expert's slice of a stacked one
+    (grouped experts), under megatron's per-expert name."""
+    dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+    stack = getattr(param, "expert_stack", None)
+    if stack is None:
+        return [(name, tensor, dim)]
+    prefix = name.rsplit(".", 1)[0]
+    return [(f"{prefix}.local_experts.{i}.{stack}", tensor[i], None if dim is None else dim - 1)
+            for i in range(tensor.shape[0])]
+
+
 def gather_full(model, tensors: dict | None = None) -> dict:
     """The full-layout version of `tensors` (local name → tensor; default: the parameters).
 
@@ -100,20 +112,21 @@ def gather_full(model, tensors: dict | None = None) -> dict:
     num_local = _num_local_experts(model)
     ep_group, ep_size = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
     full = {}
-    for name, param in params.items():  # same order on every rank
-        t = tensors[name].contiguous()
-        if getattr(param, "tensor_model_parallel", False):
-            group, _, size = _tp(name)
-            if size > 1:
-                pieces = [torch.empty_like(t) for _ in range(size)]
-                dist.all_gather(pieces, t, group=group)
-                t = _tp_join(pieces, name, param.partition_dim)
-        if not _is_expert(name) or ep_size == 1:
-            full[_global_name(name, 0, num_local)] = t
-            continue
-        pieces = [torch.empty_like(t) for _ in range(ep_size)]
-        dist.all_gather(pieces, t, group=ep_group)
-        _place_expert_pieces(full, name, pieces, num_local)
+    for param_name, param in params.items():  # same order on every rank
+        for name, t, dim in _per_expert(param_name, param, tensors[param_name]):
+            t = t.contiguous()
+            if dim is not None:
+                group, _, size = _tp(name)
+                if size > 1:
+                    pieces = [torch.empty_like(t) for _ in range(size)]
+                    dist.all_gather(pieces, t, group=group)
+                    t = _tp_join(pieces, name, dim)
+            if not _is_expert(name) or ep_size == 1:
+                full[_global_name(name, 0, num_local)] = t
+                continue
+            pieces = [torch.empty_like(t) for _ in range(ep_size)]
+            dist.all_gather(pieces, t, group=ep_group)
+            _place_expert_pieces(full, name, pieces, num_local)
     return full
 
 

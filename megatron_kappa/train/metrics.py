@@ -13,14 +13,15 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-from megatron_kappa.model.experts import KappaExpertActivation
+from megatron_kappa.model.experts import KappaExpertActivation, routed_logits
 from megatron_kappa.parallel.groups import dp_mean
 
 _SAMPLE = 20000  # κ values per rank and layer used for the quantiles
 
 
 def kappa_layers(model):
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, KappaExpertActivation)]
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, KappaExpertActivation) and m.kappa is not None]
 
 
 def _layer_index(name: str) -> int:
@@ -33,7 +34,7 @@ def kappa_stats(model, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(0)
     for name, layer in kappa_layers(model):
         values = []
-        for e, logits in enumerate(layer.last_logits or []):
+        for e, logits in enumerate(routed_logits(layer)):
             if logits.numel():
                 values.append(layer.kappa_of(logits.float(), e).reshape(-1))
         local = torch.cat(values).cpu() if values else torch.zeros(0)

@@ -2,14 +2,17 @@ import os
 import sys
 from pathlib import Path
 
-# CPU runs: one thread, no torch.compile cold starts, DeepSpeed's CPU accelerator.
+# CPU runs, also on a machine with a GPU: the CPU device for this process and every process it
+# starts (tests/test_gpu.py sets the device of its own runs), one thread, no torch.compile cold
+# starts, DeepSpeed's CPU accelerator.
+os.environ.setdefault("MEGATRON_KAPPA_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# Triton kernels run on CPU tensors through Triton's interpreter when there is no GPU; the flag is
-# read when a kernel is defined, so it must be set before any kernel module is imported.
-if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
+# Triton kernels run on CPU tensors through Triton's interpreter in the test process, on any
+# machine; the flag is read when a kernel is defined, so it is set before any kernel module is
+# imported. The gpu-marked kernel tests run the compiled kernels in a child process without it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data_prep/, eval/, launch/
 
 import pytest  # noqa: E402

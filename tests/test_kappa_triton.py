@@ -165,6 +165,19 @@ def test_negative_control_detects_wrong_rows_or_experts():
 @pytest.mark.gpu
 @pytest.mark.parametrize("grouped", [False, True], ids=["one_expert", "grouped"])
 def test_compiled_kernels_bf16_on_cuda(grouped):
+    """The real compiled kernels, in a process without TRITON_INTERPRET (this one interprets)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # conftest keeps an explicit setting
+    code = f"import test_kappa_triton as t; t.compiled_kernels_bf16_on_cuda({grouped})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def compiled_kernels_bf16_on_cuda(grouped):
     """The real compiled kernels (default tiles) in bf16 against the float64 formula."""
     n, f = 3000, 1000
     counts = [1000, 0, 999, 1, 1000] if grouped else None

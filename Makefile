@@ -11,7 +11,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo gpu-carry gpu-check clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: no working python3.12 found (install Python 3.12)"; exit 1; }
@@ -28,6 +28,24 @@ test: venv
 
 demo: venv
 	$(PY) launch/demo.py
+
+# For a GPU machine without a package index: ../shared/tools/gpu-carry copies megatron-core and
+# DeepSpeed from .venv into .gpu/site; the GPU check also needs pytest and a few pure-Python
+# packages (PyYAML falls back to pure Python without its C extension).
+CARRY_EXTRA := pytest _pytest pluggy iniconfig packaging tqdm yaml
+gpu-carry: venv
+	../shared/tools/gpu-carry
+	for p in $(CARRY_EXTRA); do rm -rf .gpu/site/$$p; cp -r $(VENV)/lib/python3.12/site-packages/$$p .gpu/site/; done
+	find .gpu/site -name '*.so' -path '*yaml*' -delete
+	du -sh .gpu/site
+
+# On a machine with one GPU: gpu tests, main command with resume, evaluation, benchmarks, one
+# report (runs/gpu_check/report.md). Where megatron-core and DeepSpeed were carried in .gpu/site
+# (../shared/tools/gpu-carry), the machine's own python is used and no venv is made.
+gpu-check:
+	@if [ -d .gpu/site ]; then \
+		PYTHONPATH=$(CURDIR)/.gpu/site:$(CURDIR) PYTHONUNBUFFERED=1 python3 bench/gpu_check.py; \
+	else $(MAKE) venv && $(PY) bench/gpu_check.py; fi
 
 clean:
 	rm -rf $(VENV) runs/demo

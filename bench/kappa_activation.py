@@ -1,8 +1,11 @@
 """κ-SwiGLU vs plain SwiGLU activation: forward+backward time and peak memory, as ratios.
 
     python bench/kappa_activation.py [--tokens 4096] [--ffn 3072] [--dtype fp32] [--reps 5]
+    python bench/kappa_activation.py --tokens 32768 65536 --ffn 3072 4096 --dtype bf16   # on a GPU
 
-Both are measured in the same run on the same inputs. Time: median of `reps` fwd+bwd passes.
+All variants are measured in the same run on the same inputs: plain `silu(g)·u` (eager), and
+`kappa_swiglu` with each backend available on the device ("torch": the reference op; "triton":
+the fused kernels, CUDA only). Time: median of `reps` fwd+bwd passes.
 Peak memory: on CUDA, torch.cuda.max_memory_allocated; on CPU, each variant runs in a fresh
 subprocess and reports its peak RSS above the RSS with the inputs already allocated (glibc serves
 these large tensors with mmap, so RSS follows allocations).
@@ -25,6 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_kappa.kappa import kappa_swiglu  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# variant → backend of kappa_swiglu (None: plain SwiGLU)
+BACKENDS = {"swiglu": None, "kappa": "torch", "kappa_triton": "triton"}
+
+
+def variants(device) -> list[str]:
+    return ["swiglu", "kappa"] + (["kappa_triton"] if torch.device(device).type == "cuda" else [])
+
+
+def activation(variant, g, u, s, a, b):
+    if BACKENDS[variant] is None:
+        return F.silu(g) * u
+    return kappa_swiglu(g, u, s, a, b, backend=BACKENDS[variant])
 
 
 def make_inputs(n, f, dtype, device):
@@ -37,7 +52,7 @@ def make_inputs(n, f, dtype, device):
 
 
 def step(variant, g, u, s, a, b, grad):
-    out = kappa_swiglu(g, u, s, a, b) if variant == "kappa" else F.silu(g) * u
+    out = activation(variant, g, u, s, a, b)
     out.backward(grad)
     for t in (g, u, s, a, b):
         t.grad = None
@@ -46,7 +61,7 @@ def step(variant, g, u, s, a, b, grad):
 def expert_step(variant, x, w1, w2, s, a, b, grad):
     """A whole expert, fc1 → activation → fc2, forward and backward."""
     gate, up = (x @ w1.T).chunk(2, dim=-1)
-    act = kappa_swiglu(gate, up, s, a, b) if variant == "kappa" else F.silu(gate) * up
+    act = activation(variant, gate, up, s, a, b)
     (act @ w2.T).backward(grad)
     for t in (x, w1, w2, s, a, b):
         t.grad = None
@@ -116,39 +131,40 @@ def main():
     ap.add_argument("--hidden", type=int, default=768, help="d_model for the whole-expert timing")
     ap.add_argument("--dtype", choices=DTYPES, default="fp32")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
         variant, n, f, dtype = args._child
         return child(variant, int(n), int(f), dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = variants(device)
     rows = []
-    print(f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}")
-    print(f"{'tokens':>7} {'ffn':>6} {'swiglu ms':>10} {'kappa ms':>9} {'time x':>7} "
-          f"{'swiglu MB':>10} {'kappa MB':>9} {'mem x':>6}")
+    print(f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}; ratios against swiglu")
+    print("activation alone, forward + backward:")
+    print(f"{'tokens':>7} {'ffn':>6} " + " ".join(f"{v + ' ms':>16} {'x':>6} {'MB':>8} {'mem x':>6}" for v in names))
     for n, f in zip(args.tokens, args.ffn):
         inputs = make_inputs(n, f, DTYPES[args.dtype], device)
-        t = {v: time_ms(v, inputs, args.reps, device) for v in ("swiglu", "kappa")}
+        t = {v: time_ms(v, inputs, args.reps, device) for v in names}
         del inputs
-        m = {v: peak_bytes(v, n, f, args.dtype, device) for v in ("swiglu", "kappa")}
-        row = dict(tokens=n, ffn=f, dtype=args.dtype, device=device,
-                   swiglu_ms=t["swiglu"], kappa_ms=t["kappa"], time_ratio=t["kappa"] / t["swiglu"],
-                   swiglu_mb=m["swiglu"] / 2**20, kappa_mb=m["kappa"] / 2**20,
-                   memory_ratio=m["kappa"] / m["swiglu"])
+        m = {v: peak_bytes(v, n, f, args.dtype, device) for v in names}
+        row = dict(tokens=n, ffn=f, dtype=args.dtype, device=device)
+        for v in names:
+            row.update({f"{v}_ms": t[v], f"{v}_time_ratio": t[v] / t["swiglu"], f"{v}_mb": m[v] / 2**20,
+                        f"{v}_memory_ratio": m[v] / m["swiglu"]})
         rows.append(row)
-        print(f"{n:>7} {f:>6} {row['swiglu_ms']:>10.1f} {row['kappa_ms']:>9.1f} {row['time_ratio']:>7.2f} "
-              f"{row['swiglu_mb']:>10.1f} {row['kappa_mb']:>9.1f} {row['memory_ratio']:>6.3f}")
+        print(f"{n:>7} {f:>6} " + " ".join(f"{t[v]:>16.2f} {t[v] / t['swiglu']:>6.2f} {m[v] / 2**20:>8.1f} "
+                                          f"{m[v] / m['swiglu']:>6.3f}" for v in names))
     print(f"\nwhole expert (fc1 → activation → fc2), d_model {args.hidden}, forward + backward:")
-    print(f"{'tokens':>7} {'ffn':>6} {'swiglu ms':>10} {'kappa ms':>9} {'time x':>7}")
+    print(f"{'tokens':>7} {'ffn':>6} " + " ".join(f"{v + ' ms':>16} {'x':>6}" for v in names))
     for row in rows:
         n, f = row["tokens"], row["ffn"]
-        t = {v: time_expert_ms(v, n, f, args.hidden, args.dtype, args.reps, device) for v in ("swiglu", "kappa")}
-        row.update(expert_swiglu_ms=t["swiglu"], expert_kappa_ms=t["kappa"],
-                   expert_time_ratio=t["kappa"] / t["swiglu"])
-        print(f"{n:>7} {f:>6} {t['swiglu']:>10.1f} {t['kappa']:>9.1f} {row['expert_time_ratio']:>7.2f}")
+        t = {v: time_expert_ms(v, n, f, args.hidden, args.dtype, args.reps, device) for v in names}
+        for v in names:
+            row.update({f"expert_{v}_ms": t[v], f"expert_{v}_time_ratio": t[v] / t["swiglu"]})
+        print(f"{n:>7} {f:>6} " + " ".join(f"{t[v]:>16.2f} {t[v] / t['swiglu']:>6.2f}" for v in names))
     if args.json:
-        print(json.dumps(rows))
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

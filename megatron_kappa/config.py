@@ -86,6 +86,17 @@ class ModelConfig:
     qk_layernorm: bool = _f(True, "RMSNorm on queries and keys")
     rotary_base: int = _f(10000, "RoPE base")
     init_std: float = _f(0.02, "weight init standard deviation")
+    cross_entropy_chunk: int = _f(4096, "tokens per chunk of the loss (megatron_kappa.model.loss): the "
+                                        "fp32 softmax exists for one chunk at a time; 0: megatron-core's "
+                                        "vocab_parallel_cross_entropy (fp32 logits of the whole micro-batch)")
+    recompute: Literal["none", "selective", "full"] = _f(
+        "none", "activation recomputation: none; selective (core attention, and the experts' "
+                "activation with grouped GEMMs, recomputed in backward); full (every layer's input "
+                "kept, the layer recomputed: megatron's uniform method, one layer per checkpoint)")
+    attention: Literal["sdpa", "local", "te"] = _f(
+        "sdpa", "core attention: torch's scaled_dot_product_attention (flash/cuDNN/memory-efficient "
+                "kernels), megatron's local DotProductAttention (materialises the scores; for "
+                "comparison), or Transformer Engine's (GPU, where TE imports)")
     moe: MoEConfig = field(default_factory=MoEConfig)
     kappa: KappaConfig = field(default_factory=KappaConfig)
 
@@ -141,6 +152,9 @@ class DataConfig:
 class LogConfig:
     interval: int = _f(10, "steps between metric lines")
     tensorboard: bool = _f(True, "also write TensorBoard events to <run.dir>/tb")
+    peak_tflops: Optional[float] = _f(None, "the device's dense bf16 peak (TFLOP/s per GPU) for MFU "
+                                            "(null: looked up by GPU name for H100/H200/A100 and "
+                                            "others; no MFU on the CPU)")
 
 
 @dataclass
@@ -315,6 +329,7 @@ def validate(cfg: Config):
         need(cfg.train.steps > 0, "train.steps", f"must be positive (or null for the token budget), got {cfg.train.steps}")
     for key, value in [("train.warmup", cfg.train.warmup), ("model.kappa.warmup", m.kappa.warmup),
                        ("eval.valid_every", cfg.eval.valid_every), ("eval.core_every", cfg.eval.core_every),
+                       ("model.cross_entropy_chunk", m.cross_entropy_chunk),
                        ("train.lr", cfg.train.lr), ("train.lr_non_matrix", cfg.train.lr_non_matrix),
                        ("train.grad_clip", cfg.train.grad_clip), ("train.weight_decay", cfg.train.weight_decay)]:
         need(value >= 0, key, f"must not be negative, got {value}")

@@ -70,6 +70,12 @@ def check_parallel(cfg: Config, world: int):
                           f"micro_batch × data-parallel size = {cfg.train.micro_batch} × {dp}")
 
 
+def check_attention(cfg: Config):
+    if cfg.model.attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("config: model.attention: te needs Transformer Engine, which is not installed "
+                          "here (use sdpa)")
+
+
 def check_precision(cfg: Config):
     if cfg.precision != "fp8":
         return
@@ -219,6 +225,7 @@ def preflight(cfg: Config, world: int | None = None):
     world = world_size() if world is None else world
     check_parallel(cfg, world)
     check_precision(cfg)
+    check_attention(cfg)
     if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
     check_data(cfg)

@@ -12,13 +12,16 @@ from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, re
 GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
 
 
-def make_cfg(kappa=True, router="softmax", dispatcher="alltoall", tp=1, ep=1, etp=None, grouped=True):
+def make_cfg(kappa=True, router="softmax", dispatcher="alltoall", tp=1, ep=1, etp=None, grouped=True,
+             overrides=()):
+    """`overrides`: further `key=value` settings (e.g. a router's own section)."""
     return load_config("configs/tiny.yaml", [
         f"model.kappa.enabled={str(kappa).lower()}", f"model.moe.router={router}",
         f"model.moe.grouped_gemm={str(grouped).lower()}",
         f"model.moe.dispatcher={dispatcher}", f"model.seq_length={SEQ}",
         f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.etp={etp if etp else 'null'}",
-        "model.moe.aux_loss=1e-2", "model.moe.z_loss=1e-3", "model.moe.bias_update_rate=1e-2"])
+        "model.moe.aux_loss=1e-2", "model.moe.z_loss=1e-3", "model.moe.bias_update_rate=1e-2",
+        *overrides])
 
 
 def global_batch():

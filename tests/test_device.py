@@ -10,6 +10,7 @@ scorers sent CPU token batches to the model. The negative controls below reprodu
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -121,9 +122,12 @@ def test_train_step_metrics_and_evaluation_on_a_non_cpu_device(cfg, on_sim_then_
     torch.manual_seed(0)
     state = {k: v.clone() for k, v in build_model(cfg, "cpu").state_dict().items()
              if not k.endswith("_extra_state")}
-    on_cpu = run_steps(cfg, torch.device("cpu"), state)
-    with SimulatedDevice() as sim:
-        on_sim = run_steps(cfg, SIM, state, sim)
+    # scaled_dot_product_attention picks its kernel by device type: the same (math) kernel on both
+    # sides, so that the comparison can be exact.
+    with sdpa_kernel(SDPBackend.MATH):
+        on_cpu = run_steps(cfg, torch.device("cpu"), state)
+        with SimulatedDevice() as sim:
+            on_sim = run_steps(cfg, SIM, state, sim)
     # The same numbers on the other device: nothing was silently computed elsewhere.
     assert on_sim["losses"] == on_cpu["losses"] and len(on_cpu["losses"]) == STEPS
     assert on_sim["metrics"] == on_cpu["metrics"] and any(k.startswith("kappa/") for k in on_cpu["metrics"])

@@ -33,6 +33,9 @@ def cases():
     for kappa in (True, False):
         out.append((f"tp2ep2_etp1-{'kappa' if kappa else 'swiglu'}-softmax-allgather", "tp2ep2_etp1",
                     dict(kappa=kappa, router="softmax", dispatcher="allgather"), None))
+    out.append(("tp2-kappa-softmax-alltoall-local_attention", "tp2",  # megatron's unfused attention
+                dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=("model.attention=local",)),
+                None))
     for layout in ("ep2", "tp2ep2_etp2"):  # megatron's per-expert loop (the default is grouped GEMMs)
         for kappa in (True, False):
             out.append((f"{layout}-{'kappa' if kappa else 'swiglu'}-softmax-alltoall-sequential", layout,

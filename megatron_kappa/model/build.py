@@ -21,10 +21,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.config import Config
 from megatron_kappa.kappa import KappaSettings
+from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
 from megatron_kappa.model.norms import SPTorchNorm
+
+
+def recompute_settings(cfg: Config, has_moe: bool) -> dict:
+    """megatron's activation-recomputation settings for `model.recompute`."""
+    if cfg.model.recompute == "full":  # every layer's input kept, each layer recomputed in backward
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.model.recompute == "selective":
+        modules = ["core_attn"] + (["moe_act"] if has_moe and cfg.model.moe.grouped_gemm else [])
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    return {}
 
 
 def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> TransformerConfig:
@@ -47,6 +58,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
         use_cpu_initialization=torch.device(device).type == "cpu",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         fp8="hybrid" if cfg.precision == "fp8" else None,
+        **recompute_settings(cfg, has_moe),
     )
     if has_moe:
         kwargs.update(
@@ -57,7 +69,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
             moe_z_loss_coeff=moe.z_loss or None,
             moe_router_topk_scaling_factor=moe.route_scale if moe.route_scale != 1.0 else None,
             moe_expert_capacity_factor=moe.capacity_factor,
-            moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+            moe_grouped_gemm=moe.grouped_gemm, moe_permute_fusion=False, moe_router_fusion=False,
         )
         if moe.router == "softmax":
             kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.aux_loss)
@@ -68,12 +80,25 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
     return TransformerConfig(**kwargs)
 
 
-def _with_sp_norms(spec):
-    """The layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm."""
+def core_attention(cfg: Config):
+    """The core-attention submodule of `model.attention`."""
+    if cfg.model.attention == "sdpa":
+        return SDPAttention
+    if cfg.model.attention == "te":  # imported only when asked for: TE needs CUDA (the preflight checks)
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+        return TEDotProductAttention
+    return None  # megatron's local DotProductAttention, as the local spec has it
+
+
+def _adapt_layer_spec(spec, cfg: Config):
+    """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm and the
+    core attention of `model.attention`."""
     sub = spec.submodules
     attn = sub.self_attention
     qk = {name: SPTorchNorm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
+    if core_attention(cfg) is not None:
+        qk["core_attention"] = core_attention(cfg)
     attention = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **qk))
     sub = dataclasses.replace(sub, input_layernorm=SPTorchNorm, pre_mlp_layernorm=SPTorchNorm,
                               self_attention=attention)
@@ -112,10 +137,10 @@ def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubm
     from router_spec, experts_spec and moe_layer_spec."""
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
-    dense = _with_sp_norms(spec(num_experts=None))
+    dense = _adapt_layer_spec(spec(num_experts=None), cfg)
     moe = None
     if any(moe_layer_pattern(cfg)):
-        moe = _with_sp_norms(spec(num_experts=cfg.model.moe.num_experts))
+        moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg)
         stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
         mlp = moe_layer_spec(cfg, stock)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.tensor_parallel.random import (
+    CheckpointWithoutOutput, get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -146,6 +148,8 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         else:
             self.kappa = None
         self.last_logits = None
+        self.recompute_activation = (config.recompute_granularity == "selective"
+                                     and "moe_act" in (config.recompute_modules or []))
         self._register_state_dict_hook(_per_expert_state)
         self._register_load_state_dict_pre_hook(_stack_expert_state, with_module=True)
 
@@ -157,14 +161,24 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         counts = tokens_per_expert.to(hidden_states.device, torch.int32, non_blocking=True)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         fc1 = F.grouped_mm(hidden_states, self.fc1_weight.transpose(1, 2), offs=offs)
-        gate, up = fc1.chunk(2, dim=-1)
         if self.kappa is not None:
             probs, logits = permuted_probs.unbind(-1)
-            act = self.activation(gate, up, probs, logits, tokens_per_expert=tokens_per_expert)
             self.last_logits = (logits.detach(), tokens_per_expert)
-        else:
-            act = (F.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(gate.dtype)
-        return F.grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs), None
+            act_fn = lambda fc1, p, s: self.activation(*fc1.chunk(2, dim=-1), p, s,  # noqa: E731
+                                                       tokens_per_expert=tokens_per_expert)
+            act_args = (fc1, probs, logits)
+        else:  # megatron's probability-weighted SwiGLU: one fused kernel through torch.compile on a GPU
+            act_fn = lambda fc1, p: weighted_bias_swiglu_impl(fc1, None, p.unsqueeze(-1))  # noqa: E731
+            act_args = (fc1, permuted_probs)
+        if not self.recompute_activation:
+            return F.grouped_mm(act_fn(*act_args), self.fc2_weight.transpose(1, 2), offs=offs), None
+        # Selective recompute ("moe_act"): fc2's input is dropped after fc2's forward and made
+        # again from fc1's output just before fc2's backward needs it.
+        checkpoint = CheckpointWithoutOutput(fp8=self.config.fp8)  # megatron reads `fp8 is not None`
+        act = checkpoint.checkpoint(act_fn, *act_args)
+        out = F.grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs)
+        checkpoint.discard_output_and_register_recompute(out)
+        return out, None
 
     def routed_logits(self) -> list:
         """Per local expert, the router logits of the rows it got in the last forward."""

@@ -24,12 +24,13 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.model.loss import language_model_loss
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, update_expert_bias
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
-from megatron_kappa.train import optimizer as optim, recipe
+from megatron_kappa.train import optimizer as optim, recipe, throughput
 from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
@@ -49,9 +50,14 @@ def total_steps(cfg: Config, model) -> int:
     return count(model, cfg, numel=global_numel)["steps_for_budget"]
 
 
-def lm_loss(model, batch, position_ids) -> torch.Tensor:
-    """Mean next-token loss over the batch's unmasked tokens (a device scalar)."""
-    per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+def lm_loss(model, batch, position_ids, chunk: int = 0) -> torch.Tensor:
+    """Mean next-token loss over the batch's unmasked tokens (a device scalar). With `chunk`
+    (model.cross_entropy_chunk), the model returns its vocabulary-parallel logits and the loss is
+    taken a chunk of tokens at a time; with 0, by megatron-core inside the model."""
+    if chunk:
+        per_token = language_model_loss(model(batch["tokens"], position_ids, None), batch["labels"], chunk)
+    else:
+        per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
     mask = batch["loss_mask"]
     return (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
 
@@ -61,8 +67,8 @@ def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tenso
     engine.eval()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb = cfg.train.micro_batch
-    losses = [lm_loss(engine, batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device), position_ids)
-              for i in range(cfg.eval.valid_iters)]
+    losses = [lm_loss(engine, batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device), position_ids,
+                      cfg.model.cross_entropy_chunk) for i in range(cfg.eval.valid_iters)]
     engine.train()
     return dp_mean(torch.stack(losses).mean())
 
@@ -82,7 +88,7 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     for micro in range(grad_accumulation(cfg)):
         first = train_first_sample(step, micro, cfg, dp_rank, dp)
         batch = batch_at(train_ds, first, cfg.train.micro_batch, device)
-        loss = lm_loss(engine, batch, position_ids)
+        loss = lm_loss(engine, batch, position_ids, cfg.model.cross_entropy_chunk)
         l2 = recipe.kappa_l2(model, cfg, device)
         engine.backward(loss + l2 * l2_scale)
         engine.step()
@@ -127,6 +133,8 @@ def run(cfg: Config, log=print) -> dict:
     if cfg.train.init_weights and not start:
         load_full_state_dict(model, torch.load(cfg.train.init_weights, map_location=device, weights_only=True))
     steps = total_steps(cfg, model)
+    flops_token = throughput.flops_per_token(cfg, count(model, cfg, numel=global_numel))
+    peak = throughput.peak_tflops(cfg, device)
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg)
     engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, grad_accum,
@@ -172,16 +180,20 @@ def run(cfg: Config, log=print) -> dict:
                                    + (f", the last good checkpoint is {ckpts.folder(last)}" if last else ""))
         if logging:
             elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_steps * tokens_per_step / elapsed
             record = {"step": done, "loss": loss_value, "lr": lrs["matrix"], "lr_kappa": lrs["kappa"],
-                      "tokens_per_s": window_steps * tokens_per_step / elapsed,
-                      "tokens_seen": done * tokens_per_step, **step_metrics(engine, model, cfg, l2, device)}
+                      "tokens_per_s": tokens_per_s, "tokens_seen": done * tokens_per_step,
+                      **throughput.throughput(tokens_per_s, flops_token, world, peak),
+                      **step_metrics(engine, model, cfg, l2, device)}
             if cfg.eval.valid_every and (done % cfg.eval.valid_every == 0 or done == steps):
                 record["valid_loss"] = validate(engine, valid_ds, cfg, device, position_ids).item()
             if core is not None and (done % cfg.eval.core_every == 0 or done == steps):
                 record.update(core.evaluate())
             metrics.write(record)
             log(f"step {done}/{steps} loss {loss_value:.4f} lr {lrs['matrix']:.2e} grad_norm "
-                f"{record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f}"
+                f"{record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                f"TFLOP/s/GPU {record['tflops_per_gpu']:.3g}"
+                + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "")
                 + (f" valid {record['valid_loss']:.4f}" if "valid_loss" in record else ""))
             window_start, window_steps = time.perf_counter(), 0
         else:

@@ -1,0 +1,183 @@
+"""The GPU check: what someone with one GPU runs (`make gpu-check`), in about 5 minutes.
+
+    python bench/gpu_check.py [--out runs/gpu_check] [--quick]
+    python bench/gpu_check.py --cpu --quick      # the same stages on the CPU (CI runs this)
+
+Stages, each a separate process with a time limit, each recorded whether it passes or fails:
+  1. environment: torch, CUDA device, Triton, megatron-core and DeepSpeed (from .venv or from
+     PYTHONPATH, e.g. `.gpu/site` made by ../shared/tools/gpu-carry);
+  2. the `gpu`-marked tests (tests/test_gpu.py, the compiled Triton kernels);
+  3. the main command: configs/tiny.yaml in bf16 for a few dozen steps with a checkpoint, killed
+     after the checkpoint and resumed, against an uninterrupted run (train.deterministic);
+  4. evaluation of that checkpoint: CORE on tests/core_bundle and loss / bits per byte;
+  5. the benchmarks: bench/kappa_activation.py, bench/model_step.py and bench/throughput.py at
+     the paper's moe8 / sandwich28 shapes (tiny shapes with --quick or --cpu).
+It writes <out>/report.json and <out>/report.md (paste the latter into docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["data.mock=true", "model.seq_length=128", "train.micro_batch=4", "train.global_batch=8",
+         "log.interval=1", "eval.valid_every=0", "log.tensorboard=false", "train.deterministic=true",
+         "model.kappa.freeze_fraction=0.25", "model.kappa.warmup=5"]
+
+
+class Check:
+    def __init__(self, out: Path, cpu: bool):
+        self.out, self.cpu, self.stages = out, cpu, []
+        device = "cpu" if cpu else "cuda"
+        self.env = {**os.environ, "MEGATRON_KAPPA_DEVICE": device, "DS_ACCELERATOR": device,
+                    "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if cpu else "8")}
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            self.env.pop(k, None)
+        if cpu:
+            self.env["TORCHDYNAMO_DISABLE"] = "1"
+        else:  # the Makefile exports CPU settings for its CPU targets: not for the GPU
+            for k in ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE"):
+                self.env.pop(k, None)
+
+    def run(self, name: str, cmd: list, timeout: int, parse=None, **kw) -> dict:
+        print(f"== {name}: {' '.join(map(str, cmd))}", flush=True)
+        start = time.time()
+        try:
+            done = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=self.env, capture_output=True,
+                                  text=True, timeout=timeout, **kw)
+            code, output = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as e:
+            code, output = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout or "")
+        stage = {"name": name, "ok": code == 0, "returncode": code, "seconds": round(time.time() - start, 1),
+                 "command": " ".join(map(str, cmd)), "tail": output[-3000:]}
+        if parse is not None and code == 0:
+            try:
+                stage["result"] = parse(output)
+            except Exception as e:  # a report with what failed beats no report
+                stage.update(ok=False, parse_error=repr(e))
+        print(f"   {'ok' if stage['ok'] else 'FAILED'} in {stage['seconds']} s", flush=True)
+        self.stages.append(stage)
+        return stage
+
+
+def losses(run_dir: Path) -> list:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main_command(check: Check, steps: int, out: Path):
+    """Straight run vs a run killed after its first checkpoint and resumed."""
+    sets = TRAIN + [f"train.steps={steps}", f"checkpoint.interval={steps // 2}", "precision=bf16"]
+    straight, killed = out / "straight", out / "killed"
+    cmd = lambda d: [sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",  # noqa: E731
+                     f"run.dir={d}", *sets]
+    check.run("train: uninterrupted", cmd(straight), 600)
+    start = time.time()
+    proc = subprocess.Popen([str(c) for c in cmd(killed)], cwd=ROOT, env=check.env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = killed / f"checkpoints/step_{steps // 2}/meta.json"
+    while not marker.exists() and proc.poll() is None and time.time() - start < 600:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = check.run("train: killed after the checkpoint, resumed", cmd(killed), 600)
+    ok = marker.exists() and resumed["ok"] and (straight / "metrics.jsonl").exists()
+    record = {"name": "train: resume is exact", "ok": False, "seconds": 0.0}
+    if ok:
+        a, b = losses(straight), losses(killed)
+        last = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
+        record.update(ok=a == b and len(a) == steps, result={
+            "losses_equal": a == b, "steps": len(a), "first_loss": a[0], "last_loss": a[-1],
+            "tokens_per_s": last.get("tokens_per_s"), "tflops_per_gpu": last.get("tflops_per_gpu"),
+            "mfu": last.get("mfu")})
+    check.stages.append(record)
+    return straight
+
+
+EVAL = """
+import json, sys
+from megatron_kappa.evaluation.loading import load_model_for_eval
+from megatron_kappa.evaluation.core import evaluate_core
+from megatron_kappa.evaluation.lm_loss import validation_loss
+sys.path.insert(0, "tests")
+from toy import ByteTokenizer
+fn, cfg = load_model_for_eval(sys.argv[1])
+tok = ByteTokenizer()
+core = evaluate_core(fn, tok, "tests/core_bundle", 128, max_per_task=20, progress=False)
+docs = [[5 + (i * 7 + j) % 250 for j in range(300)] + [tok.eod] for i in range(16)]
+print(json.dumps({"core": core["core"], "device": str(fn.device), **validation_loss(fn, docs, tok, 128)}))
+"""
+
+
+def last_json(output: str):
+    return json.loads([line for line in output.splitlines() if line.startswith("{") or line.startswith("[")][-1])
+
+
+def write_report(check: Check, out: Path):
+    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "stages": check.stages}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    lines = [f"# GPU check, {report['when']}", "", "| stage | result | seconds |", "|---|---|---|"]
+    for s in check.stages:
+        lines.append(f"| {s['name']} | {'ok' if s['ok'] else 'FAILED'} | {s['seconds']} |")
+    for s in check.stages:
+        if "result" in s:
+            lines += ["", f"## {s['name']}", "", "```", json.dumps(s["result"], indent=1)[:6000], "```"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print(f"report: {out / 'report.md'}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/gpu_check")
+    ap.add_argument("--quick", action="store_true", help="small shapes and few steps")
+    ap.add_argument("--cpu", action="store_true", help="run the stages on the CPU (a check of this script)")
+    args = ap.parse_args(argv)
+    out = (ROOT / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.cpu)
+    py = sys.executable
+    check.run("environment", [py, "-c", (
+        "import json, torch, triton, megatron.core, deepspeed; d = torch.cuda.is_available(); "
+        "print(json.dumps({'torch': torch.__version__, 'triton': triton.__version__, "
+        "'megatron_core': megatron.core.__version__, 'megatron_from': megatron.core.__file__, "
+        "'deepspeed': deepspeed.__version__, 'cuda': d, "
+        "'device': torch.cuda.get_device_name(0) if d else 'cpu', "
+        "'capability': torch.cuda.get_device_capability(0) if d else None}))")], 300, last_json)
+    check.run("gpu-marked tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/test_gpu.py",
+                                   "tests/test_kappa_triton.py"], 1200,
+              lambda o: [line for line in o.splitlines() if " passed" in line or " skipped" in line][-1:])
+    run_dir = main_command(check, 8 if args.quick else 40, out)
+    check.run("evaluation: CORE, loss and bits per byte", [py, "-c", EVAL, str(run_dir)], 600, last_json)
+    small = args.quick or args.cpu
+    benches = [
+        ("bench: κ activation", ["bench/kappa_activation.py", "--dtype", "fp32" if args.cpu else "bf16"]
+         + (["--tokens", "2048", "--ffn", "512", "--reps", "2"] if small else
+            ["--tokens", "32768", "65536", "--ffn", "3072", "4096", "--reps", "20"])),
+        ("bench: model forward+backward", ["bench/model_step.py"]
+         + (["--config", "configs/tiny.yaml", "--reps", "2"] if small else
+            ["--config", "configs/moe8.yaml", "--set", "parallel.ep=1", "--micro-batch", "4"])),
+        ("bench: throughput moe8", ["bench/throughput.py"]
+         + (["--config", "configs/tiny.yaml", "--steps", "2"] if small else
+            ["--config", "configs/moe8.yaml", "--micro-batch", "4", "--recompute", "none", "selective"])),
+    ]
+    if not small:
+        benches.append(("bench: throughput sandwich28 (8 layers)",
+                        ["bench/throughput.py", "--config", "configs/sandwich28.yaml", "--layers", "8",
+                         "--micro-batch", "2"]))
+    for name, cmd in benches:
+        target = out / (name.split(": ")[1].replace(" ", "_").replace("+", "_") + ".json")
+        check.run(name, [py, *cmd, "--json", target], 900,
+                  lambda o, t=target: json.loads(t.read_text()))
+    write_report(check, out)
+    return 0 if all(s["ok"] for s in check.stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

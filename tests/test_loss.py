@@ -1,0 +1,91 @@
+"""The chunked vocabulary-parallel cross-entropy against torch's and megatron-core's, and over TP2."""
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from megatron_kappa.model.loss import ChunkedVocabParallelCrossEntropy
+from megatron_kappa.parallel.launch_env import free_port
+
+N, V = 37, 50  # 37 tokens: chunks of 8 leave a ragged last one
+
+
+def inputs(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, V, generator=gen) * 3).to(dtype).requires_grad_()
+    target = torch.randint(0, V, (N,), generator=gen)
+    weights = torch.randn(N, generator=gen)  # a non-uniform upstream gradient
+    return logits, target, weights
+
+
+def ours(logits, target, weights, chunk=8, group=None):
+    loss = ChunkedVocabParallelCrossEntropy.apply(logits, target, chunk, group)
+    (loss * weights).sum().backward()
+    return loss.detach(), logits.grad
+
+
+def test_matches_float64_cross_entropy():
+    logits, target, weights = inputs()
+    loss, grad = ours(logits, target, weights)
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_logits, target, reduction="none")
+    (ref * weights.double()).sum().backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad.double(), ref_logits.grad, rtol=1e-6, atol=1e-6)
+    for chunk in (1, 37, 4096):  # the chunking changes nothing
+        torch.testing.assert_close(ours(*(t.detach().requires_grad_() if t.is_floating_point() and t.dim() == 2
+                                           else t for t in (logits, target, weights)), chunk=chunk)[0], loss)
+    # Negative control: another token's target changes the loss.
+    wrong, _ = ours(logits.detach().requires_grad_(), target.roll(1), weights)
+    assert (wrong - loss).abs().max() > 1e-2
+
+
+def test_bf16_logits_close_to_fp32():
+    logits, target, weights = inputs(torch.bfloat16)
+    loss, grad = ours(logits, target, weights)
+    assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    ref = F.cross_entropy(logits.detach().float(), target, reduction="none")
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_megatron_vocab_parallel_cross_entropy(world1):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    logits, target, weights = inputs()
+    loss, grad = ours(logits, target, weights)
+    m_logits = logits.detach().clone().requires_grad_()
+    m_loss = vocab_parallel_cross_entropy(m_logits[:, None, :], target[:, None]).squeeze(1)
+    (m_loss * weights).sum().backward()
+    torch.testing.assert_close(loss, m_loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, m_logits.grad, rtol=1e-6, atol=1e-6)
+
+
+def tp_worker(rank, port, out, shift):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    logits, target, weights = inputs()
+    half = V // 2
+    local = logits.detach()[:, rank * half:(rank + 1) * half].clone().requires_grad_()
+    # Negative control (shift): each rank is handed targets counted from its own slice, as if it
+    # held the first half of the vocabulary.
+    loss = ChunkedVocabParallelCrossEntropy.apply(local, target - rank * half * shift, 8, dist.group.WORLD)
+    (loss * weights).sum().backward()
+    Path(out, f"{rank}.json").write_text(json.dumps({"loss": loss.tolist(), "grad": local.grad.tolist()}))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_vocabulary_matches_one_process(tmp_path):
+    logits, target, weights = inputs()
+    loss, grad = ours(logits, target, weights)
+    for shift in (False, True):
+        mp.spawn(tp_worker, args=(free_port(), str(tmp_path), int(shift)), nprocs=2)
+        ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+        got_loss = torch.tensor(ranks[0]["loss"])
+        got_grad = torch.cat([torch.tensor(r["grad"]) for r in ranks], dim=1)
+        if not shift:
+            assert torch.equal(torch.tensor(ranks[1]["loss"]), got_loss)  # every TP rank has the loss
+            torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_grad, grad, rtol=1e-6, atol=1e-6)
+        else:
+            assert (got_loss - loss).abs().max() > 1e-2

@@ -5,8 +5,8 @@
     python bench/throughput.py --config configs/tiny.yaml --recompute none selective full
 
 Plain SwiGLU and κ-SwiGLU experts of the same config in one run (and each `--recompute`
-setting): full training steps (forward, backward, AdamW; the model on one device, EP1, no
-DeepSpeed) timed after warm-up. FLOPs per token as megatron_kappa.train.throughput counts them
+setting): full training steps (forward, backward, AdamW; the model on one device, EP1, the
+sorted dispatcher (no host sync) unless --set says otherwise, no DeepSpeed) timed after warm-up. FLOPs per token as megatron_kappa.train.throughput counts them
 for the model measured (so a slice is counted as the slice); MFU against the device's bf16 peak
 (GPU only). Peak memory: CUDA's max allocated, or on the CPU the high-water RSS during the
 timed steps above the RSS before them. "busy" is the share of the step the GPU spends in kernels (profiler), the rest being
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     sets = ["data.mock=true", "parallel.ep=1", "parallel.tp=1", *args.set]
+    if load_config(args.config, sets).model.moe.router != "softmoe" and not any("dispatcher" in s for s in args.set):
+        sets.insert(3, "model.moe.dispatcher=sorted")  # one device: the dispatcher without host syncs
     if args.layers:
         base = load_config(args.config, sets)
         sets.append(f"model.num_layers={args.layers}")

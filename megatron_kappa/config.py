@@ -62,7 +62,9 @@ class MoEConfig:
     z_loss: float = _f(1e-5, "router z-loss weight")
     route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448)")
     bias_update_rate: float = _f(1e-3, "expert-bias update rate (sigmoid router)")
-    dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "megatron-core token dispatcher")
+    dispatcher: Literal["alltoall", "allgather", "sorted"] = _f(
+        "alltoall", "token dispatcher: megatron-core's alltoall or allgather, or sorted (no host sync; "
+                    "all experts on one rank: EP = TP = ETP = 1, a top-k router, no capacity factor)")
     capacity_factor: Optional[float] = _f(None, "expert capacity factor (null: no token dropping)")
     grouped_gemm: bool = _f(True, "all local experts in two grouped GEMMs (torch.nn.functional.grouped_mm) "
                                   "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
@@ -358,6 +360,12 @@ def validate(cfg: Config):
     need(ffn % par.tp == 0, "parallel.tp", f"model.ffn_hidden_size={ffn} is not divisible by tp={par.tp}")
     need((moe.ffn_hidden_size or ffn) % etp == 0, "parallel.etp",
          f"expert ffn size {moe.ffn_hidden_size or ffn} is not divisible by etp={etp}")
+    if m.layout != "dense" and moe.dispatcher == "sorted":
+        need(par.ep == 1 and par.tp == 1 and etp == 1, "model.moe.dispatcher",
+             f"sorted keeps every expert on one rank: needs parallel.ep, tp and etp of 1 "
+             f"(got ep={par.ep}, tp={par.tp}, etp={etp}; use alltoall)")
+        need(moe.capacity_factor is None and moe.router != "softmoe", "model.moe.dispatcher",
+             "sorted needs exactly top-k experts per token: no capacity factor, no softmoe router")
     if m.layout != "dense" and moe.grouped_gemm:
         align = 4 if cfg.precision == "fp32" else 8  # grouped_mm wants 16-byte strides
         expert_ffn = (moe.ffn_hidden_size or ffn) // etp

@@ -168,3 +168,34 @@ def test_negative_control_host_reads_are_recorded(on_sim_then_cpu):
         x[x > 1]  # boolean indexing: the output size depends on the data
     assert [s.kind for s in sim.syncs] == ["item", "tolist", "data-dependent shape"]
     assert all("test_device.py" in s.where for s in sim.syncs)
+
+
+def test_sorted_dispatcher_step_has_no_host_sync(cfg, on_sim_then_cpu):
+    """With every expert on one rank, `model.moe.dispatcher: sorted` keeps the token counts on the
+    device: a training step reads nothing on the host, megatron's dispatcher copies included
+    (plain experts: κ's torch backend reads the counts, the Triton one a GPU runs does not)."""
+    sorted_cfg = load_config("configs/tiny.yaml", [f"run.dir={cfg.run.dir}", "model.seq_length=32",
+                                                   "train.micro_batch=2", "train.global_batch=4",
+                                                   "model.moe.dispatcher=sorted", "model.kappa.enabled=false"])
+    with SimulatedDevice() as sim:
+        groups.init_distributed(sorted_cfg.parallel, sorted_cfg.train.seed, 4, device=SIM)
+        fresh_process_caches()
+        model = on_device(build_model(sorted_cfg, SIM))
+        engine = PlainEngine(model, loop.grad_accumulation(sorted_cfg))
+        train_ds, _ = build_datasets(sorted_cfg, 20, 4)
+        position_ids = torch.arange(32, device=SIM).expand(2, -1)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5, device=SIM))
+        loop.train_step(engine, model, sorted_cfg, train_ds, 0, SIM, position_ids)  # warm-up
+        before = len(sim.syncs)
+        loss, _ = loop.train_step(engine, model, sorted_cfg, train_ds, 1, SIM, position_ids)
+        assert sim.syncs[before:] == [], sim.syncs[before:]
+    # Negative control: the same step with megatron's alltoall dispatcher reads the counts.
+    alltoall = load_config("configs/tiny.yaml", [f"run.dir={cfg.run.dir}", "model.seq_length=32",
+                                                 "train.micro_batch=2", "train.global_batch=4",
+                                                 "model.kappa.enabled=false"])
+    with SimulatedDevice() as sim:
+        fresh_process_caches()
+        model = on_device(build_model(alltoall, SIM))
+        engine = PlainEngine(model, loop.grad_accumulation(alltoall))
+        loop.train_step(engine, model, alltoall, train_ds, 1, SIM, position_ids)
+        assert any(s.kind == "copy to host" for s in sim.syncs)

@@ -26,6 +26,7 @@ from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
 from megatron_kappa.model.norms import SPTorchNorm
+from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 
 
 def recompute_settings(cfg: Config, has_moe: bool) -> dict:
@@ -64,7 +65,9 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
         kwargs.update(
             num_moe_experts=moe.num_experts, moe_router_topk=moe.topk,
             moe_ffn_hidden_size=moe.ffn_hidden_size or ffn,
-            moe_layer_freq=moe_layer_pattern(cfg), moe_token_dispatcher_type=moe.dispatcher,
+            moe_layer_freq=moe_layer_pattern(cfg),
+            # "sorted" is ours (SortedMoELayer swaps it in); megatron builds its alltoall first
+            moe_token_dispatcher_type="alltoall" if moe.dispatcher == "sorted" else moe.dispatcher,
             moe_router_score_function=moe.router, moe_router_dtype="fp32",
             moe_z_loss_coeff=moe.z_loss or None,
             moe_router_topk_scaling_factor=moe.route_scale if moe.route_scale != 1.0 else None,
@@ -129,6 +132,8 @@ def experts_spec(cfg: Config, stock: MoESubmodules):
 def moe_layer_spec(cfg: Config, stock: MoESubmodules):
     """The MoE layer: the κ layer swaps in the dispatcher that carries the logit."""
     layer = KappaMoELayer if cfg.model.kappa.enabled else MoELayer
+    if cfg.model.moe.dispatcher == "sorted":  # moves the logit channel like the probabilities
+        layer = SortedMoELayer
     return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock), router=router_spec(cfg, stock)))
 
 

@@ -7,6 +7,10 @@
 
 Resumes from the latest checkpoint in run.dir. Bad configs and inputs exit with status 2 and one
 line (megatron_kappa.preflight), before any process group is created or anything is written.
+On SIGUSR1 or SIGTERM every rank finishes the step, a checkpoint is written and the process exits
+with status 75 (megatron_kappa.train.preemption): the same command resumes. A collective that
+fails (a dead or hung rank) is reported with the ranks that no longer answer
+(megatron_kappa.parallel.failures) before the traceback; the status is then 1.
 """
 import argparse
 import sys
@@ -15,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_kappa.config import ConfigError, load_config  # noqa: E402
+from megatron_kappa.train import preemption  # noqa: E402  (signals only: no heavy imports)
 from megatron_kappa.parallel.launch_env import LaunchEnvError, export_environment  # noqa: E402
 from megatron_kappa.preflight import preflight  # noqa: E402
 
@@ -30,16 +35,29 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    preemption.install()  # first: a warning during the slow start-up must not kill the process
+    rank = 0
     try:
         found = export_environment()  # RANK & co. from torchrun/deepspeed, or from Slurm under srun
+        rank = found.rank if found else 0
         cfg = load_config(args.config, args.set)
         preflight(cfg)
         from megatron_kappa.train.loop import run  # heavy imports only once the inputs are known good
-        rank = found.rank if found else 0
         run(cfg, log=print if rank == 0 else (lambda *a, **k: None))
     except (ConfigError, LaunchEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except preemption.Preempted as e:
+        preemption.ignore_from_now()  # the checkpoint is written: die of nothing until the exit
+        if rank == 0:
+            print(f"{e} (exit status {preemption.EXIT_RESUMABLE})", flush=True)
+        return preemption.EXIT_RESUMABLE
+    except Exception as e:
+        from megatron_kappa.parallel.failures import explain
+        note = explain(e)  # None unless a collective failed; else who did not answer
+        if note:
+            print(f"error: rank {rank}: {note}", file=sys.stderr, flush=True)
+        raise
     return 0
 
 

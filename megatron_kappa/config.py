@@ -108,6 +108,8 @@ class ParallelConfig:
     tp: int = _f(1, "tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = _f(1, "expert parallel size")
     etp: Optional[int] = _f(None, "expert tensor parallel size (null: same as tp)")
+    timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
+                                 "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
 
     @property
     def expert_tp(self) -> int:
@@ -356,6 +358,7 @@ def validate(cfg: Config):
     need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
     etp = par.expert_tp
     need(etp > 0, "parallel.etp", f"must be positive, got {etp}")
+    need(par.timeout_s > 0, "parallel.timeout_s", f"must be positive, got {par.timeout_s}")
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     need(ffn % par.tp == 0, "parallel.tp", f"model.ffn_hidden_size={ffn} is not divisible by tp={par.tp}")
     need((moe.ffn_hidden_size or ffn) % etp == 0, "parallel.etp",

@@ -7,6 +7,13 @@ it by the caller. The backend follows the device: NCCL on CUDA, gloo on the CPU.
 
 Works under every launcher users know (`deepspeed`, `torchrun`, `srun`, `mp.spawn`) and as a
 plain `python` process (a world of one).
+
+Failures: every group (torch's default one and megatron's) waits `parallel.timeout_s` for the
+other ranks, then the collective fails instead of hanging for torch's default 30 minutes (gloo);
+on NCCL the watchdog then takes the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's
+default, set explicitly). `control_group()` is a gloo group beside them for small host-side
+messages (the stop agreement of megatron_kappa.train.preemption, naming an unresponsive rank in
+megatron_kappa.parallel.failures).
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from megatron_kappa.preflight import check_layout
 
 DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"
 _device: torch.device | None = None
+_control: tuple | None = None  # (the default group it was made for, the gloo control group)
+_timeout_s: float | None = None  # of the last init_distributed
 
 
 def pick_device(requested: str | None = None) -> torch.device:
@@ -53,6 +62,9 @@ def init_process_group(device: torch.device, timeout_s: float | None = None) -> 
     if launch_env.export_environment() is not None:  # deepspeed, torchrun, srun
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # a timed-out or failed NCCL collective takes the process down (the launcher then
+            # ends the job) instead of leaving it blocked; 3 is torch's default, pinned here
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:  # plain `python`: a world of one
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{launch_env.free_port()}",
@@ -64,12 +76,14 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
                      device: torch.device | str | None = None,
                      timeout_s: float | None = None) -> torch.device:
     """Create the default process group (if the launcher has not) and megatron's groups; returns
-    this process's device."""
-    global _device
+    this process's device. Collectives time out after `timeout_s` (default: par.timeout_s)."""
+    global _device, _timeout_s
+    timeout_s = _timeout_s = timeout_s or par.timeout_s
     launch_env.export_environment()  # under srun, LOCAL_RANK (and so the GPU) comes from Slurm's variables
     _device = torch.device(device) if device is not None else pick_device()
     compat.apply(_device)
     init_process_group(_device, timeout_s)
+    control_group()  # now, while every rank is here: it must exist before anything can fail
     check_layout(par, dist.get_world_size(), num_experts)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
@@ -84,6 +98,7 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta(minutes=...) inside: fractions work
     )
     set_seed(seed)
     return _device
@@ -103,6 +118,26 @@ def dp_mean(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
     return value
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective waits (the last init_distributed's timeout; torch's gloo default of
+    30 min before any)."""
+    return _timeout_s or 1800.0
+
+
+def control_group() -> dist.ProcessGroup:
+    """A gloo group of every rank, for a few bytes on the host now and then: gloo whatever the
+    device, so its messages never wait for the GPU's queue, and apart from the training groups,
+    so an asynchronous message there never interleaves with theirs. Made on the first call after
+    the default group exists (a collective call: every rank makes it at the same point), with the
+    timeout of the last `init_distributed`."""
+    global _control
+    world = dist.group.WORLD
+    if _control is None or _control[0] is not world:
+        timeout = datetime.timedelta(seconds=_timeout_s) if _timeout_s else None
+        _control = (world, dist.new_group(backend="gloo", timeout=timeout))
+    return _control[1]
 
 
 def teardown():

@@ -6,4 +6,5 @@ optimizer.py   parameter groups and the optimizer built from them
 data.py        megatron-core datasets, the resumable batch order, batches to the device
 checkpoint.py  atomic checkpoints that store each weight once
 metrics.py     metrics.jsonl, TensorBoard, κ and router statistics
+preemption.py  SIGUSR1/SIGTERM: every rank stops after the same step, checkpoints, exits 75
 """

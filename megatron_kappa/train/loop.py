@@ -1,7 +1,9 @@
 """The training job: config → model/parallel setup → data → train loop → checkpoints/metrics → eval.
 
 `run(cfg)` is what `launch/pretrain.py` calls under any launcher, after the preflight has checked
-every input. It resumes from the latest checkpoint in `run.dir` if there is one.
+every input. It resumes from the latest checkpoint in `run.dir` if there is one. On SIGUSR1 or
+SIGTERM (once launch/pretrain.py has installed the handlers) every rank stops after the same
+step, with a checkpoint there, by raising `Preempted` (megatron_kappa.train.preemption).
 
 Host–device synchronisation: a step enqueues its work and moves on; numbers are read on the host
 (`.item()`, `.tolist()`) only on logging and checkpoint steps, where the loss is also checked for
@@ -34,6 +36,7 @@ from megatron_kappa.train import optimizer as optim, recipe, throughput
 from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
+from megatron_kappa.train.preemption import Preempted, StopAgreement
 
 
 class TrainingDiverged(RuntimeError):
@@ -159,6 +162,7 @@ def run(cfg: Config, log=print) -> dict:
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset
         core = CoreSubset(cfg, engine, device)
+    stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
     record, window_start, window_steps = {}, time.perf_counter(), 0
     for step in range(start, steps):
         freeze.begin_step(step, optimizer)
@@ -169,7 +173,8 @@ def run(cfg: Config, log=print) -> dict:
         done = step + 1
         window_steps += 1
         logging = done % cfg.log.interval == 0 or done == steps
-        saving = done % cfg.checkpoint.interval == 0 or done == steps
+        stopping = stop.poll() and done < steps  # every step, on every rank: same answer everywhere
+        saving = done % cfg.checkpoint.interval == 0 or done == steps or stopping
         if not (logging or saving):
             get_moe_metrics_tracker().clear()  # router losses are reduced only on logged steps
             continue
@@ -202,5 +207,9 @@ def run(cfg: Config, log=print) -> dict:
             ckpts.save(engine, done, {"layout": layout(cfg, world), "config": to_dict(cfg)},
                        {"rng": rng_state(device), "coords": rank_coords(model),
                         "weights": owned_state(model), "buffers": dict(model.named_buffers())})
+        if stopping:
+            metrics.close()
+            raise Preempted(done, steps, stop.signum, ckpts.folder(done))
+    stop.close()
     metrics.close()
     return record

@@ -1,0 +1,70 @@
+"""A dead or hung rank: which one, said by the ranks that are left.
+
+What ends the job, and how fast (`parallel.timeout_s`, T; megatron_kappa.parallel.groups):
+  - a rank that dies: its peers' next collective fails at once on gloo (connection closed), or
+    after T on NCCL; the launcher ends the other ranks and names the one that exited
+    (`srun --kill-on-bad-exit`: "task N: Killed"; torchrun and the deepspeed launcher likewise);
+  - a rank that hangs (alive, never reaching the collective): its peers' collective times out
+    after T. They cannot tell from that error whom they waited for, so `explain()` asks: a
+    monitored barrier on the gloo control group, where rank 0 waits up to T for each rank and
+    names those that do not come ("Ranks 1 failed to pass monitoredBarrier"; rank 0 itself hung:
+    the others say "errors while waiting for send/recv from rank 0"). The ranks then exit with
+    an error and the launcher ends the hung one. Bound: about 2 T.
+On NCCL (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) a timed-out collective is noticed by torch's watchdog
+thread, which takes the process down itself, naming its own rank and the collective; the Python
+exception, and so `explain()`, may never run. Not tested here (no GPUs): torch's flight recorder
+(TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT) then says which rank lagged.
+"""
+from __future__ import annotations
+
+import datetime
+import re
+
+import torch.distributed as dist
+
+from megatron_kappa.parallel import groups
+
+# What gloo's and NCCL's errors say when a peer is gone or late (they raise a bare RuntimeError).
+_MARKS = ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
+
+
+def _short(text: str) -> str:
+    """gloo's first line without its source location and advice: "[.../pair.cc:545] Read error
+    [127.0.0.1]:16819: Connection reset by peer. This is typically ..." -> "Read error ...peer"."""
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
+    return line.split(". This is typically")[0].rstrip(".")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _MARKS)
+
+
+def unresponsive_ranks(timeout_s: float) -> str:
+    """Rank 0 waits up to `timeout_s` for every rank at a barrier on the control group; what it
+    (or, on the other ranks, their exchange with rank 0) found, as one line."""
+    try:
+        dist.monitored_barrier(group=groups.control_group(),
+                               timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        found = _short(str(e)) or type(e).__name__
+        if "monitoredbarrier" in found.lower():
+            return found
+        return (f"a peer closed its connection ({found}): a rank has died; the launcher names it "
+                "(srun: 'task N')")
+    return "every rank answered a barrier afterwards: a transient network error, or a rank that " \
+           "was only slow"
+
+
+def explain(exc: BaseException) -> str | None:
+    """For an exception out of training: None unless it is a collective that failed in a world
+    of several ranks; else one line naming the ranks that did not answer (see the module)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    if not is_collective_failure(exc):
+        return None
+    timeout_s = groups.collective_timeout_s()
+    return f"a collective failed ({_short(str(exc)) or type(exc).__name__}); {unresponsive_ranks(timeout_s)}"

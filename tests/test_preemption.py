@@ -1,0 +1,180 @@
+"""Stopping on a signal (megatron_kappa.train.preemption) and naming a dead or hung rank
+(megatron_kappa.parallel.failures), without Slurm; tests/test_slurm.py runs both under a real one."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kappa.config import load_config
+from megatron_kappa.train import preemption
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ["data.mock=true", "log.interval=1", "checkpoint.interval=100", "eval.valid_every=0",
+            "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
+            "log.tensorboard=false", "model.kappa.freeze_fraction=0.25", "model.kappa.warmup=2"]
+
+
+def losses(run_dir):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+@pytest.fixture(autouse=True)
+def no_recorded_signal():
+    preemption.reset()
+    yield
+    preemption.reset()
+
+
+def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
+    """One process: a stop requested before the first step stops the run after its second step
+    (one step for the pipelined agreement) with a checkpoint there; running again resumes and
+    ends with the same losses as a run that was never stopped (same initial weights)."""
+    from megatron_kappa.model.build import build_model
+    from megatron_kappa.train.loop import run
+    steps = 5
+    base = load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}"])
+    torch.manual_seed(3)
+    init = tmp_path / "init.pt"
+    torch.save({k: v for k, v in build_model(base).state_dict().items()
+                if not k.endswith("_extra_state")}, init)
+    cfg = lambda d: load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}", f"run.dir={d}",
+                                                                  f"train.init_weights={init}"])
+    quiet = lambda *a, **k: None
+    run(cfg(tmp_path / "straight"), log=quiet)
+
+    preemption.request_stop(signal.SIGUSR1)
+    with pytest.raises(preemption.Preempted) as stopped:
+        run(cfg(tmp_path / "stopped"), log=quiet)
+    e = stopped.value
+    assert (e.step, e.steps, e.signum) == (2, steps, signal.SIGUSR1)
+    assert "stopped at step 2/5 on SIGUSR1" in str(e)
+    from megatron_kappa.train.checkpoint import Checkpoints
+    assert Checkpoints(tmp_path / "stopped").complete() == [2] and e.checkpoint.name == "step_2"
+    assert [s for s, _ in losses(tmp_path / "stopped")] == [1, 2]
+
+    preemption.reset()
+    run(cfg(tmp_path / "stopped"), log=quiet)
+    got, ref = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
+    assert [s for s, _ in got] == list(range(1, steps + 1))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref)) <= 1e-6, (got, ref)
+
+
+def test_a_signal_at_the_last_step_finishes_normally(world1, tmp_path):
+    from megatron_kappa.train.loop import run
+    preemption.request_stop(signal.SIGTERM)
+    cfg = load_config("configs/tiny.yaml", SETTINGS + ["train.steps=1", f"run.dir={tmp_path}"])
+    assert run(cfg, log=lambda *a, **k: None)["step"] == 1  # no Preempted: the run is complete
+
+
+def test_handlers_record_instead_of_dying():
+    """install() in a child process: USR1 and TERM are recorded, the process lives on; the
+    first signal is the one reported. Without install() the same TERM kills it (control)."""
+    code = ("import os, signal, sys, time; sys.path.insert(0, {root!r})\n"
+            "from megatron_kappa.train import preemption\n"
+            "{install}\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+            "print(preemption.received())\n")
+    done = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), install="preemption.install()")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == [str(int(signal.SIGUSR1))], done.stderr
+    done = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), install="")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGUSR1
+
+
+# ---- two processes (gloo), no model ----------------------------------------------------------
+
+WORKER = r'''
+import json, os, random, signal, sys, time
+sys.path.insert(0, os.environ["KAPPA_ROOT"])
+from megatron_kappa.train import preemption
+preemption.install()
+import torch.distributed as dist
+from megatron_kappa.config import ParallelConfig
+from megatron_kappa.parallel import failures, groups
+mode, out = sys.argv[1], sys.argv[2]
+groups.init_distributed(ParallelConfig(timeout_s=float(os.environ.get("TIMEOUT_S", "60"))), seed=0)
+rank = dist.get_rank()
+result = {"rank": rank}
+if mode == "agree":
+    # rank 1 alone gets the signal, during its step 7; rank 0 runs slower, so the two are
+    # skewed; both must leave after the same step
+    stop, rng = preemption.StopAgreement(), random.Random(rank)
+    for step in range(1, 200):
+        time.sleep(rng.uniform(0, 0.02) + 0.01 * (rank == 0))
+        if rank == 1 and step == 7:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if stop.poll():
+            break
+    result.update(stopped_after=step, signum=stop.signum, received=preemption.received())
+else:
+    import torch
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        if mode == "die":
+            os._exit(9)
+        time.sleep(300)   # "hang": alive, never at the next collective
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1))
+        result["note"] = None
+    except Exception as e:
+        result["note"] = failures.explain(e)
+with open(out + f".{rank}", "w") as f:
+    json.dump(result, f)
+os._exit(0)
+'''
+
+
+def two_ranks(tmp_path, mode, timeout_s=60, **env):
+    from megatron_kappa.parallel.launch_env import free_port
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port, out = free_port(), tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, str(script), mode, str(out)], env={
+        **os.environ, "KAPPA_ROOT": str(ROOT), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env}) for r in range(2)]
+    try:
+        procs[0].wait(timeout_s)  # a bound: rank 1 may be "hung" for much longer
+        procs[1].wait(10 if mode != "hang" else 0.1)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [json.loads(Path(f"{out}.{r}").read_text()) if Path(f"{out}.{r}").exists() else None
+            for r in range(2)]
+
+
+def test_ranks_agree_on_the_step(tmp_path):
+    r0, r1 = two_ranks(tmp_path, "agree")
+    assert r1["received"] == signal.SIGUSR1 and r0["received"] == 0  # rank 0 never saw it ...
+    assert r0["stopped_after"] == r1["stopped_after"] == 8          # ... and stops with rank 1
+    assert r0["signum"] == r1["signum"] == signal.SIGUSR1
+
+
+def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
+    """Rank 1 sleeps 300 s instead of joining; rank 0 reports within the bound (3 s collective
+    timeout, 3 s barrier; 120 s allowed for start-up on a loaded machine)."""
+    r0, _ = two_ranks(tmp_path, "hang", timeout_s=120, TIMEOUT_S="3")
+    assert r0 is not None, "rank 0 did not report within the bound"
+    assert "Ranks 1 failed to pass monitoredBarrier" in r0["note"], r0
+    assert r0["note"].startswith("a collective failed (")
+
+
+def test_a_dead_rank_is_reported(tmp_path):
+    r0, _ = two_ranks(tmp_path, "die", TIMEOUT_S="30")
+    assert "a rank has died" in r0["note"], r0
+
+
+def test_timeout_config_is_checked():
+    from megatron_kappa.config import ConfigError
+    with pytest.raises(ConfigError, match="parallel.timeout_s: must be positive"):
+        load_config(None, ["parallel.timeout_s=0"])

@@ -118,23 +118,43 @@ class ParallelConfig:
 
 
 @dataclass
+class MuonConfig:
+    lr: float = _f(0.01, "peak learning rate of the orthogonalised matrices (train.lr's schedule; authors: 0.01)")
+    momentum: float = _f(0.95, "momentum β of the EMA buffer M ← βM + (1-β)G")
+    nesterov: bool = _f(True, "Nesterov: orthogonalise (1-β)G + βM instead of M")
+    ns_steps: int = _f(5, "Newton–Schulz iterations per polar factor (authors: 5)")
+    weight_decay: float = _f(0.05, "decoupled weight decay W ← W·(1 - lr·wd) of the orthogonalised matrices")
+    aurora_rounds: int = _f(2, "aurora: row-equilibration rounds of a rectangular matrix (authors' pp_iterations)")
+    aurora_exponent: float = _f(0.5, "aurora: exponent of the row rescaling D ← D·((n/m)/‖u_i‖²)^exponent (pp_beta)")
+    scale: Optional[Literal["original", "match_rms_adamw", "none"]] = _f(
+        None, "step scale per [m, n] matrix: original √max(1, m/n), match_rms_adamw 0.2·√max(m, n) "
+              "capped at 1, none (null: original for muon, match_rms_adamw for aurora, as the authors)")
+    max_scale: Optional[float] = _f(None, "cap on the step scale (null: 1.0 for match_rms_adamw, none otherwise)")
+
+
+@dataclass
 class TrainConfig:
     steps: Optional[int] = _f(None, "optimizer steps (null: the token budget 5 × N_eff)")
     seed: int = _f(24, "random seed (paper: 24, 26, 28)")
     micro_batch: int = _f(1, "sequences per rank per forward")
     global_batch: int = _f(8, "sequences per optimizer step (gradient accumulation fills the rest)")
-    lr: float = _f(3e-4, "peak learning rate of matrix parameters")
-    lr_non_matrix: float = _f(3e-4, "peak learning rate of norms, embeddings and other non-matrix parameters")
+    optimizer: Literal["adamw", "muon", "aurora"] = _f(
+        "adamw", "matrix optimizer: adamw, or the orthogonalised update of Muon or of the authors' Aurora "
+                 "(train.muon; attention, dense-MLP and expert matrices only, AdamW for the rest; docs/optimizer.md)")
+    lr: float = _f(3e-4, "peak learning rate of matrix parameters under AdamW (muon/aurora: of the routers, "
+                         "which stay on AdamW)")
+    lr_non_matrix: float = _f(3e-4, "peak AdamW learning rate of norms, embeddings and other non-matrix parameters")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
     warmup: int = _f(100, "learning-rate warmup steps")
-    weight_decay: float = _f(0.05, "AdamW weight decay on matrices")
-    betas: list = _f([0.9, 0.95], "AdamW betas")
-    grad_clip: float = _f(1.0, "global gradient-norm clip (0: off)")
+    weight_decay: float = _f(0.05, "AdamW weight decay on matrices (muon/aurora: on the routers)")
+    betas: list = _f([0.9, 0.95], "AdamW betas (every AdamW group, also under muon/aurora)")
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0: off; must be 0 with muon/aurora)")
     init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
                                           "random init; ignored when resuming from a checkpoint")
     deterministic: bool = _f(False, "deterministic kernels (torch.use_deterministic_algorithms): "
                                     "bit-exact resume and reruns on GPUs, at some speed; CPU runs "
                                     "are deterministic anyway")
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass
@@ -385,6 +405,35 @@ def validate(cfg: Config):
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
     need(len(cfg.train.betas) == 2, "train.betas", f"expected two numbers, got {cfg.train.betas}")
+    _validate_muon(cfg, need)
+
+
+def _validate_muon(cfg: Config, need):
+    mu = cfg.train.muon
+    for key, value in [("lr", mu.lr), ("weight_decay", mu.weight_decay), ("aurora_exponent", mu.aurora_exponent)]:
+        need(value >= 0, f"train.muon.{key}", f"must not be negative, got {value}")
+    need(0 <= mu.momentum < 1, "train.muon.momentum", f"must be in [0, 1), got {mu.momentum}")
+    need(mu.ns_steps >= 1, "train.muon.ns_steps", f"must be at least 1, got {mu.ns_steps}")
+    need(mu.aurora_rounds >= 1, "train.muon.aurora_rounds", f"must be at least 1, got {mu.aurora_rounds}")
+    need(mu.max_scale is None or mu.max_scale > 0, "train.muon.max_scale", f"must be positive, got {mu.max_scale}")
+    # DeepSpeed's ZeRO replaces each gradient by its orthogonalised update before it computes the
+    # norm and clips, so a clip would rescale the update itself (the authors do not clip).
+    need(cfg.train.optimizer == "adamw" or cfg.train.grad_clip == 0, "train.grad_clip",
+         f"must be 0 with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
+         f"orthogonalised update, not the gradient (got {cfg.train.grad_clip})")
+
+
+def _validate_softmoe(moe: MoEConfig, need):
+    sm, E = moe.softmoe, moe.num_experts
+    cap = sm.max_experts or E
+    need(1 <= cap <= E, "model.moe.softmoe.max_experts", f"must be in [1, num_experts={E}], got {cap}")
+    need(0 < moe.active_experts <= cap, "model.moe.softmoe.budget",
+         f"must be in (0, max_experts={cap}], got {moe.active_experts}")
+    need(sm.temperature > 0, "model.moe.softmoe.temperature", f"must be positive, got {sm.temperature}")
+    need(0 <= sm.threshold < 1, "model.moe.softmoe.threshold", f"must be in [0, 1), got {sm.threshold}")
+    need(moe.capacity_factor is None, "model.moe.capacity_factor",
+         "must be null with the softmoe router (it runs a variable number of experts per token; "
+         "model.moe.softmoe.max_experts caps it)")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -2,8 +2,9 @@
 
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
-PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts"}; each entry is a
-full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides.
+PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts", "log": false}; each
+entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
+"== case <i>" and the run's log lines).
 """
 import json
 import sys
@@ -29,9 +30,12 @@ def main(plan_path):
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     plan = json.loads(Path(args[0]).read_text())
     wire = engine.wire_experts
-    for case in plan:
+    for i, case in enumerate(plan):
         engine.wire_experts = unmarked(wire) if case.get("negative") == "unmarked_experts" else wire
-        loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)
+        if case.get("log"):  # the run's log lines on stdout, after a header naming the case
+            print(f"== case {i}", flush=True)
+        log = (lambda *a, **k: print(*a, flush=True)) if case.get("log") else (lambda *a, **k: None)
+        loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=log)
     engine.wire_experts = wire
 
 

@@ -3,6 +3,8 @@
 loop.py        run(cfg): setup → data → steps → metrics/checkpoints (the algorithm)
 recipe.py      the paper's recipe: learning-rate schedules, the κ freeze, the κ L2 penalty
 optimizer.py   parameter groups and the optimizer built from them
+matrix_optim.py the orthogonalised update of Muon and Aurora (the math)
+muon.py        Muon/Aurora inside DeepSpeed's ZeRO: parameter tags, matrix blocks, the patched update
 data.py        megatron-core datasets, the resumable batch order, batches to the device
 checkpoint.py  atomic checkpoints that store each weight once
 metrics.py     metrics.jsonl, TensorBoard, κ and router statistics

@@ -32,7 +32,7 @@ from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, up
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
-from megatron_kappa.train import optimizer as optim, recipe, throughput
+from megatron_kappa.train import muon, optimizer as optim, recipe, throughput
 from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
@@ -142,6 +142,7 @@ def run(cfg: Config, log=print) -> dict:
     freeze = recipe.KappaFreeze(model, steps, cfg)
     engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, grad_accum,
                                              lambda groups: optim.build_optimizer(groups, cfg))
+    muon.check_zero_layout(optimizer)
     if start:
         saved = ckpts.load(engine, start, device)
         model.load_state_dict(saved["buffers"], strict=False)

@@ -1,6 +1,6 @@
 """The paper's training recipe: learning-rate schedules, the κ freeze and the κ L2 penalty.
 
-It acts on the optimizer's parameter groups by their `kind` (matrix, non_matrix, kappa; built by
+It acts on the optimizer's parameter groups by their `kind` (matrix, router, non_matrix, kappa; built by
 megatron_kappa.train.optimizer) and on κ's α and b, found by megatron_kappa.model.params.is_kappa.
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ def kappa_lr(step: int, total: int, cfg: Config) -> float:
 
 def set_learning_rates(optimizer, step: int, total: int, cfg: Config) -> dict:
     t = cfg.train
-    lrs = {"matrix": main_lr(step, t.lr, total, t.warmup, t.min_lr_ratio),
+    matrix_peak = t.lr if t.optimizer == "adamw" else t.muon.lr  # muon/aurora: routers keep t.lr
+    lrs = {"matrix": main_lr(step, matrix_peak, total, t.warmup, t.min_lr_ratio),
+           "router": main_lr(step, t.lr, total, t.warmup, t.min_lr_ratio),
            "non_matrix": main_lr(step, t.lr_non_matrix, total, t.warmup, t.min_lr_ratio),
            "kappa": kappa_lr(step, total, cfg)}
     for group in optimizer.param_groups:

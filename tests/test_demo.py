@@ -59,7 +59,8 @@ def test_demo_pipeline_runs_and_reports(demo):
     assert records[-1]["loss"] < records[0]["loss"]
     assert 1.5 < valid["loss"] / math.log(2) / valid["bits_per_byte"] < 8
     assert valid["tokens"] > 1000 and valid["bytes"] > valid["tokens"]
-    assert (out / "run/loss.png").stat().st_size > 1000
+    for figure in ("overview", "loss", "kappa", "alignment", "gate_bias", "alignment_final"):
+        assert (out / f"run/plots/{figure}.png").stat().st_size > 1000, figure
     assert records[-1]["step"] == 6 and "core" in records[-1]  # the training loop's CORE subset
     assert any(k.startswith("kappa/layer") for k in records[-1])
     for word in ("run directory", "metrics", "TensorBoard", "checkpoints", "loss curve", "summary"):

@@ -8,5 +8,6 @@ muon.py        Muon/Aurora inside DeepSpeed's ZeRO: parameter tags, matrix block
 data.py        megatron-core datasets, the resumable batch order, batches to the device
 checkpoint.py  atomic checkpoints that store each weight once
 metrics.py     metrics.jsonl, TensorBoard, κ and router statistics
+analysis.py    the paper's analyses per MoE layer (alignment, gate bias, κ/α/b, router load)
 preemption.py  SIGUSR1/SIGTERM: every rank stops after the same step, checkpoints, exits 75
 """

@@ -32,7 +32,7 @@ from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, up
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
-from megatron_kappa.train import muon, optimizer as optim, recipe, throughput
+from megatron_kappa.train import analysis, muon, optimizer as optim, recipe, throughput
 from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
@@ -104,7 +104,7 @@ def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
     return {**router_losses(model.config, grad_accumulation(cfg), device),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-            **kappa_stats(model, device)}
+            **kappa_stats(model, device), **analysis.analysis_stats(model, cfg, device)}
 
 
 def use_deterministic_kernels():
@@ -130,6 +130,7 @@ def run(cfg: Config, log=print) -> dict:
     dist.barrier()
 
     model = build_model(cfg, device)
+    analysis.watch_routers(model)  # the analyses read each router's last input on logging steps
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
     start = ckpts.latest() or 0  # a layout change on resume was refused by the preflight

@@ -9,6 +9,9 @@ file's values are merged over them key by key, then the overrides.
 
 Checks that need more than the config (files, world size, installed packages) are in
 megatron_kappa.preflight; both run before any process group or model exists.
+
+The file is longer than the project's other modules on purpose: it is the whole schema, and each
+value's default, help text and cross-field check sit in one file, where `--set` users look.
 """
 from __future__ import annotations
 
@@ -52,13 +55,30 @@ class KappaConfig:
 
 
 @dataclass
+class SoftMoEConfig:
+    """model.moe.router: softmoe (docs/softmoe.md; defaults marked there as reconstructions)."""
+    budget: Optional[float] = _f(None, "mean over the MoE layers of k_l, each layer's mean active experts "
+                                       "per token; held exactly (null: model.moe.topk)")
+    allocation: Literal["softmax", "lapsum"] = _f(
+        "softmax", "k_l from one learned θ_l per layer: L·budget·softmax(θ)_l clamped to [1e-3, E − 1e-3], "
+                   "or E·LapSum(θ; L·budget/E)_l, inside (0, E) with no clamp")
+    temperature: float = _f(0.1, "LapSum scale α (→ 0: hard top-k of the logits; large: k_l/E everywhere)")
+    threshold: float = _f(0.05, "truncation τ: experts with p < τ are not run (0: every expert runs)")
+    normalize: Literal["none", "sum", "budget"] = _f(
+        "none", "routing weights: the truncated p as is, divided by their sum, or scaled to sum to k_l")
+    max_experts: Optional[int] = _f(None, "cap on experts run per token (memory); the largest p are kept, "
+                                          "and tokens over it are counted in metrics (null: num_experts)")
+
+
+@dataclass
 class MoEConfig:
     num_experts: int = _f(8, "routed experts per MoE layer")
     topk: int = _f(2, "experts per token")
     ffn_hidden_size: Optional[int] = _f(None, "expert hidden size (default: model.ffn_hidden_size)")
-    router: Literal["softmax", "sigmoid"] = _f(
-        "softmax", "softmax top-k with aux loss (paper) or sigmoid with an aux-loss-free bias (Trinity)")
-    aux_loss: float = _f(1e-3, "Switch load-balancing loss weight (softmax router)")
+    router: Literal["softmax", "sigmoid", "softmoe"] = _f(
+        "softmax", "softmax top-k with aux loss (paper), sigmoid with an aux-loss-free bias (Trinity), or "
+                   "softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)")
+    aux_loss: float = _f(1e-3, "Switch load-balancing loss weight (softmax and softmoe routers)")
     z_loss: float = _f(1e-5, "router z-loss weight")
     route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448)")
     bias_update_rate: float = _f(1e-3, "expert-bias update rate (sigmoid router)")
@@ -69,6 +89,13 @@ class MoEConfig:
     grouped_gemm: bool = _f(True, "all local experts in two grouped GEMMs (torch.nn.functional.grouped_mm) "
                                   "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
                                   "the expert ffn size / etp to be multiples of 4 (fp32) or 8 (bf16)")
+    softmoe: SoftMoEConfig = field(default_factory=SoftMoEConfig)
+
+    @property
+    def active_experts(self) -> float:
+        """Experts per token: topk, or the SoftMoE budget (its mean over layers)."""
+        budget = self.softmoe.budget
+        return (self.topk if budget is None else budget) if self.router == "softmoe" else self.topk
 
 
 @dataclass
@@ -367,6 +394,8 @@ def validate(cfg: Config):
              f"must be in [1, num_experts={moe.num_experts}], got {moe.topk}")
         need(moe.num_experts % par.ep == 0, "parallel.ep",
              f"model.moe.num_experts={moe.num_experts} is not divisible by ep={par.ep}")
+        if moe.router == "softmoe":
+            _validate_softmoe(moe, need)
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")

@@ -40,7 +40,7 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel()) -> dict:
     for name, p in model.named_parameters():
         by[_category(name)] += numel(name, p)
     total = sum(by.values())
-    k, E = cfg.model.moe.topk, cfg.model.moe.num_experts
+    k, E = cfg.model.moe.active_experts, cfg.model.moe.num_experts  # SoftMoE: the budget
     has_moe = any(moe_layer_pattern(cfg))
     ratio = k / E if has_moe else 1.0
     n_shared = by["embedding"] + by["norm"] + by["dense_mlp"] + by["router"]

@@ -106,11 +106,13 @@ def test_gate_bias_of_known_geometry(world1):
         assert bias[:, 1::2].abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["kappa", "kappa-sequential", "swiglu", "kappa-no-alpha", "authors-scale"])
+@pytest.mark.parametrize("variant", ["kappa", "kappa-sequential", "swiglu", "kappa-no-alpha", "authors-scale",
+                                     "softmoe"])
 def test_metrics_match_naive_loops(world1, variant):
     overrides = {"kappa": [], "kappa-sequential": ["model.moe.grouped_gemm=false"],
                  "swiglu": ["model.kappa.enabled=false"], "kappa-no-alpha": ["model.kappa.use_alpha=false"],
-                 "authors-scale": ["model.kappa.logit_scale=0.15"]}[variant]
+                 "authors-scale": ["model.kappa.logit_scale=0.15"],
+                 "softmoe": ["model.moe.router=softmoe"]}[variant]  # variable experts per token
     cfg, model = model_for(overrides)
     seen = ref.capture_routing(model)
     analysis.watch_routers(model)
@@ -123,7 +125,8 @@ def test_metrics_match_naive_loops(world1, variant):
                                             logit_scale=cfg.model.kappa.logit_scale))
     ref.assert_close_stats(stats, expected, rel=1e-5, abs_=1e-6)
     assert set(stats) == set(expected)  # nothing extra, nothing missing (α-metrics only with α)
-    assert ("kappa/layer1/alpha_s_abs" in stats) == (variant in ("kappa", "kappa-sequential", "authors-scale"))
+    assert ("kappa/layer1/alpha_s_abs" in stats) == (variant in ("kappa", "kappa-sequential", "authors-scale",
+                                                                 "softmoe"))
     # Negative control: pairing each expert with its neighbour's router vector is caught.
     shifted = {}
     for index, _ in analysis.moe_layers(model):

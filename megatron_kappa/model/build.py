@@ -25,6 +25,8 @@ from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
+from megatron_kappa.model import softmoe
+from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 
@@ -76,10 +78,12 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
         )
         if moe.router == "softmax":
             kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.aux_loss)
-        else:  # Trinity: aux-loss-free balancing through a non-trained expert bias
+        elif moe.router == "sigmoid":  # Trinity: aux-loss-free balancing through a non-trained expert bias
             kwargs.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                           moe_router_enable_expert_bias=True,
                           moe_router_bias_update_rate=moe.bias_update_rate)
+        else:  # SoftMoE: routing and balancing loss of its own
+            kwargs.update(softmoe.megatron_kwargs(cfg))
     return TransformerConfig(**kwargs)
 
 
@@ -116,6 +120,9 @@ def kappa_settings(cfg: Config) -> KappaSettings:
 
 def router_spec(cfg: Config, stock: MoESubmodules):
     """The router class: κ needs each pair's raw logit handed on with the probabilities."""
+    if cfg.model.moe.router == "softmoe":
+        router = softmoe.KappaSoftMoERouter if cfg.model.kappa.enabled else softmoe.SoftMoERouter
+        return partial(router, settings=softmoe.softmoe_settings(cfg))
     return KappaRouter if cfg.model.kappa.enabled else stock.router
 
 
@@ -132,7 +139,9 @@ def experts_spec(cfg: Config, stock: MoESubmodules):
 def moe_layer_spec(cfg: Config, stock: MoESubmodules):
     """The MoE layer: the κ layer swaps in the dispatcher that carries the logit."""
     layer = KappaMoELayer if cfg.model.kappa.enabled else MoELayer
-    if cfg.model.moe.dispatcher == "sorted":  # moves the logit channel like the probabilities
+    if cfg.model.moe.router == "softmoe":  # a variable number of experts per token
+        layer = partial(SoftMoELayer, carry_logit=cfg.model.kappa.enabled)
+    elif cfg.model.moe.dispatcher == "sorted":  # moves the logit channel like the probabilities
         layer = SortedMoELayer
     return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock), router=router_spec(cfg, stock)))
 
@@ -172,6 +181,7 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
         )
+    softmoe.link_budgets(model)  # the SoftMoE layers share one budget (no-op without them)
     if not meta and torch.device(device).type == "cuda":
         # megatron creates the router weight on the CPU and moves it at the first forward; move
         # everything now, so the optimizer and the checkpoints see the model where it runs.

@@ -9,5 +9,6 @@ data.py        megatron-core datasets, the resumable batch order, batches to the
 checkpoint.py  atomic checkpoints that store each weight once
 metrics.py     metrics.jsonl, TensorBoard, κ and router statistics
 analysis.py    the paper's analyses per MoE layer (alignment, gate bias, κ/α/b, router load)
+softmoe_metrics.py the SoftMoE router's per-layer budgets and experts run per token
 preemption.py  SIGUSR1/SIGTERM: every rank stops after the same step, checkpoints, exits 75
 """

@@ -36,6 +36,7 @@ from megatron_kappa.train import analysis, muon, optimizer as optim, recipe, thr
 from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
+from megatron_kappa.train.softmoe_metrics import softmoe_stats
 from megatron_kappa.train.preemption import Preempted, StopAgreement
 
 
@@ -104,7 +105,8 @@ def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
     return {**router_losses(model.config, grad_accumulation(cfg), device),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-            **kappa_stats(model, device), **analysis.analysis_stats(model, cfg, device)}
+            **kappa_stats(model, device), **analysis.analysis_stats(model, cfg, device),
+            **softmoe_stats(model, device)}
 
 
 def use_deterministic_kernels():

@@ -23,6 +23,7 @@ from megatron_kappa.config import Config
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
+from megatron_kappa.model.loss import ChunkedLossGPTModel
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
 from megatron_kappa.model import softmoe
@@ -175,7 +176,10 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
     if meta:
         tconfig.perform_initialization = False
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = GPTModel(
+        # model.cross_entropy_chunk: the chunked loss inside the model; 0: megatron's own
+        model_class = partial(ChunkedLossGPTModel, cross_entropy_chunk=cfg.model.cross_entropy_chunk) \
+            if cfg.model.cross_entropy_chunk else GPTModel
+        model = model_class(
             config=tconfig, transformer_layer_spec=layer_specs(cfg, tconfig),
             vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",

@@ -6,13 +6,15 @@ two 2 GiB tensors beside the bf16 logits. Here the loss walks the tokens in chun
 logits are upcast, reduced to the log-sum-exp and the target logit, and freed; the backward
 recomputes each chunk's softmax from the (bf16) logits and the saved log-sum-exp. Vocabulary
 parallelism (TP) works as in megatron: each rank holds a slice of the vocabulary, the max, the
-sum of exponentials and the target logit are all-reduced over the TP group.
+sum of exponentials and the target logit are all-reduced over the TP group. `ChunkedLossGPTModel`
+puts it inside megatron's GPTModel (`model(..., labels=...)`), where megatron computes its loss.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 
 
 class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -27,10 +29,10 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             x = logits[rows].float()
-            top = x.max(dim=-1).values
+            top = x.amax(dim=-1)  # amax: no indices (max(dim) computes them, at twice the cost on CPU)
             if tp > 1:
                 dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            sum_exp = torch.exp(x - top[:, None]).sum(dim=-1)
+            sum_exp = torch.sub(x, top[:, None]).exp_().sum(dim=-1)
             local = target[rows] - first
             mine = (local >= 0) & (local < vocab_local)
             picked = x.gather(1, local.clamp(0, vocab_local - 1)[:, None]).squeeze(1) * mine
@@ -50,19 +52,37 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
-            softmax = torch.exp(logits[rows].float() - lse[rows, None])
+            softmax = torch.sub(logits[rows].float(), lse[rows, None]).exp_()
             local = target[rows] - ctx.first
             mine = (local >= 0) & (local < vocab_local)
             # d loss / d logit = softmax − one-hot(target), the one-hot only on the owning rank
             softmax.scatter_add_(1, local.clamp(0, vocab_local - 1)[:, None], -mine.to(softmax.dtype)[:, None])
-            grad[rows] = (softmax * grad_loss[rows, None]).to(grad.dtype)
+            grad[rows] = softmax.mul_(grad_loss[rows, None])  # copy_ casts to the logits' dtype
         return grad, None, None, None
 
 
-def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Per-token loss [b, s] from the model's (vocabulary-parallel) logits [b, s, V/TP]."""
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-token loss (fp32, the shape of `labels`) from vocabulary-parallel logits [..., V/TP]."""
+    if chunk <= 0:
+        raise ValueError(f"vocab_parallel_loss: chunk must be positive, got {chunk}")
     group = parallel_state.get_tensor_model_parallel_group() \
         if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
-    b, s, v = logits.shape
-    loss = ChunkedVocabParallelCrossEntropy.apply(logits.reshape(b * s, v), labels.reshape(b * s), chunk, group)
-    return loss.view(b, s)
+    loss = ChunkedVocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                  chunk, group)
+    return loss.view(labels.shape)
+
+
+class ChunkedLossGPTModel(GPTModel):
+    """megatron-core's GPTModel with the chunked loss (model.cross_entropy_chunk) in place of
+    `vocab_parallel_cross_entropy`. It takes the output layer's [s, b, V/TP] logits where they are
+    made, as megatron's own loss does: asking the model for logits instead would first copy them
+    into [b, s, V/TP] (GPTModel's transpose), one more logits-sized tensor and pass."""
+
+    def __init__(self, *args, cross_entropy_chunk: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cross_entropy_chunk = cross_entropy_chunk
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """labels [b, s], logits [s, b, V/TP] → loss [b, s], as the method it overrides."""
+        loss = vocab_parallel_loss(logits, labels.transpose(0, 1), self.cross_entropy_chunk)
+        return loss.transpose(0, 1).contiguous()

@@ -26,7 +26,6 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.model.build import build_model, moe_layer_pattern
-from megatron_kappa.model.loss import language_model_loss
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, update_expert_bias
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
@@ -54,14 +53,10 @@ def total_steps(cfg: Config, model) -> int:
     return count(model, cfg, numel=global_numel)["steps_for_budget"]
 
 
-def lm_loss(model, batch, position_ids, chunk: int = 0) -> torch.Tensor:
-    """Mean next-token loss over the batch's unmasked tokens (a device scalar). With `chunk`
-    (model.cross_entropy_chunk), the model returns its vocabulary-parallel logits and the loss is
-    taken a chunk of tokens at a time; with 0, by megatron-core inside the model."""
-    if chunk:
-        per_token = language_model_loss(model(batch["tokens"], position_ids, None), batch["labels"], chunk)
-    else:
-        per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+def lm_loss(model, batch, position_ids) -> torch.Tensor:
+    """Mean next-token loss over the batch's unmasked tokens (a device scalar). The model computes
+    the per-token loss: the chunked one of model.cross_entropy_chunk, or megatron's (build.py)."""
+    per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
     mask = batch["loss_mask"]
     return (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
 
@@ -71,8 +66,8 @@ def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tenso
     engine.eval()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb = cfg.train.micro_batch
-    losses = [lm_loss(engine, batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device), position_ids,
-                      cfg.model.cross_entropy_chunk) for i in range(cfg.eval.valid_iters)]
+    losses = [lm_loss(engine, batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device), position_ids)
+              for i in range(cfg.eval.valid_iters)]
     engine.train()
     return dp_mean(torch.stack(losses).mean())
 
@@ -92,7 +87,7 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     for micro in range(grad_accumulation(cfg)):
         first = train_first_sample(step, micro, cfg, dp_rank, dp)
         batch = batch_at(train_ds, first, cfg.train.micro_batch, device)
-        loss = lm_loss(engine, batch, position_ids, cfg.model.cross_entropy_chunk)
+        loss = lm_loss(engine, batch, position_ids)
         l2 = recipe.kappa_l2(model, cfg, device)
         engine.backward(loss + l2 * l2_scale)
         engine.step()

@@ -207,7 +207,7 @@ def checkpoint_figures(run_dir: Path, out: Path) -> list[Path]:
     written = []
     fig, axes = _grid(len(tables), "router–gate alignment at the last checkpoint: cos(r_e, w_e,j)")
     for ax, (layer, t) in zip(axes, sorted(tables.items())):
-        ax.hist(t["cos"].reshape(-1).numpy(), bins=50, color="C0")
+        ax.hist(t["cos"].reshape(-1).numpy(), bins=50, color="C0", histtype="stepfilled")  # one patch: fast
         ax.set_title(f"layer {layer}")
         ax.set_xlabel("cosine")
     written.append(_save(fig, out / "alignment_final.png"))
@@ -217,7 +217,7 @@ def checkpoint_figures(run_dir: Path, out: Path) -> list[Path]:
         for ax, (layer, t) in zip(axes, sorted(kappa.items())):
             for i, name in enumerate(("alpha", "bias")):
                 if t[name] is not None:
-                    ax.hist(t[name].reshape(-1).numpy(), bins=50, alpha=0.6, color=f"C{i}",
+                    ax.hist(t[name].reshape(-1).numpy(), bins=50, alpha=0.6, color=f"C{i}", histtype="stepfilled",
                             label="α" if name == "alpha" else "b")
             ax.set_title(f"layer {layer}")
             ax.legend(fontsize=7)

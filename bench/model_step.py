@@ -4,20 +4,19 @@
     python bench/model_step.py --config configs/moe8.yaml --set parallel.ep=1 precision=bf16   # one GPU
 
 Four variants of the same config in one run: plain SwiGLU and κ-SwiGLU experts, each as grouped
-GEMMs and as megatron's per-expert loop (SequentialMLP). Time is the median of `reps` forward +
-backward passes (no optimizer) after one warm-up; the op count is what the profiler sees in
-one pass (CUDA kernels on a GPU, aten ops on the CPU), a proxy for launch overhead; peak
-memory is measured on CUDA only. Ratios are against plain SwiGLU with the per-expert loop, and
-κ against plain with the same experts.
+GEMMs and as megatron's per-expert loop (SequentialMLP). All four models are built and warmed up,
+then their forward + backward passes (no optimizer) alternate (bench/interleave.py) and each
+one's median over `reps` is taken. The op count is what the profiler sees in one pass (CUDA
+kernels on a GPU, aten ops on the CPU), a proxy for launch overhead; peak memory is measured on
+CUDA only (that variant's weights, gradients and activations). Ratios are against plain SwiGLU
+with the per-expert loop, and κ against plain with the same experts.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -28,16 +27,13 @@ import torch  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.model.build import build_model, moe_layer_pattern  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
+from bench.interleave import sync, time_interleaved  # noqa: E402
 
 VARIANTS = [("plain", "sequential"), ("kappa", "sequential"), ("plain", "grouped"), ("kappa", "grouped")]
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(cfg, device, micro_batch: int, reps: int) -> dict:
+def build_step(cfg, device, micro_batch: int):
+    """The model and one forward + backward pass (no optimizer) on a fixed batch."""
     torch.manual_seed(0)
     model = build_model(cfg, device)
     seq, vocab = cfg.model.seq_length, cfg.model.vocab_size
@@ -48,26 +44,39 @@ def measure(cfg, device, micro_batch: int, reps: int) -> dict:
         loss = model(tokens, position, None, labels=tokens).float().mean()
         loss.backward()
         model.zero_grad(set_to_none=True)
+    return model, step
 
-    step()  # warm-up (allocator, kernels' first launch)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t = time.perf_counter()
-        step()
-        sync(device)
-        times.append((time.perf_counter() - t) * 1e3)
+
+def op_count(step, device) -> int:
+    """Ops the profiler sees in one pass: CUDA kernels, or aten ops on the CPU."""
     activity = [torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activity) as prof:
         step()
         sync(device)
     kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
-    ops = sum(1 for e in prof.events() if e.device_type == kind and (device.type == "cuda" or e.name.startswith("aten::")))
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    del model
-    return {"ms": statistics.median(times), "ops": ops, "peak_gib": peak}
+    return sum(1 for e in prof.events() if e.device_type == kind and (device.type == "cuda" or e.name.startswith("aten::")))
+
+
+def measure(cfgs: dict, device, micro_batch: int, reps: int) -> dict:
+    """Each named config's row; their timed passes are interleaved (bench/interleave.py)."""
+    built = {}
+    for name, cfg in cfgs.items():
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        model, step = build_step(cfg, device, micro_batch)
+        step()  # warm-up (allocator, kernels' first launch)
+        peak = None
+        if device.type == "cuda":  # this variant's weights, gradients and activations
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            sync(device)
+            peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30
+        built[name] = (model, step, peak)
+    ms = time_interleaved({name: b[1] for name, b in built.items()}, reps, device)
+    rows = {name: {"ms": ms[name], "ops": op_count(step, device), "peak_gib": peak}
+            for name, (model, step, peak) in built.items()}
+    del built
+    return rows
 
 
 def main(argv=None) -> int:
@@ -82,11 +91,11 @@ def main(argv=None) -> int:
     if not any(moe_layer_pattern(base)):
         raise SystemExit("error: the config has no MoE layer")
     device = init_distributed(base.parallel, base.train.seed, base.model.moe.num_experts)
-    rows = {}
-    for act, experts in VARIANTS:
-        cfg = load_config(args.config, ["data.mock=true", *args.set, f"model.kappa.enabled={act == 'kappa'}",
-                                        f"model.moe.grouped_gemm={experts == 'grouped'}"])
-        rows[(act, experts)] = measure(cfg, device, args.micro_batch, args.reps)
+    cfgs = {(act, experts): load_config(args.config, ["data.mock=true", *args.set,
+                                                      f"model.kappa.enabled={act == 'kappa'}",
+                                                      f"model.moe.grouped_gemm={experts == 'grouped'}"])
+            for act, experts in VARIANTS}
+    rows = measure(cfgs, device, args.micro_batch, args.reps)
     ref = rows[("plain", "sequential")]["ms"]
     print(f"{args.config} {' '.join(args.set)} | device {device} | micro-batch {args.micro_batch} × "
           f"{base.model.seq_length} | {base.precision} | threads {torch.get_num_threads()}")

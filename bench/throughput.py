@@ -5,19 +5,21 @@
     python bench/throughput.py --config configs/tiny.yaml --recompute none selective full
 
 Plain SwiGLU and κ-SwiGLU experts of the same config in one run (and each `--recompute`
-setting): full training steps (forward, backward, AdamW; the model on one device, EP1, the
-sorted dispatcher (no host sync) unless --set says otherwise, no DeepSpeed) timed after warm-up. FLOPs per token as megatron_kappa.train.throughput counts them
-for the model measured (so a slice is counted as the slice); MFU against the device's bf16 peak
-(GPU only). Peak memory: CUDA's max allocated, or on the CPU the high-water RSS during the
-timed steps above the RSS before them. "busy" is the share of the step the GPU spends in kernels (profiler), the rest being
-launch overhead and host work. Ratios are κ against plain with the same recompute setting.
+setting): full training steps (forward, backward, AdamW; the model on one device, EP1, the sorted
+dispatcher (no host sync) unless --set says otherwise, no DeepSpeed). Both models are built and
+warmed up, then their steps alternate (bench/interleave.py) and each one's median is taken. FLOPs
+per token as megatron_kappa.train.throughput counts them for the model measured (so a slice is
+counted as the slice); MFU against the device's bf16 peak (GPU only). Peak memory of one step: on
+CUDA the peak allocated above what was allocated before that variant was built (its weights,
+optimizer state and activations); on the CPU the high-water RSS above the RSS before the step.
+"busy" is the share of the step the GPU spends in kernels (profiler), the rest being launch
+overhead and host work. Ratios are κ against plain with the same recompute setting.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,10 +31,11 @@ import torch  # noqa: E402
 
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.model.build import build_model  # noqa: E402
-from megatron_kappa.model.loss import language_model_loss  # noqa: E402
+from megatron_kappa.train.loop import lm_loss  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.summary import count  # noqa: E402
 from megatron_kappa.train import throughput  # noqa: E402
+from bench.interleave import sync, time_interleaved  # noqa: E402
 
 
 def _rss_kb(field: str) -> int:
@@ -42,12 +45,8 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(cfg, device, micro_batch: int, steps: int) -> dict:
+def build_step(cfg, device, micro_batch: int):
+    """The model, its optimizer and one training step on a fixed batch."""
     torch.manual_seed(0)
     model = build_model(cfg, device)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -55,48 +54,66 @@ def measure(cfg, device, micro_batch: int, steps: int) -> dict:
     seq = cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, seq), device=device)
     position = torch.arange(seq, device=device).expand(micro_batch, -1)
+    batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
 
     def step():
-        logits = model(tokens, position, None)
-        loss = language_model_loss(logits, tokens, cfg.model.cross_entropy_chunk).mean()
+        loss = lm_loss(model, batch, position)  # the training loop's loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return model, step
 
-    for _ in range(2):  # warm-up: allocator, first launches, optimizer state
-        step()
+
+def peak_gib(step, device, allocated_before: int) -> float:
+    """One step's peak memory: on CUDA the peak allocated minus what was allocated before this
+    variant was built (its weights, optimizer state and activations, not the other variant's); on
+    the CPU the high-water RSS during the step above the RSS before it."""
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        base_kb = _rss_kb("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
         step()
         sync(device)
-        times.append(time.perf_counter() - t)
-    busy = None
-    if device.type == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
+        return (torch.cuda.max_memory_allocated(device) - allocated_before) / 2**30
+    base_kb = _rss_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
+    step()
+    return (_rss_kb("VmHWM") - base_kb) / 2**20
+
+
+def busy_share(step, device):
+    """The share of one step's wall time that the GPU spends in kernels (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        sync(device)
+        wall = time.perf_counter() - start
+    kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernel_us / 1e6 / wall
+
+
+def measure(cfgs: dict, device, micro_batch: int, steps: int) -> dict:
+    """Each named config's row; their timed steps are interleaved (bench/interleave.py)."""
+    built = {}
+    for name, cfg in cfgs.items():
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        model, step = build_step(cfg, device, micro_batch)
+        for _ in range(2):  # warm-up: allocator, first launches, optimizer state
             step()
-            sync(device)
-            wall = time.perf_counter() - t
-        kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        busy = kernel_us / 1e6 / wall
-    seconds = statistics.median(times)
-    flops = throughput.flops_per_token(cfg, count(model, cfg))
-    out = {"ms": seconds * 1e3, "tokens_per_s": micro_batch * seq / seconds,
-           **throughput.throughput(micro_batch * seq / seconds, flops, 1, throughput.peak_tflops(cfg, device)),
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
-           else (_rss_kb("VmHWM") - base_kb) / 2**20,
-           "busy": busy}
-    del model, opt
+        built[name] = (cfg, model, step, peak_gib(step, device, before))
+    ms = time_interleaved({name: b[2] for name, b in built.items()}, steps, device)
+    rows = {}
+    for name, (cfg, model, step, peak) in built.items():
+        seconds, tokens = ms[name] / 1e3, micro_batch * cfg.model.seq_length
+        flops = throughput.flops_per_token(cfg, count(model, cfg))
+        rows[name] = {"ms": ms[name], "tokens_per_s": tokens / seconds,
+                      **throughput.throughput(tokens / seconds, flops, 1, throughput.peak_tflops(cfg, device)),
+                      "peak_gib": peak, "busy": busy_share(step, device)}
+    del built
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return out
+    return rows
 
 
 def main(argv=None) -> int:
@@ -123,11 +140,11 @@ def main(argv=None) -> int:
     device = init_distributed(base.parallel, base.train.seed, base.model.moe.num_experts)
     rows = []
     for recompute in args.recompute:
-        for act in ("plain", "kappa"):
-            cfg = load_config(args.config, [*sets, f"model.recompute={recompute}",
-                                            f"model.kappa.enabled={act == 'kappa'}"])
-            rows.append({"activation": act, "recompute": recompute,
-                         **measure(cfg, device, args.micro_batch, args.steps)})
+        cfgs = {act: load_config(args.config, [*sets, f"model.recompute={recompute}",
+                                               f"model.kappa.enabled={act == 'kappa'}"])
+                for act in ("plain", "kappa")}
+        for act, row in measure(cfgs, device, args.micro_batch, args.steps).items():
+            rows.append({"activation": act, "recompute": recompute, **row})
     print(f"{args.config} {' '.join(sets[3:])} | device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) | micro-batch "
           f"{args.micro_batch} × {base.model.seq_length} | {base.precision} | layers {base.model.num_layers}")

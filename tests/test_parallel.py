@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import parity
-from compare import max_gap
+from compare import max_gap, max_rel_grad_error
 from megatron_kappa.parallel.sharding import gather_full
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,11 +85,6 @@ def runs(world1, tmp_path_factory):
     results = torch.load(tmp / "out.pt", weights_only=False)
     return {name: (refs[(tuple(sorted(kw.items())), dp_size(layout))], results[name])
             for name, layout, kw, _ in CASES}
-
-
-def max_rel_grad_error(ref, got):
-    assert ref.keys() == got.keys()
-    return max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item() for k in ref)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is None])

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import parity
 import test_device
-from compare import max_gap
+from compare import max_gap, max_rel_grad_error
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.softmoe import softmoe_routers
@@ -102,11 +102,6 @@ def runs(world1, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(tmp / "out.pt", weights_only=False)
     return {name: (refs[key_of(kw, layout)], results[name]) for name, layout, kw, _ in CASES}
-
-
-def max_rel_grad_error(ref, got):
-    assert ref.keys() == got.keys()
-    return max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item() for k in ref)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is None])

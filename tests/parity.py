@@ -1,5 +1,10 @@
 """Shared by the single-process reference (pytest) and the multi-process workers (torchrun):
 the tiny model, a fixed global batch, and a few plain training steps with megatron's reductions."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -21,6 +26,12 @@ def make_cfg(kappa=True, router="softmax", dispatcher="alltoall", tp=1, ep=1, et
         f"model.moe.dispatcher={dispatcher}", f"model.seq_length={SEQ}",
         f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.etp={etp if etp else 'null'}",
         "model.moe.aux_loss=1e-2", "model.moe.z_loss=1e-3", "model.moe.bias_update_rate=1e-2",
+        # megatron's loss inside the model, as these comparisons were written with: three Adam
+        # steps of a top-k MoE amplify last-bit differences, and the chunked loss (its gradients
+        # round differently; under TP it sums over ranks in another order) moved two of them
+        # past 1e-5 (SDPA vs local attention: 4.5e-5 at step 3). tests/test_loss.py compares
+        # the chunked loss with megatron's, in one process and over TP2.
+        "model.cross_entropy_chunk=0",
         *overrides])
 
 
@@ -83,3 +94,17 @@ def split_for_reference(batch, dp_size):
 def build(cfg, seed=5):
     torch.manual_seed(seed)
     return build_model(cfg)
+
+
+def run_plan(plan: list, tmp: Path, world: int) -> dict:
+    """Every case of `plan` in one launch of tests/parallel_worker.py over `world` processes;
+    returns each case's results by name."""
+    torch.save(plan, tmp / "plan.pt")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+         str(root / "tests/parallel_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(tmp / "out.pt", weights_only=False)

@@ -5,11 +5,6 @@ accumulation); the parallel runs share one torchrun launch of 4 processes (tests
 Every case starts from the reference's weights (α, b nonzero so κ matters from step 0). The
 experts are grouped GEMMs (the default) except in the cases named "sequential".
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +12,6 @@ import parity
 from compare import max_gap, max_rel_grad_error
 from megatron_kappa.parallel.sharding import gather_full
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 LAYOUTS = {  # name: (tp, ep, etp) on 4 ranks; DP = 4 / tp
     "tp2": (2, 1, None), "ep2": (1, 2, None), "tp2ep2_etp1": (2, 2, 1), "tp2ep2_etp2": (2, 2, 2)}
@@ -74,15 +68,7 @@ def runs(world1, tmp_path_factory):
         tp, ep, etp = LAYOUTS[layout]
         plan.append(dict(name=name, layout=dict(tp=tp, ep=ep, etp=etp), model=model_kw,
                          weights=weights[key], negative=negative))
-    tmp = tmp_path_factory.mktemp("parity")
-    torch.save(plan, tmp / "plan.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-         str(ROOT / "tests/parallel_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(tmp / "out.pt", weights_only=False)
+    results = parity.run_plan(plan, tmp_path_factory.mktemp("parity"), WORLD)
     return {name: (refs[(tuple(sorted(kw.items())), dp_size(layout))], results[name])
             for name, layout, kw, _ in CASES}
 

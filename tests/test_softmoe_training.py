@@ -92,15 +92,7 @@ def runs(world1, tmp_path_factory):
             w[name0] = w[name0] + 1e-2
         tp, ep, etp = LAYOUTS[layout]
         plan.append(dict(name=name, layout=dict(tp=tp, ep=ep, etp=etp), model=kw, weights=w, negative=None))
-    tmp = tmp_path_factory.mktemp("softmoe_parity")
-    torch.save(plan, tmp / "plan.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-         str(ROOT / "tests/parallel_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(tmp / "out.pt", weights_only=False)
+    results = parity.run_plan(plan, tmp_path_factory.mktemp("softmoe_parity"), WORLD)
     return {name: (refs[key_of(kw, layout)], results[name]) for name, layout, kw, _ in CASES}
 
 

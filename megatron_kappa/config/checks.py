@@ -1,0 +1,115 @@
+"""Cross-field checks of a config that need no process group, files or packages.
+
+Checks that need more than the config (files, world size, installed packages) are in
+megatron_kappa.preflight; both run before any process group or model exists.
+"""
+from __future__ import annotations
+
+from megatron_kappa.config.schema import Config, ConfigError, MoEConfig
+
+
+def validate(cfg: Config):
+    """Cross-field checks that need no process group."""
+    m, moe, par = cfg.model, cfg.model.moe, cfg.parallel
+
+    def need(ok, key, msg):
+        if not ok:
+            raise ConfigError(f"config: {key}: {msg}")
+
+    for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                       ("model.num_attention_heads", m.num_attention_heads),
+                       ("model.vocab_size", m.vocab_size), ("model.seq_length", m.seq_length),
+                       ("parallel.tp", par.tp), ("parallel.ep", par.ep),
+                       ("train.micro_batch", cfg.train.micro_batch),
+                       ("train.global_batch", cfg.train.global_batch),
+                       ("log.interval", cfg.log.interval), ("checkpoint.interval", cfg.checkpoint.interval),
+                       ("checkpoint.keep", cfg.checkpoint.keep), ("eval.valid_iters", cfg.eval.valid_iters),
+                       ("model.moe.num_experts", moe.num_experts), ("model.moe.topk", moe.topk)]:
+        need(value > 0, key, f"must be positive, got {value}")
+    if cfg.train.steps is not None:
+        need(cfg.train.steps > 0, "train.steps", f"must be positive (or null for the token budget), got {cfg.train.steps}")
+    for key, value in [("train.warmup", cfg.train.warmup), ("model.kappa.warmup", m.kappa.warmup),
+                       ("eval.valid_every", cfg.eval.valid_every), ("eval.core_every", cfg.eval.core_every),
+                       ("model.cross_entropy_chunk", m.cross_entropy_chunk),
+                       ("train.lr", cfg.train.lr), ("train.lr_non_matrix", cfg.train.lr_non_matrix),
+                       ("train.grad_clip", cfg.train.grad_clip), ("train.weight_decay", cfg.train.weight_decay)]:
+        need(value >= 0, key, f"must not be negative, got {value}")
+    need(not (cfg.data.mock and (cfg.data.paths or cfg.data.valid_paths)), "data.mock",
+         "is true, but data.paths/valid_paths are set too: the mock dataset would silently replace "
+         "them (set data.mock=false to train on the files)")
+    need(m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+         f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    if m.layout != "dense":
+        need(1 <= moe.topk <= moe.num_experts, "model.moe.topk",
+             f"must be in [1, num_experts={moe.num_experts}], got {moe.topk}")
+        need(moe.num_experts % par.ep == 0, "parallel.ep",
+             f"model.moe.num_experts={moe.num_experts} is not divisible by ep={par.ep}")
+        if moe.router == "softmoe":
+            _validate_softmoe(moe, need)
+    if m.layout == "moe":
+        need(0 <= m.first_dense < m.num_layers, "model.first_dense",
+             f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")
+    if m.layout == "sandwich":
+        need(m.num_layers >= 3, "model.num_layers", "a sandwich needs at least 3 layers")
+    need(m.num_attention_heads % par.tp == 0, "parallel.tp",
+         f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={par.tp}")
+    groups = m.num_query_groups or m.num_attention_heads
+    need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
+    etp = par.expert_tp
+    need(etp > 0, "parallel.etp", f"must be positive, got {etp}")
+    need(par.timeout_s > 0, "parallel.timeout_s", f"must be positive, got {par.timeout_s}")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    need(ffn % par.tp == 0, "parallel.tp", f"model.ffn_hidden_size={ffn} is not divisible by tp={par.tp}")
+    need((moe.ffn_hidden_size or ffn) % etp == 0, "parallel.etp",
+         f"expert ffn size {moe.ffn_hidden_size or ffn} is not divisible by etp={etp}")
+    if m.layout != "dense" and moe.dispatcher == "sorted":
+        need(par.ep == 1 and par.tp == 1 and etp == 1, "model.moe.dispatcher",
+             f"sorted keeps every expert on one rank: needs parallel.ep, tp and etp of 1 "
+             f"(got ep={par.ep}, tp={par.tp}, etp={etp}; use alltoall)")
+        need(moe.capacity_factor is None and moe.router != "softmoe", "model.moe.dispatcher",
+             "sorted needs exactly top-k experts per token: no capacity factor, no softmoe router")
+    if m.layout != "dense" and moe.grouped_gemm:
+        align = 4 if cfg.precision == "fp32" else 8  # grouped_mm wants 16-byte strides
+        expert_ffn = (moe.ffn_hidden_size or ffn) // etp
+        need(m.hidden_size % align == 0 and expert_ffn % align == 0, "model.moe.grouped_gemm",
+             f"grouped GEMMs in {cfg.precision} need model.hidden_size ({m.hidden_size}) and the expert "
+             f"ffn size / etp ({expert_ffn}) to be multiples of {align}; set model.moe.grouped_gemm: false")
+    k = m.kappa
+    need(k.U > 1.0, "model.kappa.U", f"must be > 1, got {k.U}")
+    need(0.0 <= k.freeze_fraction < 1.0, "model.kappa.freeze_fraction", f"must be in [0, 1), got {k.freeze_fraction}")
+    need(cfg.zero.stage in (1, 2), "zero.stage",
+         "ZeRO-3 is not supported: DeepSpeed refuses ZeRO-3 with expert parallelism; use 1 or 2"
+         if cfg.zero.stage == 3 else f"expected 1 or 2, got {cfg.zero.stage} (checkpoints of expert "
+         "weights need ZeRO's per-rank fp32 partitions)")
+    need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
+         f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
+    need(len(cfg.train.betas) == 2, "train.betas", f"expected two numbers, got {cfg.train.betas}")
+    _validate_muon(cfg, need)
+
+
+def _validate_muon(cfg: Config, need):
+    mu = cfg.train.muon
+    for key, value in [("lr", mu.lr), ("weight_decay", mu.weight_decay), ("aurora_exponent", mu.aurora_exponent)]:
+        need(value >= 0, f"train.muon.{key}", f"must not be negative, got {value}")
+    need(0 <= mu.momentum < 1, "train.muon.momentum", f"must be in [0, 1), got {mu.momentum}")
+    need(mu.ns_steps >= 1, "train.muon.ns_steps", f"must be at least 1, got {mu.ns_steps}")
+    need(mu.aurora_rounds >= 1, "train.muon.aurora_rounds", f"must be at least 1, got {mu.aurora_rounds}")
+    need(mu.max_scale is None or mu.max_scale > 0, "train.muon.max_scale", f"must be positive, got {mu.max_scale}")
+    # DeepSpeed's ZeRO replaces each gradient by its orthogonalised update before it computes the
+    # norm and clips, so a clip would rescale the update itself (the authors do not clip).
+    need(cfg.train.optimizer == "adamw" or cfg.train.grad_clip == 0, "train.grad_clip",
+         f"must be 0 with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
+         f"orthogonalised update, not the gradient (got {cfg.train.grad_clip})")
+
+
+def _validate_softmoe(moe: MoEConfig, need):
+    sm, E = moe.softmoe, moe.num_experts
+    cap = sm.max_experts or E
+    need(1 <= cap <= E, "model.moe.softmoe.max_experts", f"must be in [1, num_experts={E}], got {cap}")
+    need(0 < moe.active_experts <= cap, "model.moe.softmoe.budget",
+         f"must be in (0, max_experts={cap}], got {moe.active_experts}")
+    need(sm.temperature > 0, "model.moe.softmoe.temperature", f"must be positive, got {sm.temperature}")
+    need(0 <= sm.threshold < 1, "model.moe.softmoe.threshold", f"must be in [0, 1), got {sm.threshold}")
+    need(moe.capacity_factor is None, "model.moe.capacity_factor",
+         "must be null with the softmoe router (it runs a variable number of experts per token; "
+         "model.moe.softmoe.max_experts caps it)")

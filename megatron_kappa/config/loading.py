@@ -1,0 +1,133 @@
+"""Reading a config: YAML (with `extends:`), `--set key=value` overrides, type checks.
+
+Unknown keys, wrong types and bad values are one-line `ConfigError`s naming the key. Overrides use
+the Megatron/Hydra-ish form `--set a.b=1 c.d=[1,2]` (values parsed as YAML). A config file may
+start from another one with `extends: other.yaml` (a path relative to the file): the other file's
+values are the base, this file's values are merged over them key by key, then the overrides.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from megatron_kappa.config.checks import validate
+from megatron_kappa.config.schema import Config, ConfigError
+
+
+def _check(value, kind, key: str):
+    """Return `value` as type `kind`, or raise a one-line ConfigError naming `key`."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(kind)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(value, inner, key)
+    if origin is Literal:
+        if value not in typing.get_args(kind):
+            raise ConfigError(f"config: {key}: expected one of {list(typing.get_args(kind))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config: {key}: expected a mapping, got {value!r}")
+        return _build(kind, value, key + ".")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config: {key}: expected true/false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config: {key}: expected an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config: {key}: expected a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config: {key}: expected a string, got {value!r}")
+        return value
+    if kind is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config: {key}: expected a list, got {value!r}")
+        return value
+    raise TypeError(f"schema type {kind} of {key} not handled")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"config: unknown key '{prefix}{key}' (expected one of: {', '.join(sorted(names))})")
+    values = {k: _check(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**values)
+
+
+def _merge(base: dict, key: str, value):
+    parts = key.split(".")
+    node = base
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config: --set {key}: '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, object]]:
+    pairs = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"config: --set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        pairs.append((key.strip(), yaml.safe_load(raw) if raw != "" else None))
+    return pairs
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """A config file's mapping, with its `extends:` chain resolved (not yet validated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config: {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path}: expected a mapping at the top level")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config: {path}: extends: expected a file name, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in _seen:
+        raise ConfigError(f"config: {path}: extends: {base} is already in the chain (a cycle)")
+    return _deep_merge(read_yaml(base_path, _seen + (path.resolve(),)), data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or the defaults), apply `key=value` overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    for key, value in parse_overrides(list(overrides)):
+        _merge(data, key, value)
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg

@@ -1,0 +1,231 @@
+"""The config schema: one dataclass per YAML section, each value with its default and help text.
+
+This is the one place every settable value and its default lives (docs/config.md is generated
+from it by `python -m megatron_kappa.config --markdown`). Reading YAML and `--set` overrides is in
+megatron_kappa.config.loading, the cross-field checks in megatron_kappa.config.checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_kappa.kappa import DEFAULTS as KAPPA
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the key."""
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class KappaConfig:
+    enabled: bool = _f(True, "κ-SwiGLU experts (false: plain SwiGLU experts, the baseline)")
+    U: float = _f(KAPPA.U, "κ range: κ ∈ (1/U, U)")
+    use_alpha: bool = _f(KAPPA.use_alpha, "learn α (false: the paper's κ-SwiGLU₋α ablation)")
+    use_bias: bool = _f(KAPPA.use_bias, "learn b (false: the paper's κ-SwiGLU₋b ablation)")
+    logit_scale: float = _f(KAPPA.logit_scale, "multiplies the router logit (authors' code: 0.15)")
+    tanh_gain: float = _f(KAPPA.tanh_gain, "gain inside tanh (authors' code: 2.0)")
+    freeze_fraction: float = _f(0.1, "α, b held at exactly 0 for this fraction of iterations")
+    lr: float = _f(0.12, "κ learning-rate peak, reached after `warmup` iterations past unfreezing")
+    lr_end: float = _f(0.06, "κ learning rate at the last iteration (linear decay)")
+    warmup: int = _f(1000, "κ learning-rate warmup iterations after unfreezing")
+    l2_alpha: float = _f(2e-2, "L2 penalty λ_α Σ α²")
+    l2_bias: float = _f(1e-2, "L2 penalty λ_b Σ b²")
+
+
+@dataclass
+class SoftMoEConfig:
+    """model.moe.router: softmoe (docs/softmoe.md; defaults marked there as reconstructions)."""
+    budget: Optional[float] = _f(None, "mean over the MoE layers of k_l, each layer's mean active experts "
+                                       "per token; held exactly (null: model.moe.topk)")
+    allocation: Literal["softmax", "lapsum"] = _f(
+        "softmax", "k_l from one learned θ_l per layer: L·budget·softmax(θ)_l clamped to [1e-3, E − 1e-3], "
+                   "or E·LapSum(θ; L·budget/E)_l, inside (0, E) with no clamp")
+    temperature: float = _f(0.1, "LapSum scale α (→ 0: hard top-k of the logits; large: k_l/E everywhere)")
+    threshold: float = _f(0.05, "truncation τ: experts with p < τ are not run (0: every expert runs)")
+    normalize: Literal["none", "sum", "budget"] = _f(
+        "none", "routing weights: the truncated p as is, divided by their sum, or scaled to sum to k_l")
+    max_experts: Optional[int] = _f(None, "cap on experts run per token (memory); the largest p are kept, "
+                                          "and tokens over it are counted in metrics (null: num_experts)")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = _f(8, "routed experts per MoE layer")
+    topk: int = _f(2, "experts per token")
+    ffn_hidden_size: Optional[int] = _f(None, "expert hidden size (default: model.ffn_hidden_size)")
+    router: Literal["softmax", "sigmoid", "softmoe"] = _f(
+        "softmax", "softmax top-k with aux loss (paper), sigmoid with an aux-loss-free bias (Trinity), or "
+                   "softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)")
+    aux_loss: float = _f(1e-3, "Switch load-balancing loss weight (softmax and softmoe routers)")
+    z_loss: float = _f(1e-5, "router z-loss weight")
+    route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448)")
+    bias_update_rate: float = _f(1e-3, "expert-bias update rate (sigmoid router)")
+    dispatcher: Literal["alltoall", "allgather", "sorted"] = _f(
+        "alltoall", "token dispatcher: megatron-core's alltoall or allgather, or sorted (no host sync; "
+                    "all experts on one rank: EP = TP = ETP = 1, a top-k router, no capacity factor)")
+    capacity_factor: Optional[float] = _f(None, "expert capacity factor (null: no token dropping)")
+    grouped_gemm: bool = _f(True, "all local experts in two grouped GEMMs (torch.nn.functional.grouped_mm) "
+                                  "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
+                                  "the expert ffn size / etp to be multiples of 4 (fp32) or 8 (bf16)")
+    softmoe: SoftMoEConfig = field(default_factory=SoftMoEConfig)
+
+    @property
+    def active_experts(self) -> float:
+        """Experts per token: topk, or the SoftMoE budget (its mean over layers)."""
+        budget = self.softmoe.budget
+        return (self.topk if budget is None else budget) if self.router == "softmoe" else self.topk
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(4, "transformer layers")
+    hidden_size: int = _f(128, "d_model")
+    num_attention_heads: int = _f(4, "attention heads")
+    num_query_groups: Optional[int] = _f(None, "GQA groups (null: no GQA)")
+    head_dim: Optional[int] = _f(None, "per-head width (null: hidden_size / heads)")
+    ffn_hidden_size: Optional[int] = _f(None, "dense MLP hidden size (null: 4 × hidden_size)")
+    vocab_size: int = _f(32768, "vocabulary size (padded to a multiple of 128 × TP in the model)")
+    seq_length: int = _f(2048, "training sequence length")
+    layout: Literal["dense", "moe", "sandwich"] = _f(
+        "moe", "dense: no MoE; moe: first `first_dense` layers dense, the rest MoE; "
+               "sandwich: only the middle two layers MoE")
+    first_dense: int = _f(2, "dense layers before the MoE layers (layout: moe)")
+    qk_layernorm: bool = _f(True, "RMSNorm on queries and keys")
+    rotary_base: int = _f(10000, "RoPE base")
+    init_std: float = _f(0.02, "weight init standard deviation")
+    cross_entropy_chunk: int = _f(4096, "tokens per chunk of the loss (megatron_kappa.model.loss): the "
+                                        "fp32 softmax exists for one chunk at a time; 0: megatron-core's "
+                                        "vocab_parallel_cross_entropy (fp32 logits of the whole micro-batch)")
+    recompute: Literal["none", "selective", "full"] = _f(
+        "none", "activation recomputation: none; selective (core attention, and the experts' "
+                "activation with grouped GEMMs, recomputed in backward); full (every layer's input "
+                "kept, the layer recomputed: megatron's uniform method, one layer per checkpoint)")
+    attention: Literal["sdpa", "local", "te"] = _f(
+        "sdpa", "core attention: torch's scaled_dot_product_attention (flash/cuDNN/memory-efficient "
+                "kernels), megatron's local DotProductAttention (materialises the scores; for "
+                "comparison), or Transformer Engine's (GPU, where TE imports)")
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    kappa: KappaConfig = field(default_factory=KappaConfig)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "tensor parallel size (sequence parallelism is on when tp > 1)")
+    ep: int = _f(1, "expert parallel size")
+    etp: Optional[int] = _f(None, "expert tensor parallel size (null: same as tp)")
+    timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
+                                 "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (`etp`, or `tp` when unset)."""
+        return self.etp or self.tp
+
+
+@dataclass
+class MuonConfig:
+    lr: float = _f(0.01, "peak learning rate of the orthogonalised matrices (train.lr's schedule; authors: 0.01)")
+    momentum: float = _f(0.95, "momentum β of the EMA buffer M ← βM + (1-β)G")
+    nesterov: bool = _f(True, "Nesterov: orthogonalise (1-β)G + βM instead of M")
+    ns_steps: int = _f(5, "Newton–Schulz iterations per polar factor (authors: 5)")
+    weight_decay: float = _f(0.05, "decoupled weight decay W ← W·(1 - lr·wd) of the orthogonalised matrices")
+    aurora_rounds: int = _f(2, "aurora: row-equilibration rounds of a rectangular matrix (authors' pp_iterations)")
+    aurora_exponent: float = _f(0.5, "aurora: exponent of the row rescaling D ← D·((n/m)/‖u_i‖²)^exponent (pp_beta)")
+    scale: Optional[Literal["original", "match_rms_adamw", "none"]] = _f(
+        None, "step scale per [m, n] matrix: original √max(1, m/n), match_rms_adamw 0.2·√max(m, n) "
+              "capped at 1, none (null: original for muon, match_rms_adamw for aurora, as the authors)")
+    max_scale: Optional[float] = _f(None, "cap on the step scale (null: 1.0 for match_rms_adamw, none otherwise)")
+
+
+@dataclass
+class TrainConfig:
+    steps: Optional[int] = _f(None, "optimizer steps (null: the token budget 5 × N_eff)")
+    seed: int = _f(24, "random seed (paper: 24, 26, 28)")
+    micro_batch: int = _f(1, "sequences per rank per forward")
+    global_batch: int = _f(8, "sequences per optimizer step (gradient accumulation fills the rest)")
+    optimizer: Literal["adamw", "muon", "aurora"] = _f(
+        "adamw", "matrix optimizer: adamw, or the orthogonalised update of Muon or of the authors' Aurora "
+                 "(train.muon; attention, dense-MLP and expert matrices only, AdamW for the rest; docs/optimizer.md)")
+    lr: float = _f(3e-4, "peak learning rate of matrix parameters under AdamW (muon/aurora: of the routers, "
+                         "which stay on AdamW)")
+    lr_non_matrix: float = _f(3e-4, "peak AdamW learning rate of norms, embeddings and other non-matrix parameters")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
+    warmup: int = _f(100, "learning-rate warmup steps")
+    weight_decay: float = _f(0.05, "AdamW weight decay on matrices (muon/aurora: on the routers)")
+    betas: list = _f([0.9, 0.95], "AdamW betas (every AdamW group, also under muon/aurora)")
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0: off; must be 0 with muon/aurora)")
+    init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
+                                          "random init; ignored when resuming from a checkpoint")
+    deterministic: bool = _f(False, "deterministic kernels (torch.use_deterministic_algorithms): "
+                                    "bit-exact resume and reruns on GPUs, at some speed; CPU runs "
+                                    "are deterministic anyway")
+    muon: MuonConfig = field(default_factory=MuonConfig)
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = _f(1, "DeepSpeed ZeRO stage for optimizer state: 1 or 2 (3 is refused with expert parallelism)")
+
+
+@dataclass
+class DataConfig:
+    paths: list = _f([], "Megatron .bin/.idx prefixes, optionally weighted: [0.7, a, 0.3, b]")
+    valid_paths: list = _f([], "held-out prefixes for validation (empty: split from `paths`)")
+    split: str = _f("99,1,0", "train,valid,test split of `paths` when no `valid_paths`")
+    tokenizer: Optional[str] = _f(None, "SentencePiece .model used to make the shards")
+    mock: bool = _f(False, "megatron-core's mock dataset instead of files (smoke tests, benchmarks)")
+    cache_dir: Optional[str] = _f(None, "index cache folder (default: <run.dir>/data_cache)")
+
+
+@dataclass
+class LogConfig:
+    interval: int = _f(10, "steps between metric lines")
+    tensorboard: bool = _f(True, "also write TensorBoard events to <run.dir>/tb")
+    peak_tflops: Optional[float] = _f(None, "the device's dense bf16 peak (TFLOP/s per GPU) for MFU "
+                                            "(null: looked up by GPU name for H100/H200/A100 and "
+                                            "others; no MFU on the CPU)")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = _f(1000, "steps between checkpoints (one is always written at the end)")
+    keep: int = _f(2, "checkpoints kept")
+
+
+@dataclass
+class EvalConfig:
+    valid_every: int = _f(500, "steps between validation losses (0: only at the end)")
+    valid_iters: int = _f(10, "micro-batches per validation")
+    core_every: int = _f(0, "steps between quick CORE subsets (0: never during training)")
+    core_max_per_task: int = _f(100, "examples per task in the quick CORE subset")
+    core_bundle: Optional[str] = _f(None, "CORE bundle folder or .zip for the quick subset")
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs/default", "run directory: checkpoints, metrics.jsonl, tb/")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32", "parameter/compute precision; fp8 is refused in the preflight (the local layers have no FP8 path yet): use bf16")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -66,16 +66,13 @@ def main(argv=None) -> int:
     valid_prefixes = [resolve(p) for p in valid_prefixes]
 
     stage(f"2/4 train: configs/tiny.yaml, κ-SwiGLU, EP2 × 2 CPU processes, ZeRO-2, {args.steps} steps "
-          f"(κ: frozen for 10 %, then a {max(1, args.steps // 10)}-step warmup; L2 λ / 1000)")
+          f"(κ: frozen for 10 %, then a {max(1, args.steps // 10)}-step warmup)")
     sets = [f"run.dir={run_dir}", "data.mock=false", f"data.paths=[{','.join(train_prefixes)}]",
             f"data.valid_paths=[{','.join(valid_prefixes)}]", f"data.tokenizer={data / 'tokenizer.model'}",
             f"train.steps={args.steps}", "parallel.ep=2", "zero.stage=2",
-            # κ's schedule scaled to the run: the recipe's 1000-iteration κ warmup would outlast it;
-            # the κ L2 weights scaled to the tiny model, whose per-entry gradients on α, b are ~1000×
-            # weaker than the paper's λ's pull (with the paper's λ, κ stays within 1 ± 0.005;
-            # docs/analysis.md has the measurements)
-            f"model.kappa.warmup={max(1, args.steps // 10)}", "model.kappa.l2_alpha=2e-5",
-            "model.kappa.l2_bias=1e-5",
+            # κ's schedule scaled to the run: the recipe's 1000-iteration κ warmup would outlast it
+            # (the L2 penalty is the paper's λ on the per-layer mean, as the authors compute it)
+            f"model.kappa.warmup={max(1, args.steps // 10)}",
             f"log.interval={max(1, args.steps // 20)}", f"checkpoint.interval={max(1, args.steps // 4)}",
             f"eval.valid_every={max(1, args.steps // 4)}", f"eval.core_every={args.steps}",
             f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=20"]

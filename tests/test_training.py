@@ -12,6 +12,7 @@ import torch
 
 from compare import max_gap
 from megatron_kappa.config import load_config
+from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.train import recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,9 +160,13 @@ def test_kappa_lr_schedule_corner_points():
     assert recipe.kappa_lr(mid, total, cfg) == pytest.approx(0.09, abs=1e-5)
 
 
-def test_kappa_l2_gradient(world1):
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_kappa_l2_gradient(world1, reduction):
+    """The penalty and its gradient against a hand count: per layer λ·mean(p²) over the layer's
+    entries (mean, the authors' code) or λ·Σp² (sum, the paper's text)."""
     from megatron_kappa.model.build import build_model
-    cfg = load_config("configs/tiny.yaml", ["model.kappa.l2_alpha=0.02", "model.kappa.l2_bias=0.01"])
+    cfg = load_config("configs/tiny.yaml", ["model.kappa.l2_alpha=0.02", "model.kappa.l2_bias=0.01",
+                                            f"model.kappa.l2_reduction={reduction}"])
     model = build_model(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -169,16 +174,24 @@ def test_kappa_l2_gradient(world1):
                 p.copy_(torch.randn(p.shape))
     loss = recipe.kappa_l2(model, cfg, torch.device("cpu"))
     loss.backward()
+    kappa = [(n, p) for n, p in model.named_parameters() if "kappa_" in n]
+    assert len(kappa) == 2 * sum(moe_layer_pattern(cfg))
+    count = lambda p: p.numel() if reduction == "mean" else 1  # noqa: E731
     for name, p in model.named_parameters():
         if name.endswith("kappa_alpha"):
-            torch.testing.assert_close(p.grad, 2 * 0.02 * p.detach())
+            torch.testing.assert_close(p.grad, 2 * 0.02 * p.detach() / count(p))
         elif name.endswith("kappa_bias"):
-            torch.testing.assert_close(p.grad, 2 * 0.01 * p.detach())
+            torch.testing.assert_close(p.grad, 2 * 0.01 * p.detach() / count(p))
         else:
             assert p.grad is None
-    assert loss.item() == pytest.approx(sum(
-        (0.02 if n.endswith("alpha") else 0.01) * p.detach().pow(2).sum().item()
-        for n, p in model.named_parameters() if "kappa_" in n), rel=1e-6)
+    expected = sum((0.02 if n.endswith("alpha") else 0.01) * p.detach().double().pow(2).sum().item() / count(p)
+                   for n, p in kappa)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    # the two reductions differ by the layer's entry count (the negative control of each other)
+    other = recipe.kappa_l2(model, load_config("configs/tiny.yaml", [
+        "model.kappa.l2_alpha=0.02", "model.kappa.l2_bias=0.01",
+        f"model.kappa.l2_reduction={'sum' if reduction == 'mean' else 'mean'}"]), torch.device("cpu"))
+    assert abs(other.item() - loss.item()) > 0.5 * min(other.item(), loss.item())
 
 
 def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):

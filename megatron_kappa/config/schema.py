@@ -35,8 +35,12 @@ class KappaConfig:
     lr: float = _f(0.12, "κ learning-rate peak, reached after `warmup` iterations past unfreezing")
     lr_end: float = _f(0.06, "κ learning rate at the last iteration (linear decay)")
     warmup: int = _f(1000, "κ learning-rate warmup iterations after unfreezing")
-    l2_alpha: float = _f(2e-2, "L2 penalty λ_α Σ α²")
-    l2_bias: float = _f(1e-2, "L2 penalty λ_b Σ b²")
+    l2_alpha: float = _f(2e-2, "L2 penalty weight λ_α of α² (paper §3.4 and the authors' code: 2e-2)")
+    l2_bias: float = _f(1e-2, "L2 penalty weight λ_b of b² (paper §3.4 and the authors' code: 1e-2)")
+    l2_reduction: Literal["mean", "sum"] = _f(
+        "mean", "per MoE layer λ_α·mean(α²) + λ_b·mean(b²) over the layer's [E, F] entries, summed over "
+                "layers (the authors' code); sum: λ_α Σα² + λ_b Σb² over every entry (the paper's text, "
+                "~E·F times stronger per entry: κ cannot leave 1; docs/recipe.md)")
 
 
 @dataclass

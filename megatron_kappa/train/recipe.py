@@ -64,13 +64,24 @@ def l2_scale() -> float:
 
 
 def kappa_l2(model, cfg: Config, device: torch.device) -> torch.Tensor:
-    """λ_α Σ α² + λ_b Σ b² over this rank's κ parameters (unscaled), a scalar on `device`."""
+    """This rank's share of the κ penalty (unscaled, see `l2_scale`), a scalar on `device`.
+
+    l2_reduction "mean" (the authors' code, and the default): per MoE layer
+    λ_α·mean(α²) + λ_b·mean(b²) over the layer's full [E, F] entries, summed over layers. A rank
+    holds an [E/EP, F/ETP] shard, so its squares are divided by the full count E·F = numel·EP·ETP.
+    "sum": λ_α Σα² + λ_b Σb² over every entry, as the paper's §3.4 is written; with E·F in the
+    hundreds of thousands that is ~10⁵× stronger per entry and holds κ at 1 (docs/recipe.md).
+    """
     k = cfg.model.kappa
+    shards = cfg.parallel.ep * cfg.parallel.expert_tp if k.l2_reduction == "mean" else None
     total = torch.zeros((), device=device)
     for name, p in model.named_parameters():
         if is_kappa(name):
             weight = k.l2_alpha if name.endswith("kappa_alpha") else k.l2_bias
-            total = total + weight * p.float().pow(2).sum()
+            squares = p.float().pow(2).sum()
+            if shards is not None:
+                squares = squares / (p.numel() * shards)
+            total = total + weight * squares
     return total
 
 

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,20 @@ print(json.dumps({"core": core["core"], "device": str(fn.device), **validation_l
 """
 
 
+def gpu_tests_result(output: str, cpu: bool) -> dict:
+    """The counts of pytest's closing line for the gpu-marked tests. On a GPU every one must run
+    and pass (a stage of skips checks nothing); on the CPU (--cpu) every one must be collected and
+    skipped for want of CUDA. Anything else raises, which marks the stage failed."""
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", output)}
+    passed, skipped = counts.get("passed", 0), counts.get("skipped", 0)
+    if cpu:
+        if passed or not skipped or "needs CUDA" not in output:
+            raise ValueError(f"on the CPU every gpu-marked test should skip for want of CUDA: {counts}")
+    elif skipped or not passed or set(counts) - {"passed", "deselected"}:
+        raise ValueError(f"on a GPU every gpu-marked test must run and pass: {counts}")
+    return counts
+
+
 def last_json(output: str):
     return json.loads([line for line in output.splitlines() if line.startswith("{") or line.startswith("[")][-1])
 
@@ -152,7 +167,7 @@ def main(argv=None) -> int:
         "'capability': torch.cuda.get_device_capability(0) if d else None}))")], 300, last_json)
     check.run("gpu-marked tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/test_gpu.py",
                                    "tests/test_kappa_triton.py"], 1200,
-              lambda o: [line for line in o.splitlines() if " passed" in line or " skipped" in line][-1:])
+              lambda o: gpu_tests_result(o, args.cpu))
     run_dir = main_command(check, 8 if args.quick else 40, out)
     check.run("evaluation: CORE, loss and bits per byte", [py, "-c", EVAL, str(run_dir)], 600, last_json)
     small = args.quick or args.cpu

@@ -61,8 +61,8 @@ def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
     preemption.reset()
     run(cfg(tmp_path / "stopped"), log=quiet)
     got, ref = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
-    assert [s for s, _ in got] == list(range(1, steps + 1))
-    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref)) <= 1e-6, (got, ref)
+    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, steps + 1))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref, strict=True)) <= 1e-6, (got, ref)
 
 
 def test_a_signal_at_the_last_step_finishes_normally(world1, tmp_path):

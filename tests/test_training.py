@@ -268,21 +268,29 @@ def test_config_errors_before_any_process_group(tmp_path):
     assert done.returncode == 2 and "bad magic" in done.stderr
 
 
-def test_nan_loss_stops_with_last_checkpoint_intact(init_weights, tmp_path):
-    from megatron_kappa.train.loop import TrainingDiverged, run
+def _tree(folder: Path) -> dict:
+    """Every file under `folder` with its bytes' hash."""
+    import hashlib
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_nan_loss_stops_with_last_checkpoint_intact(init_weights, tmp_path, monkeypatch):
+    """A run resumed from its step-2 checkpoint diverges at step 3 (a NaN loss from there on):
+    it stops naming the good checkpoint, and the run's checkpoints are exactly as before, with no
+    checkpoint of the diverged step although every step is a checkpoint step."""
+    from megatron_kappa.train import loop
     run_dir = tmp_path / "nan"
-    cfg = load_config("configs/tiny.yaml", overrides(init_weights, run_dir, True, 1) + ["checkpoint.interval=2"])
-    run(cfg, log=lambda *a: None)
-    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    state = torch.load(init_weights[True], weights_only=True)
-    state = {k: (v * float("nan") if k.endswith("output_layer.weight") else v) for k, v in state.items()}
-    torch.save(state, tmp_path / "nan.pt")
-    cfg = load_config("configs/tiny.yaml", overrides(init_weights, tmp_path / "nan2", True, 1) +
-                      [f"train.init_weights={tmp_path / 'nan.pt'}", "checkpoint.interval=1"])
-    with pytest.raises(TrainingDiverged, match="loss is nan"):
-        run(cfg, log=lambda *a: None)
-    assert not (tmp_path / "nan2/checkpoints").exists() or not list((tmp_path / "nan2/checkpoints").glob("step_*"))
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    sets = overrides(init_weights, run_dir, True, 1) + ["checkpoint.interval=1", "checkpoint.keep=5"]
+    loop.run(load_config("configs/tiny.yaml", sets + ["train.steps=2"]), log=lambda *a: None)
+    before = _tree(run_dir / "checkpoints")
+    assert any(name.startswith("step_2/") for name in before)
+
+    real_loss = loop.lm_loss
+    monkeypatch.setattr(loop, "lm_loss", lambda *args: real_loss(*args) * float("nan"))
+    with pytest.raises(loop.TrainingDiverged, match=r"step 3: loss is nan.*step_2"):
+        loop.run(load_config("configs/tiny.yaml", sets + ["train.steps=4"]), log=lambda *a: None)
+    assert _tree(run_dir / "checkpoints") == before
 
 
 def test_default_steps_follow_the_token_budget(world1):

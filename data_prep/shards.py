@@ -1,22 +1,20 @@
 """Megatron indexed binary shards (`<prefix>.bin` + `<prefix>.idx`), written without megatron-core.
 
-The layout is megatron.core.datasets.indexed_dataset's (tests check byte equality against its
-IndexedDatasetBuilder): .idx = magic, <Q version 1, <B dtype code, <Q sequence count, <Q document
-count, int32 lengths, int64 byte pointers, int64 document indices 0..n. One sequence per document.
+The index format (megatron-core's, one sequence per document) is read and written by
+megatron_kappa.data.indexed, the project's one .idx reader.
 Shards are written under `<name>.tmp` names and renamed only when complete, so a file with a final
 name is either finished or (if the run died before recording it) deleted on resume.
 """
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
-MAGIC = b"MMIDIDX\x00\x00"
-DTYPE_CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
-HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
+from megatron_kappa.data.indexed import CODES, index_bytes, read_index
+
+DTYPE_CODES = {dtype: CODES[dtype] for dtype in (np.dtype(np.uint16), np.dtype(np.int32))}  # written here
 
 
 def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
@@ -33,27 +31,10 @@ def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
     return dtype
 
 
-def index_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
-    """The whole .idx file for documents of these token lengths, one sequence each."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n = len(lengths)
-    pointers = np.zeros(n, dtype=np.int64)
-    np.cumsum(lengths[:-1] * dtype.itemsize, out=pointers[1:])
-    head = MAGIC + struct.pack("<Q", 1) + struct.pack("<B", DTYPE_CODES[dtype])
-    head += struct.pack("<Q", n) + struct.pack("<Q", n + 1)
-    return b"".join([head, lengths.astype(np.int32).tobytes(), pointers.tobytes(),
-                     np.arange(n + 1, dtype=np.int64).tobytes()])
-
-
 def read_lengths(idx_path: str | Path) -> tuple[np.dtype, np.ndarray]:
     """Token dtype and per-document lengths of an .idx file written by `index_bytes`."""
-    raw = Path(idx_path).read_bytes()
-    if raw[:len(MAGIC)] != MAGIC:
-        raise ValueError(f"{idx_path}: not a Megatron .idx file")
-    code = raw[17]
-    dtype = next(d for d, c in DTYPE_CODES.items() if c == code)
-    (n,) = struct.unpack_from("<Q", raw, 18)
-    return dtype, np.frombuffer(raw, dtype=np.int32, count=n, offset=HEADER_BYTES).astype(np.int64)
+    index = read_index(idx_path)
+    return index.dtype, index.lengths
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -108,7 +108,8 @@ def plan(args) -> tuple[list[Run], dict]:
     seeds = _split(args.seeds, "seeds", int)
     study = Path(args.dir)
     runs = [Run(study, v, s, args.set) for v in variants for s in seeds]
-    from megatron_kappa.preflight import check_data, check_tokenizer, parse_blend, preflight
+    from megatron_kappa.data.blend import parse_blend
+    from megatron_kappa.preflight import check_data, check_tokenizer, preflight
     nproc = args.nproc or _visible_gpus() or 1
     cfgs = {}
     for run in runs:

@@ -18,24 +18,9 @@ import struct
 from pathlib import Path
 
 from megatron_kappa.config import Config, ConfigError, ParallelConfig
+from megatron_kappa.data.blend import parse_blend, split_ranges
+from megatron_kappa.data.indexed import read_index
 from megatron_kappa.parallel import launch_env
-
-_IDX_MAGIC = b"MMIDIDX\x00\x00"
-# megatron-core's DType codes in .idx files → bytes per token
-_ITEMSIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
-
-
-def parse_blend(paths: list) -> tuple[list[str], list[float] | None]:
-    """[a, b] or [0.7, a, 0.3, b] (Megatron-LM's --data-path form) → prefixes, weights."""
-    if not paths:
-        return [], None
-    if all(isinstance(p, str) for p in paths):
-        return [str(p) for p in paths], None
-    if len(paths) % 2 or not all(isinstance(w, (int, float)) and isinstance(p, str)
-                                 for w, p in zip(paths[::2], paths[1::2])):
-        raise ConfigError("config: data.paths: expected [prefix, ...] or [weight, prefix, ...]")
-    return [str(p) for p in paths[1::2]], [float(w) for w in paths[::2]]
-
 
 # --- layout -------------------------------------------------------------------------------------
 
@@ -88,42 +73,6 @@ def check_precision(cfg: Config):
 
 # --- data ---------------------------------------------------------------------------------------
 
-def read_index(idx_path: str) -> tuple[int, list[int], int]:
-    """(bytes per token, sequence lengths, expected .bin size) of a Megatron .idx file."""
-    with open(idx_path, "rb") as f:
-        if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
-            raise ValueError("not a Megatron index file (bad magic)")
-        header = f.read(8 + 1 + 8 + 8)
-        if len(header) < 25:
-            raise ValueError("truncated header")
-        _version, code, n_seq, _n_doc = struct.unpack("<QBQQ", header)
-        if code not in _ITEMSIZE:
-            raise ValueError(f"unknown token dtype code {code}")
-        lengths_raw, pointers_raw = f.read(4 * n_seq), f.read(8 * n_seq)
-    if len(lengths_raw) < 4 * n_seq or len(pointers_raw) < 8 * n_seq:
-        raise ValueError(f"truncated: says {n_seq} sequences but is shorter")
-    lengths = list(struct.unpack(f"<{n_seq}i", lengths_raw))
-    last_pointer = struct.unpack("<q", pointers_raw[-8:])[0] if n_seq else 0
-    itemsize = _ITEMSIZE[code]
-    return itemsize, lengths, last_pointer + (lengths[-1] * itemsize if n_seq else 0)
-
-
-def _split_ranges(split: str, n: int) -> list[tuple[int, int] | None]:
-    """megatron-core's [train, valid, test] sequence ranges for `split` ("99,1,0") over n
-    sequences: bookends of the normalised weights, each end rounded."""
-    try:
-        weights = [float(w) for w in split.split(",")]
-    except ValueError:
-        raise ConfigError(f"config: data.split: expected three numbers like '99,1,0', got {split!r}") from None
-    weights += [0.0] * (3 - len(weights))
-    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"config: data.split: expected three non-negative numbers like '99,1,0', got {split!r}")
-    total, edges = sum(weights), [0.0]
-    for w in weights:
-        edges.append(edges[-1] + w / total)
-    return [None if hi <= lo else (int(round(lo * n)), int(round(hi * n))) for lo, hi in zip(edges, edges[1:])]
-
-
 def check_shard(key: str, prefix: str) -> list[int]:
     """A shard's files exist, its index parses and its .bin is as long as the index says;
     returns its sequence lengths."""
@@ -131,9 +80,10 @@ def check_shard(key: str, prefix: str) -> list[int]:
         if not os.path.isfile(prefix + ext):
             raise ConfigError(f"config: {key}: {prefix}{ext}: no such file")
     try:
-        _, lengths, expected = read_index(prefix + ".idx")
+        index = read_index(prefix + ".idx")
     except (ValueError, struct.error) as e:
         raise ConfigError(f"config: {key}: {prefix}.idx: {e}") from None
+    lengths, expected = index.lengths.tolist(), index.bin_bytes
     size = os.path.getsize(prefix + ".bin")
     if size == 0:
         raise ConfigError(f"config: {key}: {prefix}.bin: empty file")
@@ -160,7 +110,7 @@ def check_data(cfg: Config):
             if not sum(lengths):
                 raise ConfigError(f"config: data.paths: {prefix}: no tokens")
             continue
-        ranges = _split_ranges(cfg.data.split, len(lengths))
+        ranges = split_ranges(cfg.data.split, len(lengths))
         for name, rng in zip(("train", "valid"), ranges[:2]):
             tokens = 0 if rng is None else sum(lengths[rng[0]:rng[1]])
             if not tokens:

@@ -38,3 +38,32 @@ def fresh_moe_metrics_tracker():
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     destroy_moe_metrics_tracker()
     yield
+
+
+# --- shared by several test modules: each made once per session --------------------------------
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """One Slurm cluster (slurmctld + slurmd on this machine) for every Slurm test of the session;
+    skips, saying why, without Slurm or root (tests/slurm_cluster.py)."""
+    from slurm_cluster import slurm_cluster
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def sample_shards(tmp_path_factory):
+    """Shards and a 2048-piece tokenizer from 400 documents of the bundled sample
+    (data_prep/fineweb_edu.py, as `make demo` runs it): {"train", "valid", "tokenizer", "dir"}."""
+    import json
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("sample_shards")
+    done = subprocess.run([sys.executable, "data_prep/fineweb_edu.py", "--input", "data_prep/sample", "--output", out,
+                           "--train-tokenizer", "--vocab-size", "2048", "--workers", "1", "--max-docs", "400",
+                           "--valid-fraction", "0.05", "--quiet"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {"train": [str(out / p) for p in manifest["prefixes"]["train"]],
+            "valid": [str(out / p) for p in manifest["prefixes"]["valid"]],
+            "tokenizer": str(out / "tokenizer.model"), "dir": out}

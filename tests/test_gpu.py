@@ -49,13 +49,11 @@ def losses(run_dir):
 def init_weights(tmp_path_factory):
     """Full weights shared by the CPU and CUDA runs (random init differs between devices)."""
     path = tmp_path_factory.mktemp("init") / "init.pt"
-    code = ("import sys, torch; from megatron_kappa.config import load_config; "
-            "from megatron_kappa.parallel.groups import init_distributed; "
-            "from megatron_kappa.model.build import build_model; "
+    code = ("import sys; sys.path.insert(0, 'tests'); from megatron_kappa.config import load_config; "
+            "from megatron_kappa.parallel.groups import init_distributed; from weights import save_init_weights; "
             "cfg = load_config('configs/tiny.yaml', sys.argv[2:]); "
             "init_distributed(cfg.parallel, 3, cfg.model.moe.num_experts, device='cpu'); "
-            "torch.save({k: v for k, v in build_model(cfg, 'cpu').state_dict().items() "
-            "if not k.endswith('_extra_state')}, sys.argv[1])")
+            "save_init_weights(sys.argv[1], sys.argv[2:])")
     done = subprocess.run([sys.executable, "-c", code, str(path), *COMMON], cwd=ROOT, env=env("cpu"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

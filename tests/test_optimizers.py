@@ -20,6 +20,7 @@ from compare import max_gap
 from megatron_kappa.config import ConfigError, load_config
 from test_matrix_optim import ref_direction
 from test_training import ROOT, deepspeed_cmd, env, free_port, losses, records
+from weights import save_init_weights
 
 D = torch.float64
 STEPS = 4
@@ -174,13 +175,7 @@ def test_zero_step_matches_float64_reference(world1, method, zero):
 # ---- 1 process vs 2 ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def init_weights(world1, tmp_path_factory):
-    from megatron_kappa.model.build import build_model
-    cfg = load_config("configs/tiny.yaml", COMMON)
-    torch.manual_seed(3)
-    state = {k: v for k, v in build_model(cfg).state_dict().items() if not k.endswith("_extra_state")}
-    path = tmp_path_factory.mktemp("init") / "init.pt"
-    torch.save(state, path)
-    return path
+    return save_init_weights(tmp_path_factory.mktemp("init") / "init.pt", COMMON)
 
 
 def overrides(init, run_dir, method, zero=2, ep=1, tp=1, extra=()):

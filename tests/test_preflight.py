@@ -10,7 +10,8 @@ import pytest
 
 from data_prep.shards import ShardWriter
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.preflight import _split_ranges, preflight
+from megatron_kappa.data.blend import split_ranges
+from megatron_kappa.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def test_split_ranges_match_megatron_core():
         for n in (1, 2, 3, 50, 99, 100, 101, 1000):
             matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
             theirs = [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n))) for m in matrix]
-            assert _split_ranges(split, n) == theirs, (split, n)
+            assert split_ranges(split, n) == theirs, (split, n)
 
 
 def test_fp8_without_transformer_engine(tmp_path):

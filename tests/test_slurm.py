@@ -181,12 +181,6 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
-        yield c
-
-
 def job_env(cluster, **extra):
     return {"PYTHON": sys.executable, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
             "TORCHDYNAMO_DISABLE": "1", **extra}

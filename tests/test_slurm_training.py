@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from compare import max_gap
 from megatron_kappa.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import FINAL_STATES, slurm_cluster  # noqa: E402
+from slurm_cluster import FINAL_STATES  # noqa: E402
+from weights import save_init_weights  # noqa: E402
 
 STEPS = 24
 SETTINGS = ["data.mock=true", "log.interval=1", "checkpoint.interval=100", "eval.valid_every=0",
@@ -29,20 +29,9 @@ CPU_OPTS = ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def init_weights(world1, tmp_path_factory):
     """Full-layout initial weights for every run here (random init depends on the layout)."""
-    from megatron_kappa.model.build import build_model
-    torch.manual_seed(3)
-    path = tmp_path_factory.mktemp("init") / "init.pt"
-    model = build_model(load_config("configs/tiny.yaml", SETTINGS))
-    torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, path)
-    return path
+    return save_init_weights(tmp_path_factory.mktemp("init") / "init.pt", SETTINGS)
 
 
 def settings(init_weights, run_dir, *more):

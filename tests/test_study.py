@@ -27,17 +27,8 @@ def env(**extra):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Shards and a 2048-piece tokenizer from 400 documents of the bundled sample."""
-    out = tmp_path_factory.mktemp("data")
-    done = subprocess.run([sys.executable, "data_prep/fineweb_edu.py", "--input", "data_prep/sample", "--output", out,
-                           "--train-tokenizer", "--vocab-size", "2048", "--workers", "1", "--max-docs", "400",
-                           "--valid-fraction", "0.05"], cwd=ROOT, env=env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    manifest = json.loads((out / "manifest.json").read_text())
-    prefix = lambda p: str(out / p)  # noqa: E731
-    return {"train": [prefix(p) for p in manifest["prefixes"]["train"]],
-            "valid": [prefix(p) for p in manifest["prefixes"]["valid"]], "tokenizer": str(out / "tokenizer.model")}
+def data(sample_shards):
+    return sample_shards
 
 
 def study_cmd(data, study_dir, *extra, launcher="torchrun", variants="swiglu,kappa", seeds="24,26"):

@@ -14,6 +14,7 @@ from compare import max_gap
 from megatron_kappa.config import load_config
 from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.train import recipe
+from weights import save_init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -51,16 +52,9 @@ def free_port():
 @pytest.fixture(scope="module")
 def init_weights(world1, tmp_path_factory):
     """Full-layout initial weights shared by every run (random init depends on the layout)."""
-    from megatron_kappa.model.build import build_model
     tmp = tmp_path_factory.mktemp("init")
-    paths = {}
-    for kappa in (True, False):
-        cfg = load_config("configs/tiny.yaml", COMMON + [f"model.kappa.enabled={str(kappa).lower()}"])
-        torch.manual_seed(3)
-        state = {k: v for k, v in build_model(cfg).state_dict().items() if not k.endswith("_extra_state")}
-        paths[kappa] = tmp / f"init_{kappa}.pt"
-        torch.save(state, paths[kappa])
-    return paths
+    return {kappa: save_init_weights(tmp / f"init_{kappa}.pt", COMMON + [f"model.kappa.enabled={str(kappa).lower()}"])
+            for kappa in (True, False)}
 
 
 def overrides(init_weights, run_dir, kappa, zero, ep=1, tp=1, precision="fp32"):

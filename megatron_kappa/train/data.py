@@ -14,7 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 from megatron_kappa.config import Config
-from megatron_kappa.preflight import parse_blend
+from megatron_kappa.data.blend import parse_blend
 
 
 class StubTokenizer:

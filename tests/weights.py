@@ -1,0 +1,21 @@
+"""Full-layout initial weights for runs that are compared across layouts or launchers.
+
+A random init depends on the layout (each rank draws its own shard), so every run of a comparison
+starts from one file written here, in one process, through `train.init_weights`.
+"""
+from pathlib import Path
+
+import torch
+
+from megatron_kappa.config import load_config
+
+
+def save_init_weights(path: Path, overrides=(), config: str = "configs/tiny.yaml", seed: int = 3,
+                      device: str = "cpu") -> Path:
+    """The full state dict of `config` + `overrides` built after `torch.manual_seed(seed)`, without
+    megatron's `_extra_state` entries. Needs megatron's parallel state of one process (world1)."""
+    from megatron_kappa.model.build import build_model
+    torch.manual_seed(seed)
+    model = build_model(load_config(config, list(overrides)), device)
+    torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, path)
+    return path

@@ -3,6 +3,8 @@ interpreter, TRITON_INTERPRET=1 from conftest), plus determinism, the public ent
 negative control. Small tiles (SMALL) make tiny shapes span many programs with ragged edges."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import gpu
 
 from megatron_kappa.kappa import kappa_swiglu
@@ -194,3 +196,157 @@ def compiled_kernels_bf16_on_cuda(grouped):
     again = run(lambda *a: kappa_swiglu_triton(*a, U, 0.15, 2.0, tpe),
                 [None if t is None else t.detach().requires_grad_() for t in leaves], w)[1]
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+@triton.jit
+def _skip_rows(lo, hi, cols, cmask, pid_f, N, F, h_ptr, dg_ptr, du_ptr, dlogit_part_ptr, BACKWARD: tl.constexpr,
+               NEED_DLOGIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    """triton_op._zero_rows that writes nothing (the negative control of the rows past the counts)."""
+    pass
+
+
+def nan_buffers(monkeypatch):
+    """Every buffer the kernels are meant to write in full starts as NaN: a row they skip shows."""
+    from megatron_kappa.kappa import triton_op
+    monkeypatch.setattr(triton_op, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+
+
+def check_rows_past_counts(counts, n=37, f=24):
+    """sum(counts) < N: h and the gradients of g, u, s are 0 on the rows past the sum, the rest
+    (and α, b's gradients) match the float64 formula on the counted rows alone."""
+    m = sum(counts)
+    leaves = make(n, f, counts)
+    refs = [t.detach()[:m].double().requires_grad_() if i < 3 else t.detach().double().requires_grad_()
+            for i, t in enumerate(leaves)]
+    w = torch.randn(n, f, generator=torch.Generator().manual_seed(5)).double()
+    out, grads = run(lambda *a: kappa_swiglu_triton(*a, U, 0.15, 2.0, torch.tensor(counts), **SMALL), leaves, w)
+    ref, ref_grads = run(lambda *a: formula(*a, 0.15, 2.0, counts), refs, w[:m])
+    pad = lambda t: torch.cat([t, t.new_zeros(n - m, *t.shape[1:])])  # noqa: E731
+    close(out, pad(ref), 1e-5)
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        close(got, pad(want) if i < 3 else want, 1e-5)
+
+
+@pytest.mark.parametrize("counts", [[9, 0, 14, 1, 3], [0, 0, 5], [0, 0, 0]], ids=["tail10", "tail32", "all"])
+def test_rows_past_the_counts_are_zero(monkeypatch, counts):
+    nan_buffers(monkeypatch)
+    check_rows_past_counts(counts)
+
+
+def test_rows_past_the_counts_negative_control(monkeypatch):
+    """With the kernels' tail write removed, the NaN-filled buffers show through and the check fails."""
+    from megatron_kappa.kappa import triton_op
+
+    nan_buffers(monkeypatch)
+    monkeypatch.setattr(triton_op, "_zero_rows", _skip_rows)
+    with pytest.raises(AssertionError):
+        check_rows_past_counts([9, 0, 14, 1, 3])
+    check_rows_past_counts([9, 0, 14, 1, 13])  # counts summing to N never reach the tail write
+
+
+@pytest.mark.parametrize("error", ["compile", "ptxas", "launcher"])
+def test_kernel_failure_is_one_line_naming_the_key(monkeypatch, error):
+    """A failed compile or launch (raised as Triton raises it) stops with one line naming
+    model.kappa.backend and the first line of the cause, in the forward and in the backward."""
+    import ast
+
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import PTXASError
+
+    from megatron_kappa.kappa import triton_op
+
+    raised = {"compile": CompilationError("def k():\n  x = 1\n", ast.parse("x = 1").body[0],
+                                          "ValueError('unsupported tensor index')"),
+              "ptxas": PTXASError("ptxas fatal   : Unknown option '-arch=sm_999'\nmore"),
+              "launcher": RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")}
+    first = {"compile": "ValueError('unsupported tensor index')", "ptxas": "ptxas fatal   : Unknown option",
+             "launcher": "Failed to find C compiler"}
+
+    class Failing:
+        def __init__(self, kernel, after=0):
+            self.kernel, self.after, self.arg_names = kernel, after, kernel.arg_names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if self.after:
+                    self.after -= 1
+                    return self.kernel[grid](*args, **kwargs)
+                raise raised[error]
+            return launch
+
+    leaves = make(37, 24, [20, 0, 17])
+    for after in (0, 1):  # fails in the forward; fails in the backward (the forward ran)
+        monkeypatch.setattr(triton_op, "_kappa_swiglu_kernel", Failing(triton_op._kappa_swiglu_kernel, after))
+        with pytest.raises(triton_op.KappaKernelError) as info:
+            out = kappa_swiglu(*leaves, backend="triton", tokens_per_expert=torch.tensor([20, 0, 17]))
+            out.sum().backward()
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith("model.kappa.backend: triton: the κ kernel failed to compile")
+        assert first[error] in msg and "for cpu" in msg and msg.endswith("set model.kappa.backend=torch")
+        assert info.value.__cause__ is raised[error]
+    # the torch backend never touches the kernels
+    kappa_swiglu(*leaves, backend="torch", tokens_per_expert=torch.tensor([20, 0, 17])).sum().backward()
+
+
+@pytest.mark.parametrize("blocks,match", [
+    (dict(block_n=3), "BLOCK_N must be a power of 2"), (dict(block_f=96), "BLOCK_F must be a power of 2"),
+    (dict(block_n=0), "BLOCK_N"), (dict(block_n=128), r"BLOCK_N must be a power of 2 in \[1, 64\]"),
+    (dict(block_f=2048), "BLOCK_F"), (dict(block_n=64, block_f=32), "BLOCK_N·BLOCK_F must be at most 1024"),
+    (dict(block_f=8.0), "BLOCK_F"), (dict(chunk_rows=0), "chunk_rows"),
+], ids=["n3", "f96", "n0", "n128", "f2048", "tile2048", "float", "chunk0"])
+def test_tile_sizes_are_checked(blocks, match):
+    leaves = make(37, 24)
+    with pytest.raises(ValueError, match=match):
+        kappa_swiglu_triton(*leaves, U, 1.0, 1.0, **blocks)
+
+
+def test_tile_limits_accept_every_allowed_tile():
+    """The largest tiles allowed run and match the formula (the AOT test compiles them for spills)."""
+    from megatron_kappa.kappa.triton_op import NUM_WARPS, check_tiles
+    for bn, bf in ((64, 16), (1, 1024), (8, 128), (1, 1)):
+        check_tiles(bn, bf, NUM_WARPS)
+    check(37, 24, [9, 0, 14, 1, 13], block_n=64, block_f=16)
+    with pytest.raises(ValueError, match="NUM_WARPS"):
+        check_tiles(8, 128, 3)
+
+
+def test_one_dtype_for_inputs_and_parameters():
+    leaves = make(37, 24)
+    leaves[3] = leaves[3].detach().bfloat16()
+    with pytest.raises(ValueError, match="share one dtype"):
+        kappa_swiglu_triton(*leaves, U, 1.0, 1.0)
+
+
+def test_backend_setting_reaches_the_op(monkeypatch):
+    """model.kappa.backend: validated by the config, carried by KappaSettings, and handed by the
+    experts' activation to kappa_swiglu: triton runs the kernels (interpreted here), torch and
+    auto (on CPU tensors) do not, with the same result."""
+    import dataclasses
+
+    from megatron_kappa.config import ConfigError, load_config
+    from megatron_kappa.kappa import DEFAULTS, triton_op
+    from megatron_kappa.model.build import kappa_settings
+    from megatron_kappa.model.experts import KappaExpertActivation
+
+    assert load_config("configs/tiny.yaml").model.kappa.backend == DEFAULTS.backend == "auto"
+    with pytest.raises(ConfigError, match="model.kappa.backend"):
+        load_config("configs/tiny.yaml", ["model.kappa.backend=cuda"])
+    settings = kappa_settings(load_config("configs/tiny.yaml", ["model.kappa.backend=triton"]))
+    assert settings.backend == "triton"
+    calls, real = [], triton_op.kappa_swiglu_triton
+    monkeypatch.setattr(triton_op, "kappa_swiglu_triton", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
+    counts = [20, 0, 17]
+    g, u, s, a, b = make(37, 24, counts)
+    probs = torch.rand(37)
+    act = KappaExpertActivation()
+    act._init_kappa(settings, 3, 24, torch.nn.Parameter(torch.zeros(1)))
+    with torch.no_grad():
+        act.kappa_alpha.copy_(a), act.kappa_bias.copy_(b)
+    outs = {}
+    for backend in ("triton", "torch", "auto"):
+        act.kappa = dataclasses.replace(settings, backend=backend)
+        outs[backend] = act.activation(g, u, probs, s, tokens_per_expert=torch.tensor(counts))
+    assert calls == ["triton"]
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs["torch"], outs["auto"])

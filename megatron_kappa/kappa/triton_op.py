@@ -25,23 +25,41 @@ the d_logit sum in torch and the d_α/d_b second stage (1 kernel) when those are
 Recompute, don't save: autograd keeps g, u, s, α, b (and the offsets); κ, σ(κg) are recomputed.
 Math is fp32 whatever the I/O dtype (loads are upcast at once: Triton's CPU interpreter cannot do
 bf16 arithmetic), and tanh is built from exp (the interpreter has no libdevice).
-Precondition for grouped rows: sum(tokens_per_expert) == N (rows past the sum are not written; it
-cannot be checked without reading the counts on the host).
+Grouped rows past sum(tokens_per_expert) (when it is < N) belong to no expert: the kernels write
+zeros there (h, d_gate, d_up and d_logit), found on the device, so the counts are never read on
+the host. Counts summing to more than N are not checked (that would need a host read); rows
+past N are never touched.
+
+Safety on a GPU. A kernel that fails to compile or launch (no C compiler for Triton's launcher, a
+ptxas error, too little shared memory, ...) stops with one line naming `model.kappa.backend`.
+Tile sizes are checked before any launch (`check_tiles`). `launch_variants()` lists every kernel
+variant (constexpr combination and pointer dtypes) the launch code can produce with the default
+tiles; tests/test_kappa_aot.py compiles each of them for sm_80 and sm_90 without a GPU.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from megatron_kappa.kappa.triton_guard import (  # noqa: F401 (KappaKernelError, check_tiles: API)
+    MAX_BLOCK_F, MAX_BLOCK_N, MAX_NUM_WARPS, MAX_TILE_PER_THREAD, KappaKernelError, check_tiles,
+    failure_message, power_of_2)
+
 # Tile defaults, not timed yet: [8, 128] with 4 warps gives 16-byte bf16 loads, and ptxas (sm_90)
 # puts the grouped backward at 128 registers without spills (4 programs per SM); larger tiles
 # spill or halve the programs per SM.
 BLOCK_N, BLOCK_F, NUM_WARPS = 8, 128, 4
 _TARGET_PROGRAMS = 4096  # programs per pass to aim for: a few per SM slot on an H200 (132 SMs)
-_REDUCE_BLOCK_C = 16
+_REDUCE_BLOCK_C, _REDUCE_NUM_WARPS = 16, 4
+_BLOCK_E = 64  # experts' row offsets read per step when locating a chunk's experts
+# Not specialised: Triton would otherwise compile another kernel whenever one of these equals 1 or
+# is divisible by 16; without it the variants are the ones launch_variants() lists.
+_NOT_SPECIALIZED = {"_kappa_swiglu_kernel": ("N", "E", "chunk_rows"),
+                    "_reduce_param_grads_kernel": ("N", "chunk_rows")}
 
 
 @triton.jit
@@ -54,7 +72,7 @@ def _kappa_of(z, log_u):
     return tl.exp(log_u * t), log_u * 4.0 * q / ((1.0 + q) * (1.0 + q))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED["_kappa_swiglu_kernel"])
 def _kappa_swiglu_kernel(
         g_ptr, u_ptr, s_ptr, a_ptr, b_ptr, offs_ptr, dh_ptr, h_ptr, dg_ptr, du_ptr,
         dlogit_part_ptr, da_part_ptr, db_part_ptr,
@@ -62,6 +80,7 @@ def _kappa_swiglu_kernel(
         HAS_A: tl.constexpr, HAS_B: tl.constexpr, GROUPED: tl.constexpr, BACKWARD: tl.constexpr,
         NEED_DLOGIT: tl.constexpr, NEED_DA: tl.constexpr, NEED_DB: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One launch: forward (h) or backward (d_gate, d_up and the partial reductions)."""
     pid_c = tl.program_id(0)
     pid_f = tl.program_id(1)
     cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -70,12 +89,18 @@ def _kappa_swiglu_kernel(
     cs = pid_c * chunk_rows
     ce = tl.minimum(cs + chunk_rows, N)
     if GROUPED:
-        # Experts holding the chunk's first and last rows (empty experts sit between them);
-        # clamped so that counts summing to less than N cannot index past α[E − 1].
-        eidx = tl.arange(0, BLOCK_E)
-        ends = tl.load(offs_ptr + 1 + eidx, mask=eidx < E, other=2147483647)
-        e_first = tl.minimum(tl.sum((ends <= cs).to(tl.int32), axis=0), E - 1)
-        e_last = tl.minimum(tl.sum((ends < ce).to(tl.int32), axis=0), E - 1)
+        # Experts holding the chunk's first and last rows (empty experts sit between them),
+        # counted BLOCK_E offsets at a time (one variant whatever E); clamped so that counts
+        # summing to less than N cannot index past α[E − 1].
+        n_first = tl.full([], 0, tl.int32)
+        n_last = tl.full([], 0, tl.int32)
+        for e0 in range(0, E, BLOCK_E):
+            eidx = e0 + tl.arange(0, BLOCK_E)
+            ends = tl.load(offs_ptr + 1 + eidx, mask=eidx < E, other=2147483647)
+            n_first += tl.sum((ends <= cs).to(tl.int32), axis=0)
+            n_last += tl.sum((ends < ce).to(tl.int32), axis=0)
+        e_first = tl.minimum(n_first, E - 1)
+        e_last = tl.minimum(n_last, E - 1)
     else:
         e_first = 0
         e_last = 0
@@ -143,9 +168,32 @@ def _kappa_swiglu_kernel(
             tl.store(da_part_ptr + slot * F + cols, tl.sum(acc_a, axis=0), mask=cmask)
         if NEED_DB:
             tl.store(db_part_ptr + slot * F + cols, tl.sum(acc_b, axis=0), mask=cmask)
+    if GROUPED:  # rows past the last expert's end (sum of the counts < N): zeros, not stale memory
+        _zero_rows(tl.maximum(cs, tl.load(offs_ptr + E)), ce, cols, cmask, pid_f, N, F, h_ptr, dg_ptr,
+                   du_ptr, dlogit_part_ptr, BACKWARD, NEED_DLOGIT, BLOCK_N, BLOCK_F)
 
 
 @triton.jit
+def _zero_rows(lo, hi, cols, cmask, pid_f, N, F, h_ptr, dg_ptr, du_ptr, dlogit_part_ptr,
+               BACKWARD: tl.constexpr, NEED_DLOGIT: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_F: tl.constexpr):
+    """Rows [lo, hi) of this program's columns get 0 in every per-row output of the pass."""
+    zero = tl.zeros([BLOCK_N, BLOCK_F], dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        rmask = rows < hi
+        mask = rmask[:, None] & cmask[None, :]
+        out = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        if not BACKWARD:
+            tl.store(h_ptr + out, zero.to(h_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(dg_ptr + out, zero.to(dg_ptr.dtype.element_ty), mask=mask)
+            tl.store(du_ptr + out, zero.to(du_ptr.dtype.element_ty), mask=mask)
+            if NEED_DLOGIT:
+                tl.store(dlogit_part_ptr + pid_f.to(tl.int64) * N + rows, tl.sum(zero, axis=1), mask=rmask)
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED["_reduce_param_grads_kernel"])
 def _reduce_param_grads_kernel(da_part_ptr, db_part_ptr, offs_ptr, da_ptr, db_ptr,
                                N, F, chunk_rows, scale,
                                GROUPED: tl.constexpr, NEED_DA: tl.constexpr, NEED_DB: tl.constexpr,
@@ -191,32 +239,57 @@ def _ptr(t, stand_in):
     return stand_in if t is None else t
 
 
+def _empty(shape, dtype, device):
+    """A buffer the kernels write in full (tests swap this for NaN-filled buffers to prove it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_record = None  # launch_variants() sets this to collect launches instead of running them
+
+
+def _run(kernel, grid, args, constexprs, num_warps, cfg):
+    if _record is not None:
+        _record(kernel, args, constexprs, num_warps)
+        return
+    try:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+    except Exception as err:  # noqa: BLE001 - any failure here means: this machine cannot run it
+        raise KappaKernelError(failure_message(err, args[0].device, cfg["backend"])) from err
+
+
+def _needs(needs_input_grad, has_a, has_b):
+    """(d_logit, d_α, d_b) computed by a backward: asked for by autograd and the term exists."""
+    return needs_input_grad[2] and has_a, needs_input_grad[3] and has_a, needs_input_grad[4] and has_b
+
+
 def _launch(cfg, gate, up, logit, alpha, bias, offsets, h=None, dh=None, d_gate=None, d_up=None,
             dlogit_part=None, da_part=None, db_part=None):
     n, f = gate.shape
     e = 1 if offsets is None else offsets.shape[0] - 1
     backward = dh is not None
     grid = (triton.cdiv(n, cfg["chunk_rows"]), triton.cdiv(f, cfg["block_f"]))
-    _kappa_swiglu_kernel[grid](
-        gate, up, logit, *(_ptr(t, gate) for t in (alpha, bias, offsets, dh, h, d_gate, d_up,
-                                                    dlogit_part, da_part, db_part)),
-        n, f, e, gate.stride(0), up.stride(0), dh.stride(0) if backward else 0, cfg["chunk_rows"],
-        cfg["log_u"], cfg["scale"], cfg["gain"],
+    args = (gate, up, logit, *(_ptr(t, gate) for t in (alpha, bias, offsets, dh, h, d_gate, d_up,
+                                                         dlogit_part, da_part, db_part)),
+            n, f, e, gate.stride(0), up.stride(0), dh.stride(0) if backward else 0, cfg["chunk_rows"],
+            cfg["log_u"], cfg["scale"], cfg["gain"])
+    constexprs = dict(
         HAS_A=alpha is not None, HAS_B=bias is not None, GROUPED=offsets is not None,
         BACKWARD=backward, NEED_DLOGIT=dlogit_part is not None, NEED_DA=da_part is not None,
-        NEED_DB=db_part is not None, BLOCK_N=cfg["block_n"], BLOCK_F=cfg["block_f"],
-        BLOCK_E=triton.next_power_of_2(e), num_warps=NUM_WARPS)
+        NEED_DB=db_part is not None, BLOCK_N=cfg["block_n"], BLOCK_F=cfg["block_f"], BLOCK_E=_BLOCK_E)
+    _run(_kappa_swiglu_kernel, grid, args, constexprs, NUM_WARPS, cfg)
 
 
 class _KappaSwiGLUTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, logit, alpha, bias, offsets, cfg):
-        gate, up, logit = _rows(gate), _rows(up), logit.contiguous()
+        # The logit is read in fp32 whatever its dtype (one kernel variant per I/O dtype).
+        ctx.logit_dtype = logit.dtype
+        gate, up, logit = _rows(gate), _rows(up), logit.contiguous().float()
         alpha = None if alpha is None else alpha.contiguous()
         bias = None if bias is None else bias.contiguous()
         ctx.save_for_backward(gate, up, logit, alpha, bias, offsets)
         ctx.cfg = cfg
-        h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        h = _empty(gate.shape, gate.dtype, gate.device)
         if gate.numel():  # an empty grid is not launched
             _launch(cfg, gate, up, logit, alpha, bias, offsets, h=h)
         return h
@@ -228,32 +301,32 @@ class _KappaSwiGLUTriton(torch.autograd.Function):
         need = ctx.needs_input_grad
         n, f = gate.shape
         e = 1 if offsets is None else offsets.shape[0] - 1
-        need_dlogit = need[2] and alpha is not None
-        need_da, need_db = need[3] and alpha is not None, need[4] and bias is not None
+        need_dlogit, need_da, need_db = _needs(need, alpha is not None, bias is not None)
         # Outputs are contiguous whatever gate's and up's row strides.
-        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        d_gate = _empty(gate.shape, gate.dtype, gate.device)
+        d_up = _empty(up.shape, up.dtype, up.device)
         if gate.numel() == 0:  # nothing to launch: the reductions are empty sums
             zeros = lambda t, needed: torch.zeros_like(t) if needed else None  # noqa: E731
-            return (d_gate, d_up, zeros(logit, need_dlogit), zeros(alpha, need_da),
-                    zeros(bias, need_db), None, None)
+            d_logit = zeros(logit, need_dlogit)
+            return (d_gate, d_up, None if d_logit is None else d_logit.to(ctx.logit_dtype),
+                    zeros(alpha, need_da), zeros(bias, need_db), None, None)
         chunk_rows, f_blocks = cfg["chunk_rows"], triton.cdiv(f, cfg["block_f"])
         slots = triton.cdiv(n, chunk_rows) + (e - 1 if offsets is not None else 0)
         fp32 = dict(dtype=torch.float32, device=gate.device)
-        dlogit_part = torch.empty(f_blocks, n, **fp32) if need_dlogit else None
+        dlogit_part = _empty((f_blocks, n), **fp32) if need_dlogit else None
         da_part = torch.empty(slots, f, **fp32) if need_da else None
         db_part = torch.empty(slots, f, **fp32) if need_db else None
         _launch(cfg, gate, up, logit, alpha, bias, offsets, dh=_rows(dh), d_gate=d_gate, d_up=d_up,
                 dlogit_part=dlogit_part, da_part=da_part, db_part=db_part)
-        d_logit = dlogit_part.sum(0).mul_(cfg["scale"]).to(logit.dtype) if need_dlogit else None
+        d_logit = dlogit_part.sum(0).mul_(cfg["scale"]).to(ctx.logit_dtype) if need_dlogit else None
         d_alpha = torch.empty_like(alpha) if need_da else None
         d_bias = torch.empty_like(bias) if need_db else None
         if need_da or need_db:
-            _reduce_param_grads_kernel[(e, f_blocks)](
-                *(_ptr(t, gate) for t in (da_part, db_part, offsets, d_alpha, d_bias)),
-                n, f, chunk_rows, cfg["scale"], GROUPED=offsets is not None,
-                NEED_DA=need_da, NEED_DB=need_db, BLOCK_C=_REDUCE_BLOCK_C, BLOCK_F=cfg["block_f"],
-                num_warps=4)
+            args = (*(_ptr(t, gate) for t in (da_part, db_part, offsets, d_alpha, d_bias)),
+                    n, f, chunk_rows, cfg["scale"])
+            constexprs = dict(GROUPED=offsets is not None, NEED_DA=need_da, NEED_DB=need_db,
+                              BLOCK_C=_REDUCE_BLOCK_C, BLOCK_F=cfg["block_f"])
+            _run(_reduce_param_grads_kernel, (e, f_blocks), args, constexprs, _REDUCE_NUM_WARPS, cfg)
         return (d_gate if need[0] else None, d_up if need[1] else None, d_logit, d_alpha, d_bias,
                 None, None)
 
@@ -264,20 +337,36 @@ def default_chunk_rows(n: int, f: int, block_n: int = BLOCK_N, block_f: int = BL
     return max(block_n, triton.next_power_of_2(max(1, triton.cdiv(n, want_chunks))))
 
 
+check_tiles(BLOCK_N, BLOCK_F, NUM_WARPS)  # the module's own constants, at import
+power_of_2("_REDUCE_BLOCK_C", _REDUCE_BLOCK_C, 64)
+power_of_2("_REDUCE_NUM_WARPS", _REDUCE_NUM_WARPS, MAX_NUM_WARPS)
+power_of_2("_BLOCK_E", _BLOCK_E, 1024)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # I/O dtypes the kernels take
+
+
 def kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
                         tokens_per_expert=None, *, block_n: int | None = None,
-                        block_f: int | None = None, chunk_rows: int | None = None):
+                        block_f: int | None = None, chunk_rows: int | None = None,
+                        backend: str = "triton"):
     """κ-SwiGLU of gate/up [N, F] with router logits [N] through the fused kernels.
 
-    α, b: [F], or [E, F] with `tokens_per_expert` [E] (consecutive rows per expert, summing to
-    N); either may be None. block_n, block_f (powers of 2) and chunk_rows (rows per program) are
-    for tests and tuning; the defaults suit large shapes.
+    α, b: [F], or [E, F] with `tokens_per_expert` [E] (consecutive rows per expert; rows past
+    their sum get 0); either may be None; gate, up, α, b of one dtype in DTYPES. block_n,
+    block_f (powers of 2, see check_tiles) and chunk_rows (rows per program) are for tests and
+    tuning; the defaults suit large shapes. backend: the `model.kappa.backend` setting that
+    chose this path, named in the error if a kernel cannot compile or launch.
     """
     n, f = gate.shape
-    block_n = block_n or BLOCK_N
-    block_f = block_f or min(BLOCK_F, triton.next_power_of_2(max(f, 1)))
+    block_n = BLOCK_N if block_n is None else block_n
+    block_f = BLOCK_F if block_f is None else block_f  # one tile for every F: masked past F
+    check_tiles(block_n, block_f, NUM_WARPS, chunk_rows)
+    dtypes = {name: t.dtype for name, t in (("gate", gate), ("up", up), ("alpha", alpha), ("bias", bias))
+              if t is not None}
+    if len(set(dtypes.values())) > 1 or gate.dtype not in DTYPES:
+        raise ValueError(f"kappa_swiglu_triton: gate, up, alpha, bias must share one dtype of "
+                         f"{[str(d) for d in DTYPES]}, got {dtypes}")
     cfg = dict(log_u=math.log(U), scale=float(logit_scale), gain=float(tanh_gain),
-               block_n=block_n, block_f=block_f,
+               block_n=block_n, block_f=block_f, backend=backend,
                chunk_rows=chunk_rows or default_chunk_rows(n, f, block_n, block_f))
     offsets = None
     if tokens_per_expert is not None:
@@ -285,3 +374,54 @@ def kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
         ends = tokens_per_expert.to(device=gate.device).cumsum(0, dtype=torch.int32)
         offsets = torch.nn.functional.pad(ends, (1, 0))
     return _KappaSwiGLUTriton.apply(gate, up, logit, alpha, bias, offsets, cfg)
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+                 torch.int64: "i64"}
+
+
+def launch_variants(dtypes=DTYPES, tiles=((BLOCK_N, BLOCK_F),), f: int = 2 * MAX_BLOCK_F):
+    """Every kernel variant the launch code above produces, for ahead-of-time compile checks: a
+    list of dicts (kernel, signature, constexprs, attrs, num_warps) as `triton.compile(ASTSource(
+    ...))` takes them. Found by running this module's own forward and backward on meta tensors
+    for each dtype, tile, α/b ablation, grouping and set of inputs wanting gradients, with each
+    launch recorded instead of run, so the list follows the code. gate and up are the halves
+    of one [N, 2F] tensor, as in the model; `attrs` marks 16-divisible ints and 16-byte aligned
+    pointers the way Triton specialises them at a launch with this F (a multiple of 16 by default;
+    an odd F gives the unaligned variants)."""
+    global _record
+    found = {}
+
+    def record(kernel, args, constexprs, num_warps):
+        names = kernel.arg_names
+        signature = {name: "*" + _TRITON_TYPES[a.dtype] if isinstance(a, torch.Tensor) else
+                     "fp32" if isinstance(a, float) else "i32" for name, a in zip(names, args)}
+        aligned = [i for i, a in enumerate(args) if names[i] not in _NOT_SPECIALIZED[kernel.__name__] and (
+            a.storage_offset() * a.element_size() % 16 == 0 if isinstance(a, torch.Tensor)
+            else isinstance(a, int) and a % 16 == 0)]
+        signature.update({k: "constexpr" for k in constexprs})
+        key = (kernel.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(aligned), num_warps)
+        found.setdefault(key, dict(kernel=kernel, signature=signature, constexprs=dict(constexprs),
+                                   attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+                                   num_warps=num_warps))
+
+    n, e = 64, 3
+    _record = record
+    try:
+        for dtype, (block_n, block_f), has_a, has_b, grouped, wants in itertools.product(
+                dtypes, tiles, [True, False], [True, False], [False, True],
+                itertools.product([True, False], repeat=3)):
+            meta = dict(device="meta", dtype=dtype)
+            fc1 = torch.empty(n, 2 * f, **meta).requires_grad_()
+            gate, up = fc1.chunk(2, dim=1)
+            logit = torch.empty(n, device="meta").requires_grad_(wants[0])
+            shape = (e, f) if grouped else (f,)
+            alpha = torch.empty(shape, **meta).requires_grad_(wants[1]) if has_a else None
+            bias = torch.empty(shape, **meta).requires_grad_(wants[2]) if has_b else None
+            counts = torch.empty(e, dtype=torch.int64, device="meta") if grouped else None
+            h = kappa_swiglu_triton(gate, up, logit, alpha, bias, 3.0, 1.0, 1.0, counts,
+                                    block_n=block_n, block_f=block_f)
+            h.backward(torch.empty_like(h))
+    finally:
+        _record = None
+    return list(found.values())

@@ -1,1 +1,0 @@
-"""Evaluation entry points (core.py: CORE; loss.py: validation loss and bits per byte)."""

@@ -33,14 +33,41 @@ def expert_grads(layer) -> dict:
     return out
 
 
+def authors_normalized(top_k_scores, router_weight, top_k_indices, detach=True):
+    """The authors' normalised κ input (askerlee/kappa-swiglu 02b8de3, nanochat/gpt.py
+    MOELayer._select_gate_confidence, kappa_input 'top_logits', exponent 0.5, eps 1e-4), as written
+    there; `detach=False` is the negative control (gradient through the normaliser)."""
+    exponent, eps = 0.5, 1e-4
+    d = (lambda t: t.detach()) if detach else (lambda t: t)  # noqa: E731
+    magnitudes_all = torch.linalg.vector_norm(router_weight, ord=2, dim=-1)
+    smoothed_all = torch.sqrt(magnitudes_all.square() + eps)
+    scale_compensation = d(smoothed_all.pow(1.0 - exponent).mean())
+    smoothed = torch.sqrt(magnitudes_all[top_k_indices].square() + eps)
+    token_magnitude = router_weight.size(-1) ** 0.5
+    normalizer = token_magnitude * d(smoothed.pow(exponent)) * scale_compensation
+    return 6 * top_k_scores / normalizer
+
+
+def authors_scale_grad(x, alpha):
+    """The authors' scale_grad: x forward, gradient × alpha."""
+    return x.detach() + alpha * (x - x.detach())
+
+
 def naive_moe(x, w, *, topk, router="softmax", route_scale=1.0, U=3.0, logit_scale=1.0,
-              tanh_gain=1.0, kappa=True, logit_perm=None):
+              tanh_gain=1.0, kappa=True, logit_perm=None, kappa_input="logit", router_grad_scale=1.0,
+              detach_normalizer=True):
     """out[t] = Σ_{e ∈ topk(t)} p_e · W2_e (g σ(κ g) u), recomputing s = x·W_r[e] per token.
 
     `logit_perm` feeds each token the logits of another token (the negative control).
+    kappa_input "normalized": κ gets the authors' normalised logit; router_grad_scale: the κ
+    path's gradient into the logit is scaled (authors_scale_grad).
     """
     logits_all = x @ w["router"].T
     kappa_logits = logits_all if logit_perm is None else logits_all[logit_perm]
+    if kappa_input == "normalized":
+        every = torch.arange(logits_all.shape[1]).expand_as(kappa_logits)
+        kappa_logits = authors_normalized(kappa_logits, w["router"], every, detach=detach_normalizer)
+    kappa_logits = authors_scale_grad(kappa_logits, router_grad_scale)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         s = logits_all[t]

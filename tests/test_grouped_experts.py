@@ -50,3 +50,13 @@ def test_grouped_gemm_alignment_is_checked():
         load_config("configs/tiny.yaml", ["precision=bf16", "model.hidden_size=60", "model.num_attention_heads=4"])
     load_config("configs/tiny.yaml", ["precision=bf16", "model.hidden_size=60", "model.num_attention_heads=4",
                                       "model.moe.grouped_gemm=false"])
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_kappa_backend_reaches_every_expert_layer(world1, grouped):
+    """model.kappa.backend is what each κ experts module hands to kappa_swiglu."""
+    from megatron_kappa.model.experts import KappaExpertActivation
+    for backend in ("torch", "triton"):
+        model = parity.build(parity.make_cfg(grouped=grouped, overrides=[f"model.kappa.backend={backend}"]))
+        experts = [m for m in model.modules() if isinstance(m, KappaExpertActivation)]
+        assert experts and all(m.kappa.backend == backend for m in experts)

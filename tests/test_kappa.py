@@ -113,5 +113,5 @@ def test_bad_shapes_are_one_line_errors():
     g, u, s, a, b = inputs(dtype=torch.float32)
     with pytest.raises(ValueError, match="expected gate/up"):
         kappa_swiglu(g, u[:, :3], s, a, b)
-    with pytest.raises(ValueError, match="U must be > 1"):
-        kappa_swiglu(g, u, s, a, b, U=1.0)
+    with pytest.raises(ValueError, match="U must be >= 1"):
+        kappa_swiglu(g, u, s, a, b, U=0.9)

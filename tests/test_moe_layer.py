@@ -133,3 +133,36 @@ def test_flex_dispatcher_is_refused(world1):
     tconfig.moe_token_dispatcher_type = "flex"
     with pytest.raises(ValueError, match="alltoall' or 'allgather"):
         layer_specs(cfg, tconfig).layer_specs[0].submodules.mlp(config=tconfig)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("variant", ["scaled", "normalized"])
+def test_kappa_input_variants_match_authors_formula(world1, variant, grouped):
+    """model.kappa.input scaled / normalized through the whole layer (router → dispatch → experts)
+    against the naive loop with the authors' formulas (moe_reference.authors_normalized), at a U
+    set the way the training loop's U ramp sets it. The router weight's gradient is the sum of the
+    routing path (unscaled) and the κ path (× 0.1), so it checks the scale lands on κ's path only."""
+    from megatron_kappa.model.experts import set_kappa_U
+
+    layer = build_layer(make_cfg(grouped=grouped, **{"model.kappa.input": variant}))
+    randomize_kappa(layer)
+    set_kappa_U(layer, 2.5)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(6))
+    out, dx, grads = run(layer, x)
+    kw = dict(U=2.5, kappa_input=variant, router_grad_scale=0.1)
+    if variant == "scaled":
+        kw.update(logit_scale=0.15, tanh_gain=2.0)
+    ref, dx_ref, w = reference_grads(layer, x, **kw)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.reshape(-1, H).double(), ref, **tol)
+    torch.testing.assert_close(dx.reshape(-1, H).double(), dx_ref, **tol)
+    torch.testing.assert_close(grads["router.weight"].double(), w["router"].grad, **tol)
+    torch.testing.assert_close(grads["experts.kappa_alpha"].double(), w["alpha"].grad, **tol)
+    torch.testing.assert_close(grads["experts.kappa_bias"].double(), w["bias"].grad, **tol)
+    # Negative controls: the κ path at full gradient, or (normalized) a normaliser that is not
+    # detached, give clearly different router gradients.
+    wrong = [dict(kw, router_grad_scale=1.0)] + ([dict(kw, detach_normalizer=False)] if variant == "normalized" else [])
+    for bad in wrong:
+        _, _, w_bad = reference_grads(layer, x, **bad)
+        gap = (w_bad["router"].grad - w["router"].grad).abs().max()
+        assert gap > 1e-3 * w["router"].grad.abs().max(), bad

@@ -13,6 +13,8 @@ Backends, one math:
   "triton"  megatron_kappa.kappa.triton_op: fused forward and backward kernels (the GPU path;
             runs on CPU tensors under TRITON_INTERPRET=1, which is how CI tests it);
   "auto"    Triton for CUDA tensors, torch otherwise.
+On the Triton path a kernel that cannot compile or launch on this machine stops with one line
+naming `model.kappa.backend` (set it to "torch" to run without Triton).
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ class KappaSettings:
     use_bias: bool = True
     logit_scale: float = 1.0
     tanh_gain: float = 1.0
+    backend: str = "auto"  # one of BACKENDS
+    # What κ sees of the router logit (megatron_kappa.kappa.inputs: logit, scaled, normalized)
+    # and the scale of the κ path's gradient into the router; applied by the router, in torch.
+    input: str = "logit"
+    router_grad_scale: float = 1.0
 
 
 DEFAULTS = KappaSettings()
@@ -44,8 +51,8 @@ def _check(gate, up, logit, alpha, bias, U, tokens_per_expert):
     if gate.shape != up.shape or gate.dim() != 2 or logit.shape != gate.shape[:1]:
         raise ValueError(f"kappa_swiglu: expected gate/up [N, F] and logit [N], got "
                          f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(logit.shape)}")
-    if not U > 1.0:
-        raise ValueError(f"kappa_swiglu: U must be > 1, got {U}")
+    if not U >= 1.0:  # U = 1 (κ ≡ 1) is where the authors' U ramp starts
+        raise ValueError(f"kappa_swiglu: U must be >= 1, got {U}")
     f = gate.shape[1]
     want = (f,) if tokens_per_expert is None else (tokens_per_expert.shape[0], f)
     for name, p in (("alpha", alpha), ("bias", bias)):
@@ -68,19 +75,25 @@ def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
 
     α, b: [F] (one expert), or [E, F] with `tokens_per_expert` [E] giving how many consecutive
     rows belong to each expert (the grouped-experts layout); either may be None (ablations).
+    backend: one of BACKENDS (config: model.kappa.backend).
     """
     import torch
 
     from megatron_kappa.kappa.reference import kappa_swiglu_torch
 
     _check(gate, up, logit, alpha, bias, U, tokens_per_expert)
+    setting = backend
     backend = resolve_backend(backend, gate.device)
     if backend == "triton":
-        from megatron_kappa.kappa.triton_op import kappa_swiglu_triton
+        try:
+            from megatron_kappa.kappa.triton_op import kappa_swiglu_triton
+        except ImportError as err:
+            raise RuntimeError(f"model.kappa.backend: {setting}: the κ kernels need Triton, which does "
+                               f"not import ({err}); set model.kappa.backend=torch") from err
         if tokens_per_expert is not None:  # the kernels read the offsets on the device
             tokens_per_expert = tokens_per_expert.to(gate.device, non_blocking=True)
         return kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
-                                   tokens_per_expert)
+                                   tokens_per_expert, backend=setting)
     if tokens_per_expert is None:
         return kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain)
     # Grouped rows on the torch path: one call per expert segment. The sizes are read on the

@@ -71,6 +71,9 @@ class KappaSwiGLU(torch.autograd.Function):
         b = None if bias is None else bias.to(dt)
         need = ctx.needs_input_grad
         need_z = (a is not None and any(need[2:4])) or (b is not None and need[4])
+        # U = 1 (the start of the authors' U ramp): κ ≡ 1, so dκ/dz = 0 and the logit, α and b
+        # gradients stay 0 (the formula below would divide ln κ by ln U = 0).
+        need_z = need_z and log_u != 0.0
 
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
         d_logit = torch.zeros_like(s) if need[2] else None

@@ -34,6 +34,10 @@ class KappaExpertActivation:
     def _init_kappa(self, settings: KappaSettings, num_local_experts: int, gate_width: int,
                     like: torch.nn.Parameter):
         self.kappa = settings
+        # U in effect now: settings.U, or the step's value of the authors' U ramp, which the
+        # training loop sets before each step (`set_kappa_U`): a host float, so no sync, and the
+        # Triton kernels take it as a runtime scalar (ln U), so no recompilation either.
+        self.kappa_U = settings.U
         for name, used in (("kappa_alpha", settings.use_alpha), ("kappa_bias", settings.use_bias)):
             if not used:
                 setattr(self, name, None)
@@ -62,15 +66,22 @@ class KappaExpertActivation:
         (`tokens_per_expert`), scaled by their routing probabilities."""
         k = self.kappa
         alpha, bias = self._alpha_bias(expert)
-        h = kappa_swiglu(gate, up, logits, alpha, bias, k.U, k.logit_scale, k.tanh_gain,
-                         tokens_per_expert=tokens_per_expert)
+        h = kappa_swiglu(gate, up, logits, alpha, bias, self.kappa_U, k.logit_scale, k.tanh_gain,
+                         backend=k.backend, tokens_per_expert=tokens_per_expert)
         return (h * probs.unsqueeze(-1)).to(gate.dtype)
 
     def kappa_of(self, logits, expert: int):
         """κ for the given logits of one expert (statistics)."""
         k = self.kappa
         alpha, bias = self._alpha_bias(expert, detach=True)
-        return kappa_values(logits, alpha, bias, k.U, k.logit_scale, k.tanh_gain)
+        return kappa_values(logits, alpha, bias, self.kappa_U, k.logit_scale, k.tanh_gain)
+
+
+def set_kappa_U(model, U: float):
+    """Make every κ experts module of `model` use U (the authors' per-step U ramp)."""
+    for m in model.modules():
+        if isinstance(m, KappaExpertActivation) and m.kappa is not None:
+            m.kappa_U = float(U)
 
 
 class KappaSequentialMLP(SequentialMLP, KappaExpertActivation):

@@ -22,9 +22,18 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
+from megatron_kappa.kappa import DEFAULTS, KappaSettings
+from megatron_kappa.kappa.inputs import kappa_input
+
 
 class KappaRouter(TopKRouter):
-    """TopKRouter that also hands on the raw gating logit of every (token, expert)."""
+    """TopKRouter that also hands on, for every (token, expert), what κ sees of the gating logit:
+    the raw logit, or its `model.kappa.input` transform, with the κ path's gradient scaled
+    (megatron_kappa.kappa.inputs; the probabilities' gradient is untouched)."""
+
+    def __init__(self, *args, kappa: KappaSettings = DEFAULTS, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kappa = kappa
 
     def gating(self, input):
         logits = super().gating(input)
@@ -33,7 +42,8 @@ class KappaRouter(TopKRouter):
 
     def forward(self, input, padding_mask=None):
         probs, routing_map = super().forward(input, padding_mask)
-        logits = self._raw_logits.reshape(probs.shape).to(probs.dtype)
+        logits = kappa_input(self._raw_logits, self.weight, self.kappa.input, self.kappa.router_grad_scale)
+        logits = logits.reshape(probs.shape).to(probs.dtype)
         self._raw_logits = None
         return torch.stack([probs, logits], dim=-1), routing_map
 

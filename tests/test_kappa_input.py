@@ -1,0 +1,215 @@
+"""model.kappa.input, the U ramp and model.kappa.schedule against the authors' code, written out
+in float64 (moe_reference.authors_normalized / authors_scale_grad), and against hand-computed
+values. Both backends of the op (Triton through its interpreter, TRITON_INTERPRET=1 from conftest).
+"""
+import inspect
+import math
+
+import pytest
+import torch
+
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.kappa import kappa_swiglu
+from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.model.build import kappa_settings
+from megatron_kappa.train import recipe
+from moe_reference import authors_normalized, authors_scale_grad
+
+T, E, H, F, K = 13, 4, 16, 8, 2
+
+
+def leaves(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape, mag=1.0: (torch.randn(*shape, generator=gen) * mag).to(dtype).requires_grad_()  # noqa: E731
+    # x · W gives logits of a few units; weights of uneven norms so the normaliser matters
+    w = (torch.randn(E, H, generator=gen) * torch.tensor([0.3, 0.6, 1.0, 1.4])[:, None]).to(dtype).requires_grad_()
+    return dict(x=r(T, H, mag=2.0), w=w, g=r(T * K, F, mag=2.0), u=r(T * K, F),
+                alpha=r(E, F, mag=0.5), bias=r(E, F, mag=0.5))
+
+
+def routing(logits):
+    """Top-k experts per token, and the pairs sorted by expert (the grouped rows' order)."""
+    top = logits.detach().topk(K, dim=-1).indices                       # [T, K]
+    order = torch.argsort(top.reshape(-1), stable=True)                 # pair → row
+    counts = torch.bincount(top.reshape(-1), minlength=E)
+    return top, order, counts
+
+
+def project(p, backend, U, grad_scale=0.1):
+    """The project's path: router logits → kappa_input → the op over expert-grouped rows."""
+    logits = p["x"] @ p["w"].T
+    logits.retain_grad()
+    top, order, counts = routing(logits)
+    s = kappa_inputs.kappa_input(logits, p["w"], "normalized", grad_scale)
+    rows = s.gather(1, top).reshape(-1)[order]
+    h = kappa_swiglu(p["g"], p["u"], rows, p["alpha"], p["bias"], U=U, backend=backend,
+                     tokens_per_expert=counts)
+    return h, logits
+
+
+def reference(p, U, grad_scale=0.1, detach=True):
+    """float64, the authors' order: top-k logits → normalised → scale_grad → κ = exp(ln U ·
+    tanh(b + s·α)) → g·σ(g·κ)·u, per (token, expert) pair."""
+    q = {k: v.detach().double().requires_grad_() for k, v in p.items()}
+    logits = q["x"] @ q["w"].T
+    logits.retain_grad()
+    top, order, _ = routing(logits)
+    top_k_scores = logits.gather(1, top)
+    conf = authors_scale_grad(authors_normalized(top_k_scores, q["w"], top, detach=detach), grad_scale)
+    e = top.reshape(-1)[order]
+    s = conf.reshape(-1)[order]
+    kappa = torch.exp(math.log(U) * torch.tanh(torch.addcmul(q["bias"][e], s[:, None], q["alpha"][e])))
+    h = q["g"] * torch.sigmoid(q["g"] * kappa) * q["u"]
+    return h, logits, q
+
+
+def weights_for(h):
+    return torch.arange(h.numel(), dtype=torch.float64).reshape(h.shape).sin()
+
+
+def grads_of(h, logits, tensors):
+    (h.double() * weights_for(h)).sum().backward()
+    return {"logit": logits.grad, **{k: t.grad for k, t in tensors.items()}}
+
+
+def assert_close_all(got, want, tol):
+    for name in want:
+        g, w = got[name], want[name]
+        g = torch.zeros_like(w) if g is None else g
+        peak = max(w.abs().max().item(), 1e-12)
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * peak, msg=name)
+
+
+def max_rel_gap(got, want):
+    return max(((got[k] if got[k] is not None else 0) - want[k]).abs().max().item()
+               / max(want[k].abs().max().item(), 1e-12) for k in want)
+
+
+# torch runs in float64 here (its math is in the input dtype): agreement to rounding. The Triton
+# kernels compute in fp32: the logit's and x's gradients sum over F and the pairs, so their fp32
+# rounding reaches ~1.6e-5 of the largest entry (measured); 5e-5 leaves room, 1e-2 is a failure.
+TOLERANCE = {("torch", torch.float64): 1e-10, ("triton", torch.float32): 5e-5}
+
+
+@pytest.mark.parametrize("backend,dtype", list(TOLERANCE))
+@pytest.mark.parametrize("U", [4.0, 2.5])
+def test_normalized_input_matches_authors_formula(backend, dtype, U):
+    """κ's output and every gradient (gate, up, the router logit with the 0.1 scale, the router
+    weight and input through it, α, b) against the authors' formula in float64."""
+    tol = TOLERANCE[backend, dtype]
+    p = leaves(dtype=dtype)
+    h, logits = project(p, backend, U)
+    got = grads_of(h, logits, p)
+    h_ref, logits_ref, q = reference(p, U)
+    want = grads_of(h_ref, logits_ref, q)
+    torch.testing.assert_close(h.double(), h_ref, rtol=tol, atol=tol * h_ref.abs().max().item())
+    assert_close_all(got, want, tol)
+    assert want["w"].abs().max() > 0 and want["logit"].abs().max() > 0
+    # Negative controls: without the detached normaliser (the router weight's gradient changes)
+    # or without the 0.1 scale (the logit's), the same comparison fails by far.
+    for bad in (dict(detach=False), dict(grad_scale=1.0)):
+        h_bad, logits_bad, q_bad = reference(p, U, **bad)
+        assert max_rel_gap(got, grads_of(h_bad, logits_bad, q_bad)) > 1e-2, bad
+
+
+def test_kappa_input_forward_is_the_logit_itself_for_logit_and_scaled():
+    """Only `normalized` changes the value; the gradient scale never does (bit for bit)."""
+    logits = torch.randn(7, E, dtype=torch.float32)
+    w = torch.randn(E, H)
+    for variant in ("logit", "scaled"):
+        assert torch.equal(kappa_inputs.kappa_input(logits, w, variant, 0.1), logits)
+    assert not torch.allclose(kappa_inputs.kappa_input(logits, w, "normalized", 1.0), logits)
+    with pytest.raises(ValueError, match="model.kappa.input"):
+        kappa_inputs.kappa_input(logits, w, "probs", 1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_U_one_is_plain_swiglu_with_zero_kappa_gradients(backend):
+    """U = 1 (where the U ramp starts): κ ≡ 1, so the output and gate/up gradients are SwiGLU's
+    and the logit, α, b gradients are exactly 0 (and finite: ln U = 0 divides nothing)."""
+    gen = torch.Generator().manual_seed(3)
+    g, u = (torch.randn(9, F, generator=gen).requires_grad_() for _ in range(2))
+    s, a, b = (torch.randn(*shape, generator=gen).requires_grad_() for shape in ((9,), (F,), (F,)))
+    h = kappa_swiglu(g, u, s, a, b, U=1.0, backend=backend)
+    (h * weights_for(h).float()).sum().backward()
+    g2, u2 = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+    ref = torch.nn.functional.silu(g2) * u2
+    (ref * weights_for(ref).float()).sum().backward()
+    torch.testing.assert_close(h, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g.grad, g2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(u.grad, u2.grad, rtol=1e-6, atol=1e-6)
+    for t in (s, a, b):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_U_reaches_the_kernels_as_a_runtime_scalar():
+    """The per-step U enters the Triton kernels as ln U, a plain (non-constexpr) float argument,
+    which Triton does not specialise on (triton/runtime/jit.py: "we do not specialize
+    non-constexpr floats"): a new U every step compiles nothing new."""
+    from megatron_kappa.kappa import triton_op
+    kernel = triton_op._kappa_swiglu_kernel
+    fn = getattr(kernel, "fn", kernel)
+    params = inspect.signature(fn).parameters
+    assert "log_u" in params and "constexpr" not in str(params["log_u"].annotation)
+    assert "constexpr" in str(params["BLOCK_N"].annotation)  # the check can see a constexpr
+
+
+def kcfg(*sets):
+    return load_config(None, [f"model.kappa.{s}" for s in sets])
+
+
+def test_U_ramp_follows_the_authors_get_kappa_slope_max_scale():
+    """1 until α, b unfreeze, then linear to U over ceil(0.15 · total) steps (hand-computed)."""
+    cfg = kcfg("input=normalized", "schedule=authors")
+    # total 10000: delay max(200, ceil(500)) = 500, ramp ceil(1500) = 1500, U = 4
+    for step, want in ((0, 1.0), (499, 1.0), (500, 1.0), (875, 1.75), (1250, 2.5), (2000, 4.0), (9999, 4.0)):
+        assert recipe.kappa_U(step, 10000, cfg) == pytest.approx(want, abs=1e-12), step
+    # total 1000: delay max(200, 50) = 200, ramp 150
+    assert recipe.kappa_U(275, 1000, cfg) == pytest.approx(2.5)
+    # schedule paper: the ramp starts at the paper's unfreeze (10 %), U = 3 for scaled
+    paper = kcfg("input=scaled")
+    assert recipe.kappa_U(999, 10000, paper) == 1.0
+    assert recipe.kappa_U(1750, 10000, paper) == pytest.approx(2.0)
+    # input logit (the paper): U constant; explicit keys override the variant's
+    assert all(recipe.kappa_U(s, 10000, kcfg()) == 3.0 for s in (0, 500, 9999))
+    assert recipe.kappa_U(0, 10000, kcfg("input=normalized", "u_warmup=0")) == 4.0
+    assert recipe.kappa_U(1250, 10000, kcfg("input=normalized", "schedule=authors", "U=3")) == pytest.approx(2.0)
+
+
+def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
+    cfg = load_config(None, ["model.kappa.schedule=authors", "model.hidden_size=3072",
+                             "model.num_attention_heads=24", "train.lr_decay_style=wsd", "train.warmup=0",
+                             "train.min_lr_ratio=0", "train.lr_wsd_decay_fraction=0.5"])
+    assert [recipe.kappa_start(t, cfg) for t in (1000, 10000, 10001)] == [200, 500, 501]
+    assert recipe.kappa_start(10000, load_config(None, [])) == 1000  # paper: 10 %
+    # width (3072/768)^-0.5 = 0.5; κ peak 0.12; ramp i/1000 from step 500; main multiplier 1 until
+    # step 5000, then (10000 − step)/5000; after the warmup the ramp goes 1 → 0.5 over 8500 steps.
+    for step, want in ((499, 0.0), (500, 0.0), (1000, 0.12 * 0.5 * 0.5), (1500, 0.06),
+                       (5000, 0.06 * (1 - 0.5 * 3500 / 8500)),
+                       (7500, 0.06 * 0.5 * (1 - 0.5 * 6000 / 8500)),
+                       (9999, 0.06 * (1 / 5000) * (1 - 0.5 * 8499 / 8500))):
+        assert recipe.kappa_lr(step, 10000, cfg) == pytest.approx(want, rel=1e-12, abs=1e-15), step
+    # Negative control: the paper's schedule at the same steps is different (warmup (i+1)/warmup
+    # from step 1000, no width scaling, no main-LR multiplier).
+    paper = load_config(None, ["model.hidden_size=3072", "model.num_attention_heads=24"])
+    assert recipe.kappa_lr(1000, 10000, paper) == pytest.approx(0.12 / 1000)
+    assert recipe.kappa_lr(7500, 10000, paper) != pytest.approx(recipe.kappa_lr(7500, 10000, cfg))
+
+
+def test_variant_settings_and_conflicting_keys():
+    assert kappa_settings(kcfg()) == kappa_settings(kcfg("input=logit"))
+    s = kappa_settings(kcfg("input=normalized"))
+    assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale, s.input) == (4.0, 1.0, 1.0, 0.1, "normalized")
+    s = kappa_settings(kcfg("input=scaled"))
+    assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale) == (3.0, 0.15, 2.0, 0.1)
+    s = kappa_settings(kcfg("input=scaled", "router_grad_scale=1", "U=5"))
+    assert (s.U, s.router_grad_scale) == (5.0, 1.0)
+    s = kappa_settings(kcfg("logit_scale=0.15", "tanh_gain=2"))  # the input logit takes them freely
+    assert (s.logit_scale, s.tanh_gain, s.router_grad_scale) == (0.15, 2.0, 1.0)
+    for sets, key in [(("input=scaled", "logit_scale=0.3"), "model.kappa.logit_scale"),
+                      (("input=normalized", "tanh_gain=2"), "model.kappa.tanh_gain"),
+                      (("u_warmup=1.5",), "model.kappa.u_warmup"),
+                      (("router_grad_scale=-1",), "model.kappa.router_grad_scale"),
+                      (("input=probs",), "model.kappa.input")]:
+        with pytest.raises((ConfigError, ValueError), match=key):
+            kcfg(*sets)

@@ -31,20 +31,26 @@ def valid_flags(texts: list[str], key: bytes, fraction: float) -> np.ndarray:
                                     .digest(), "little") < limit for t in texts], dtype=bool)
 
 
-def init(tokenizer_file: str, selection: Selection, dtype: str, seed: int, valid_fraction: float):
+def init(tokenizer_file: str, selection: Selection, dtype: str, seed: int, valid_fraction: float,
+         bos: bool = True):
     from megatron_kappa.tokenizer import Tokenizer
     _W.update(tok=Tokenizer(tokenizer_file), selection=selection, dtype=np.dtype(dtype),
-              key=split_key(seed), fraction=valid_fraction)
+              key=split_key(seed), fraction=valid_fraction, bos=bos)
 
 
 def encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat tokens (each document followed by EOD) and per-document lengths (EOD included)."""
+    """Flat tokens and per-document lengths: each document is BOS (when `bos`, as nanochat's
+    training data and its CORE prompts start), its tokens, then EOD; lengths count both."""
     tok = _W["tok"]
     ids = tok.encode_batch(texts, num_threads=1)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
-    tokens = np.insert(flat, np.cumsum(lengths), tok.eod).astype(_W["dtype"])
-    return tokens, lengths + 1
+    tokens = np.insert(flat, np.cumsum(lengths), tok.eod)
+    if _W.get("bos", True):
+        starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]) if len(ids) else np.zeros(0, np.int64)
+        tokens = np.insert(tokens, starts, tok.bos)
+        lengths = lengths + 1
+    return tokens.astype(_W["dtype"]), lengths + 1
 
 
 def process(unit: tuple) -> dict:

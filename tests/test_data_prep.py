@@ -55,20 +55,21 @@ def read_docs(out, prefixes):
     return docs
 
 
-def check_round_trip(texts, model_file, train, valid, eod=EOD_ID):
-    """Every input text, in order, appears as sp.encode(text) + [EOD] in train or in valid, and the
-    shards hold nothing else. Encodes one document at a time, unlike the tool's batched path."""
+def check_round_trip(texts, model_file, train, valid, eod=EOD_ID, bos=True):
+    """Every input text, in order, appears as [BOS] + sp.encode(text) + [EOD] ([BOS] only when
+    `bos`) in train or in valid, and the shards hold nothing else. Encodes one document at a time,
+    unlike the tool's batched path."""
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     ti = vi = 0
     for text in texts:
-        want = sp.encode(text) + [eod]
+        want = [BOS_ID] * bos + sp.encode(text) + [eod]
         if ti < len(train) and train[ti] == want:
             ti += 1
         elif vi < len(valid) and valid[vi] == want:
             vi += 1
         else:
             raise AssertionError(f"document {text[:40]!r} missing or out of order")
-        assert sp.decode(want[:-1]) == text
+        assert sp.decode(want[int(bos):-1]) == text
     assert (ti, vi) == (len(train), len(valid)), "shards hold documents the input does not"
 
 
@@ -156,6 +157,33 @@ def test_round_trip_and_exact_manifest(work, reference):
     assert SLICE_ROWS - sum(t["dropped"].values()) == len(texts)
     assert manifest["tokenizer"]["sha256"] == Tokenizer(work / "tok.model").sha256()
     assert manifest["dtype"] == "uint16" and not (out / ".progress").exists()
+    assert manifest["bos"] is True and manifest["config"]["bos"] is True
+
+
+def test_bos_starts_every_document_and_no_bos_leaves_it_out(work, reference, tmp_path):
+    """Default shards: megatron-core's reader sees BOS first and EOD last in every document, and
+    nowhere else. --no-bos: the old layout, recorded as such; the BOS check rejects it."""
+    out, manifest = reference
+    docs = read_docs(out, manifest["prefixes"]["train"] + manifest["prefixes"]["valid"])
+    assert docs and all(d[0] == BOS_ID and d[-1] == EOD_ID for d in docs)
+    assert sum(d.count(BOS_ID) for d in docs) == len(docs)  # only at document starts
+    plain = prep(tmp_path / "nobos", [work / "slice.parquet"], work / "tok.model", "--workers", "1",
+                 "--min-int-score", "4", "--language", "en", "--no-bos")
+    assert plain["bos"] is False and "no BOS" in plain["layout"]
+    texts = kept_texts(work / "slice.parquet", min_score=4, language="en")
+    train = read_docs(tmp_path / "nobos", plain["prefixes"]["train"])
+    valid = read_docs(tmp_path / "nobos", plain["prefixes"]["valid"])
+    check_round_trip(texts, out / "tokenizer.model", train, valid, bos=False)
+    assert not any(BOS_ID in d for d in train + valid)
+    with pytest.raises(AssertionError):  # negative control: BOS-less shards fail the BOS layout
+        check_round_trip(texts, out / "tokenizer.model", train, valid, bos=True)
+    # Same documents, one token more each: the totals differ by exactly the document count.
+    t, u = manifest["totals"], plain["totals"]
+    assert t["train"]["tokens"] - u["train"]["tokens"] == t["train"]["documents"] == u["train"]["documents"]
+    # A finished output made with the other setting is not silently reused.
+    with pytest.raises(DataPrepError):
+        prep(tmp_path / "nobos", [work / "slice.parquet"], work / "tok.model", "--workers", "1",
+             "--min-int-score", "4", "--language", "en")
 
 
 def test_round_trip_check_catches_broken_shards(work, reference):
@@ -166,7 +194,8 @@ def test_round_trip_check_catches_broken_shards(work, reference):
     valid = read_docs(out, manifest["prefixes"]["valid"])
     swapped = train[:3] + [train[4], train[3]] + train[5:]
     no_eod = [train[0][:-1]] + train[1:]
-    for bad in (swapped, no_eod, train[:-1]):
+    no_bos = [train[0][1:]] + train[1:]
+    for bad in (swapped, no_eod, no_bos, train[:-1]):
         with pytest.raises(AssertionError):
             check_round_trip(texts, out / "tokenizer.model", bad, valid)
 
@@ -198,7 +227,7 @@ def test_limits_stop_at_exact_counts(work, tmp_path):
     assert t["train"]["documents"] + t["valid"]["documents"] == 100
     sp = spm.SentencePieceProcessor(model_file=str(work / "tok.model"))
     texts = kept_texts(work / "slice.parquet")
-    lengths = np.array([len(sp.encode(x)) + 1 for x in texts])
+    lengths = np.array([len(sp.encode(x)) + 2 for x in texts])  # BOS and EOD
     m = prep(tmp_path / "tok", [work / "slice.parquet"], work / "tok.model", "--workers", "1",
              "--max-tokens", "30000")
     t = m["totals"]
@@ -223,6 +252,7 @@ def test_hub_path_with_a_local_stand_in(work, reference, tmp_path, monkeypatch):
     assert a == b
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_byte_identical(work, tmp_path):
     """Kill the CLI (and its workers) once two shards are finished, rerun, compare bytes."""
     inputs = [str(SAMPLE)]

@@ -14,6 +14,7 @@ from compare import max_gap
 from megatron_kappa.config import load_config
 from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.train import recipe
+from megatron_kappa.parallel.groups import current_device
 from weights import save_init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,7 @@ def runs(init_weights, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["ep1", "ep2"])
 @pytest.mark.parametrize("kappa,zero", VARIANTS)
+@pytest.mark.slow
 def test_two_processes_match_one(runs, layout, kappa, zero):
     ref, got = losses(runs[("ref", kappa, zero)]), losses(runs[(layout, kappa, zero)])
     assert len(ref) == STEPS
@@ -109,12 +111,14 @@ def test_two_processes_match_one(runs, layout, kappa, zero):
 
 
 @pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.slow
 def test_tensor_parallel_under_deepspeed_matches_one_process(runs, zero):
     ref, got = losses(runs[("ref", True, zero)]), losses(runs[("tp2", True, zero)])
     assert len(ref) == STEPS
     assert max_gap(ref, got) <= 1e-5, (ref, got)
 
 
+@pytest.mark.slow
 def test_bf16_expert_parallel_close_to_one_process(runs):
     """bf16 rounds differently when the work is split, so only closeness is expected."""
     ref, got = losses(runs[("ref", "bf16")]), losses(runs[("ep2", "bf16")])
@@ -124,11 +128,13 @@ def test_bf16_expert_parallel_close_to_one_process(runs):
     assert max_gap(ref, fp32) <= 5e-2  # and bf16 tracks fp32
 
 
+@pytest.mark.slow
 def test_negative_control_unmarked_experts_break_ep(runs):
     ref, got = losses(runs[("ref", True, 2)]), losses(runs["unmarked"])
     assert max_gap(ref, got) > 1e-4
 
 
+@pytest.mark.slow
 def test_kappa_frozen_at_zero_then_trained(runs):
     recs = records(runs[("ref", True, 1)])
     start = recipe.unfreeze_step(STEPS, 0.25)  # = 1: step index 0 is frozen
@@ -161,7 +167,7 @@ def test_kappa_l2_gradient(world1, reduction):
     from megatron_kappa.model.build import build_model
     cfg = load_config("configs/tiny.yaml", ["model.kappa.l2_alpha=0.02", "model.kappa.l2_bias=0.01",
                                             f"model.kappa.l2_reduction={reduction}"])
-    model = build_model(cfg)
+    model = build_model(cfg, current_device())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "kappa_" in name:
@@ -188,6 +194,7 @@ def test_kappa_l2_gradient(world1, reduction):
     assert abs(other.item() - loss.item()) > 0.5 * min(other.item(), loss.item())
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
     """EP2 on 2 processes (deepspeed launcher), killed hard after its first checkpoint, then
     started again; compared with an uninterrupted run started by torchrun."""
@@ -221,7 +228,7 @@ def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
 
 
 def test_interrupted_checkpoint_write_keeps_previous(tmp_path, world1):
-    from megatron_kappa.train.checkpoint import Checkpoints
+    from megatron_kappa.checkpoint.store import Checkpoints
 
     class DyingEngine:
         has_moe_layers = False
@@ -269,6 +276,7 @@ def _tree(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_last_checkpoint_intact(init_weights, tmp_path, monkeypatch):
     """A run resumed from its step-2 checkpoint diverges at step 3 (a NaN loss from there on):
     it stops naming the good checkpoint, and the run's checkpoints are exactly as before, with no
@@ -294,4 +302,4 @@ def test_default_steps_follow_the_token_budget(world1):
     from megatron_kappa.summary import summarize
     from megatron_kappa.train.loop import total_steps
     cfg = load_config("configs/tiny.yaml", ["train.steps=null"])
-    assert total_steps(cfg, build_model(cfg)) == summarize(cfg)["steps_for_budget"] > 0
+    assert total_steps(cfg, build_model(cfg, current_device())) == summarize(cfg)["steps_for_budget"] > 0

@@ -32,7 +32,8 @@ def validate(cfg: Config):
                        ("eval.valid_every", cfg.eval.valid_every), ("eval.core_every", cfg.eval.core_every),
                        ("model.cross_entropy_chunk", m.cross_entropy_chunk),
                        ("train.lr", cfg.train.lr), ("train.lr_non_matrix", cfg.train.lr_non_matrix),
-                       ("train.grad_clip", cfg.train.grad_clip), ("train.weight_decay", cfg.train.weight_decay)]:
+                       ("train.grad_clip", cfg.train.clip), ("train.weight_decay", cfg.train.weight_decay),
+                       ("train.adam_eps", cfg.train.adam_eps), ("train.min_lr_ratio", cfg.train.min_lr_ratio)]:
         need(value >= 0, key, f"must not be negative, got {value}")
     need(not (cfg.data.mock and (cfg.data.paths or cfg.data.valid_paths)), "data.mock",
          "is true, but data.paths/valid_paths are set too: the mock dataset would silently replace "
@@ -74,9 +75,7 @@ def validate(cfg: Config):
         need(m.hidden_size % align == 0 and expert_ffn % align == 0, "model.moe.grouped_gemm",
              f"grouped GEMMs in {cfg.precision} need model.hidden_size ({m.hidden_size}) and the expert "
              f"ffn size / etp ({expert_ffn}) to be multiples of {align}; set model.moe.grouped_gemm: false")
-    k = m.kappa
-    need(k.U > 1.0, "model.kappa.U", f"must be > 1, got {k.U}")
-    need(0.0 <= k.freeze_fraction < 1.0, "model.kappa.freeze_fraction", f"must be in [0, 1), got {k.freeze_fraction}")
+    _validate_kappa(m.kappa, need)
     need(cfg.zero.stage in (1, 2), "zero.stage",
          "ZeRO-3 is not supported: DeepSpeed refuses ZeRO-3 with expert parallelism; use 1 or 2"
          if cfg.zero.stage == 3 else f"expected 1 or 2, got {cfg.zero.stage} (checkpoints of expert "
@@ -84,7 +83,38 @@ def validate(cfg: Config):
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
     need(len(cfg.train.betas) == 2, "train.betas", f"expected two numbers, got {cfg.train.betas}")
+    for key in ("lr_embedding", "lr_output"):
+        value = getattr(cfg.train, key)
+        need(value is None or value >= 0, f"train.{key}", f"must not be negative (or null), got {value}")
+    need(0 < cfg.train.lr_wsd_decay_fraction <= 1, "train.lr_wsd_decay_fraction",
+         f"must be in (0, 1], got {cfg.train.lr_wsd_decay_fraction}")
+    for key, value in [("model.moe.capacity_factor", moe.capacity_factor),
+                       ("eval.capacity_factor", cfg.eval.capacity_factor)]:
+        need(value is None or value > 0, key, f"must be positive (or null: no token dropping), got {value}")
+    if cfg.eval.capacity_factor is not None and m.layout != "dense":
+        need(moe.router != "softmoe" and moe.dispatcher != "sorted", "eval.capacity_factor",
+             "must be null with the softmoe router or the sorted dispatcher (they drop no tokens)")
+    need(cfg.train.tokens_per_param > 0, "train.tokens_per_param",
+         f"must be positive, got {cfg.train.tokens_per_param}")
     _validate_muon(cfg, need)
+
+
+def _validate_kappa(k, need):
+    need(k.U is None or k.U > 1.0, "model.kappa.U", f"must be > 1, got {k.U}")
+    if k.input != "logit":  # the variant fixes them (megatron_kappa.kappa.inputs.VARIANTS)
+        for key, value in (("logit_scale", k.logit_scale), ("tanh_gain", k.tanh_gain)):
+            need(value == 1.0, f"model.kappa.{key}",
+                 f"must stay 1.0 with model.kappa.input={k.input}, which sets its own (got {value}; "
+                 f"use input logit to choose logit_scale and tanh_gain freely)")
+    need(k.router_grad_scale is None or k.router_grad_scale >= 0, "model.kappa.router_grad_scale",
+         f"must not be negative, got {k.router_grad_scale}")
+    need(k.u_warmup is None or 0.0 <= k.u_warmup <= 1.0, "model.kappa.u_warmup",
+         f"must be in [0, 1], got {k.u_warmup}")
+    need(k.freeze_fraction is None or 0.0 <= k.freeze_fraction < 1.0, "model.kappa.freeze_fraction",
+         f"must be in [0, 1), got {k.freeze_fraction}")
+    need(k.freeze_min_steps is None or k.freeze_min_steps >= 0, "model.kappa.freeze_min_steps",
+         f"must not be negative, got {k.freeze_min_steps}")
+    need(k.lr >= 0 and k.lr_end >= 0, "model.kappa.lr", f"lr and lr_end must not be negative, got {k.lr}, {k.lr_end}")
 
 
 def _validate_muon(cfg: Config, need):
@@ -97,8 +127,8 @@ def _validate_muon(cfg: Config, need):
     need(mu.max_scale is None or mu.max_scale > 0, "train.muon.max_scale", f"must be positive, got {mu.max_scale}")
     # DeepSpeed's ZeRO replaces each gradient by its orthogonalised update before it computes the
     # norm and clips, so a clip would rescale the update itself (the authors do not clip).
-    need(cfg.train.optimizer == "adamw" or cfg.train.grad_clip == 0, "train.grad_clip",
-         f"must be 0 with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
+    need(cfg.train.optimizer == "adamw" or cfg.train.clip == 0, "train.grad_clip",
+         f"must be 0 or null with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
          f"orthogonalised update, not the gradient (got {cfg.train.grad_clip})")
 
 

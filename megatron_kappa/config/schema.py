@@ -26,14 +26,39 @@ def _f(default, help: str, **kw):
 @dataclass
 class KappaConfig:
     enabled: bool = _f(True, "κ-SwiGLU experts (false: plain SwiGLU experts, the baseline)")
-    U: float = _f(KAPPA.U, "κ range: κ ∈ (1/U, U)")
+    input: Literal["logit", "scaled", "normalized"] = _f(
+        KAPPA.input, "what κ sees of the router logit s: logit (the paper: s), scaled (the authors' code at "
+                     "the paper's date: 0.15·s, tanh gain 2), normalized (their latest code: 6·s / a detached "
+                     "per-expert norm of the router weight); each variant brings its own U, "
+                     "router_grad_scale and u_warmup (null keys; docs/recipe.md)")
+    U: Optional[float] = _f(None, "κ range: κ ∈ (1/U, U) (null: 3; 4 for input normalized)")
     use_alpha: bool = _f(KAPPA.use_alpha, "learn α (false: the paper's κ-SwiGLU₋α ablation)")
     use_bias: bool = _f(KAPPA.use_bias, "learn b (false: the paper's κ-SwiGLU₋b ablation)")
-    logit_scale: float = _f(KAPPA.logit_scale, "multiplies the router logit (authors' code: 0.15)")
-    tanh_gain: float = _f(KAPPA.tanh_gain, "gain inside tanh (authors' code: 2.0)")
-    freeze_fraction: float = _f(0.1, "α, b held at exactly 0 for this fraction of iterations")
-    lr: float = _f(0.12, "κ learning-rate peak, reached after `warmup` iterations past unfreezing")
-    lr_end: float = _f(0.06, "κ learning rate at the last iteration (linear decay)")
+    logit_scale: float = _f(KAPPA.logit_scale, "multiplies the router logit (input logit only: scaled sets "
+                                               "0.15 itself, and other values are refused with it)")
+    tanh_gain: float = _f(KAPPA.tanh_gain, "gain inside tanh (input logit only: scaled sets 2.0 itself)")
+    router_grad_scale: Optional[float] = _f(
+        None, "the κ path's gradient into the router logit is multiplied by this (forward unchanged; the "
+              "routing probabilities' gradient is not) (null: 1; 0.1 for inputs scaled and normalized)")
+    u_warmup: Optional[float] = _f(
+        None, "U ramps linearly from 1 to U over this fraction of the iterations, starting when α, b "
+              "unfreeze (null: 0, U constant; 0.15 for inputs scaled and normalized)")
+    backend: Literal["auto", "triton", "torch"] = _f(
+        KAPPA.backend, "κ-SwiGLU implementation: fused Triton kernels (triton), the row-chunked torch op "
+                       "(torch), or auto: Triton for CUDA tensors, torch otherwise; a Triton kernel that "
+                       "cannot compile on the machine stops naming this key")
+    schedule: Literal["paper", "authors"] = _f(
+        "paper", "κ freeze and learning rate: paper (freeze 10 %; warmup to lr, linear to lr_end) or authors "
+                 "(freeze max(200 steps, 5 %); lr × (hidden_size/768)^-0.5 × the main LR multiplier × "
+                 "[0 → 1 over warmup, then → lr_end/lr]; docs/recipe.md)")
+    freeze_fraction: Optional[float] = _f(None, "α, b held at exactly 0 for this fraction of iterations "
+                                                "(null: 0.1 paper, 0.05 authors)")
+    freeze_min_steps: Optional[int] = _f(None, "α, b held at 0 for at least this many steps (null: 0 paper, "
+                                               "200 authors)")
+    lr: float = _f(0.12, "κ learning-rate peak, reached after `warmup` iterations past unfreezing "
+                         "(authors: before their width scaling and main-LR multiplier)")
+    lr_end: float = _f(0.06, "κ learning rate at the last iteration (linear decay; authors: likewise, "
+                             "before the main-LR multiplier)")
     warmup: int = _f(1000, "κ learning-rate warmup iterations after unfreezing")
     l2_alpha: float = _f(2e-2, "L2 penalty weight λ_α of α² (paper §3.4 and the authors' code: 2e-2)")
     l2_bias: float = _f(1e-2, "L2 penalty weight λ_b of b² (paper §3.4 and the authors' code: 1e-2)")
@@ -74,7 +99,8 @@ class MoEConfig:
     dispatcher: Literal["alltoall", "allgather", "sorted"] = _f(
         "alltoall", "token dispatcher: megatron-core's alltoall or allgather, or sorted (no host sync; "
                     "all experts on one rank: EP = TP = ETP = 1, a top-k router, no capacity factor)")
-    capacity_factor: Optional[float] = _f(None, "expert capacity factor (null: no token dropping)")
+    capacity_factor: Optional[float] = _f(None, "expert capacity factor in training (null: no token "
+                                                "dropping; authors: 1.0, tokens over capacity dropped)")
     grouped_gemm: bool = _f(True, "all local experts in two grouped GEMMs (torch.nn.functional.grouped_mm) "
                                   "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
                                   "the expert ffn size / etp to be multiples of 4 (fp32) or 8 (bf16)")
@@ -153,24 +179,64 @@ class TrainConfig:
     steps: Optional[int] = _f(None, "optimizer steps (null: the token budget 5 × N_eff)")
     seed: int = _f(24, "random seed (paper: 24, 26, 28)")
     micro_batch: int = _f(1, "sequences per rank per forward")
-    global_batch: int = _f(8, "sequences per optimizer step (gradient accumulation fills the rest)")
+    global_batch: int = _f(8, "sequences per optimizer step (gradient accumulation fills the rest; "
+                              "the authors' automatic size is printed by megatron_kappa.summary)")
+    tokens_per_param: float = _f(5.0, "token budget = tokens_per_param × N_eff when train.steps is null "
+                                      "(paper App. 8; authors' --target-param-data-ratio 5)")
+    budget_discount: Optional[bool] = _f(
+        None, "count the routed experts at √(k/E) in N_eff (true/false); null: the authors' rule, "
+              "true only when MoE layers ≥ num_layers / 5 (false for the sandwich models)")
     optimizer: Literal["adamw", "muon", "aurora"] = _f(
-        "adamw", "matrix optimizer: adamw, or the orthogonalised update of Muon or of the authors' Aurora "
-                 "(train.muon; attention, dense-MLP and expert matrices only, AdamW for the rest; docs/optimizer.md)")
-    lr: float = _f(3e-4, "peak learning rate of matrix parameters under AdamW (muon/aurora: of the routers, "
-                         "which stay on AdamW)")
-    lr_non_matrix: float = _f(3e-4, "peak AdamW learning rate of norms, embeddings and other non-matrix parameters")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
-    warmup: int = _f(100, "learning-rate warmup steps")
-    weight_decay: float = _f(0.05, "AdamW weight decay on matrices (muon/aurora: on the routers)")
-    betas: list = _f([0.9, 0.95], "AdamW betas (every AdamW group, also under muon/aurora)")
-    grad_clip: float = _f(1.0, "global gradient-norm clip (0: off; must be 0 with muon/aurora)")
+        "adamw", "matrix optimizer: adamw, or the orthogonalised update of Muon (KellerJordan/Muon, as DeepSpeed "
+                 "has it; not the authors' Muon variant) or of the authors' Aurora (train.muon; attention, "
+                 "dense-MLP and expert matrices, AdamW for the rest; docs/optimizer.md)")
+    router_optimizer: Literal["adamw", "matrix"] = _f(
+        "adamw", "muon/aurora: the routers' optimizer: adamw (train.lr, train.weight_decay) or matrix (the "
+                 "orthogonalised update with the matrices, as the authors' code does); adamw: no effect")
+    lr: float = _f(3e-4, "peak learning rate of matrix parameters under AdamW (muon/aurora: of the routers "
+                         "when train.router_optimizer is adamw)")
+    lr_non_matrix: float = _f(3e-4, "peak AdamW learning rate of norms and other non-matrix parameters, and of "
+                                    "the embedding and output layer unless lr_embedding/lr_output are set")
+    lr_embedding: Optional[float] = _f(None, "peak AdamW learning rate of the input embedding (null: "
+                                             "lr_non_matrix; authors: 0.3)")
+    lr_output: Optional[float] = _f(None, "peak AdamW learning rate of the output layer (null: lr_non_matrix; "
+                                          "authors: 0.004)")
+    adamw_width_scaling: bool = _f(False, "multiply the embedding, output and non-matrix learning rates by "
+                                          "(hidden_size / 768)^-0.5 (the authors' dmodel_lr_scale)")
+    batch_lr_scaling: bool = _f(False, "multiply every learning rate but κ's by sqrt(global_batch · seq_length "
+                                       "/ 2^19) (the authors' batch_lr_scale)")
+    lr_decay_style: Literal["cosine", "wsd"] = _f(
+        "cosine", "cosine: linear warmup, cosine decay to min_lr_ratio at the last step; wsd (Megatron's "
+                  "name): linear warmup, constant, then linear decay over the last lr_wsd_decay_fraction of "
+                  "the steps towards min_lr_ratio (the authors' get_lr_multiplier)")
+    lr_wsd_decay_fraction: float = _f(0.5, "wsd: fraction of the steps in the final decay (authors' "
+                                           "--warmdown-ratio 0.5)")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (authors: 0)")
+    warmup: int = _f(100, "learning-rate warmup steps (authors: 0)")
+    weight_decay: float = _f(0.05, "AdamW weight decay on matrices (muon/aurora: on the routers when they "
+                                   "stay on AdamW)")
+    wd_decay_style: Literal["constant", "linear"] = _f(
+        "constant", "weight decay over the run: constant, or linear: × (1 - step / steps), towards 0 at the "
+                    "end (the authors' get_weight_decay)")
+    wd_depth_scaling: bool = _f(False, "multiply the weight decay by (12 / num_layers)^2 (the authors' "
+                                       "weight_decay_scaled, tuned at depth 12)")
+    betas: list = _f([0.9, 0.95], "AdamW betas (every AdamW group, also under muon/aurora; authors: [0.8, 0.95])")
+    adam_eps: float = _f(1e-8, "AdamW epsilon of every AdamW group (authors: 1e-10)")
+    grad_clip: Optional[float] = _f(None, "global gradient-norm clip (0: off; null: 1.0 for adamw, off for "
+                                          "muon/aurora, which refuse a nonzero clip)")
     init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
                                           "random init; ignored when resuming from a checkpoint")
     deterministic: bool = _f(False, "deterministic kernels (torch.use_deterministic_algorithms): "
                                     "bit-exact resume and reruns on GPUs, at some speed; CPU runs "
                                     "are deterministic anyway")
     muon: MuonConfig = field(default_factory=MuonConfig)
+
+    @property
+    def clip(self) -> float:
+        """The gradient clip in effect: grad_clip, or by optimizer when it is null."""
+        if self.grad_clip is not None:
+            return self.grad_clip
+        return 1.0 if self.optimizer == "adamw" else 0.0
 
 
 @dataclass
@@ -186,6 +252,10 @@ class DataConfig:
     tokenizer: Optional[str] = _f(None, "SentencePiece .model used to make the shards")
     mock: bool = _f(False, "megatron-core's mock dataset instead of files (smoke tests, benchmarks)")
     cache_dir: Optional[str] = _f(None, "index cache folder (default: <run.dir>/data_cache)")
+    bos: Optional[bool] = _f(None, "the training documents start with BOS (null: read \"bos\" from the "
+                                   "data prep manifest.json beside data.paths at training start, false "
+                                   "without one or with mock data; the run's config.yaml records the "
+                                   "answer, and CORE puts BOS first exactly when it is true)")
 
 
 @dataclass
@@ -210,6 +280,9 @@ class EvalConfig:
     core_every: int = _f(0, "steps between quick CORE subsets (0: never during training)")
     core_max_per_task: int = _f(100, "examples per task in the quick CORE subset")
     core_bundle: Optional[str] = _f(None, "CORE bundle folder or .zip for the quick subset")
+    capacity_factor: Optional[float] = _f(None, "expert capacity factor while evaluating (validation, "
+                                                "CORE, eval/*.py); null: model.moe.capacity_factor "
+                                                "(authors: 3.0)")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 evaluate_core scores every task of a bundle (megatron_kappa.evaluation.bundle) with a plain causal
 LM callable `logits_fn(tokens[B, T]) -> logits[B, T, V]` and returns the result in the JSON shape
-eval/core.py writes. The model side never appears here, so the training loop, the CLI, the tests
+launch/eval_core.py writes. The model side never appears here, so the training loop, the CLI, the tests
 and the benchmark all share this one scorer. Token batches are built on the host and sent to the
 logits function's device (`logits_fn.device`, set by megatron_kappa.evaluation.loading).
 """
@@ -109,9 +109,10 @@ def _common_len(seqs) -> int:
     return len(os.path.commonprefix(seqs))  # works on any lists: compares the min and max one
 
 
-def example_sequences(task_type: str, prompts: list, tokenizer, max_seq_len: int) -> list:
-    """[(tokens, start, end)] to score: BOS + prompt tokens, tokens[start:end] the scored span."""
-    toks = [[tokenizer.bos] + list(tokenizer.encode(p)) for p in prompts]
+def example_sequences(task_type: str, prompts: list, tokenizer, max_seq_len: int, bos: bool = True) -> list:
+    """[(tokens, start, end)] to score: BOS + prompt tokens (no BOS when `bos` is false: a model
+    trained on documents without BOS), tokens[start:end] the scored span."""
+    toks = [[tokenizer.bos] * bos + list(tokenizer.encode(p)) for p in prompts]
     if task_type == "multiple_choice":  # choices share the prefix; score what differs
         start = _common_len(toks)
         spans = [(start, len(t)) for t in toks]
@@ -207,10 +208,13 @@ def _layout(dp_rank, dp_world):
 
 
 def evaluate_task(logits_fn, tokenizer, task: Task, max_seq_len: int, max_per_task=None, batch_size=32,
-                  max_batch_tokens=16384, dp_rank=None, dp_world=None, device=None, progress=False) -> dict:
+                  max_batch_tokens=16384, dp_rank=None, dp_world=None, device=None, progress=False,
+                  bos=None) -> dict:
     """Score one task. Returns {"accuracy", "n", "correct" (per evaluated item, in order),
-    "local" (items scored by this rank)}; every rank gets the gathered result."""
+    "local" (items scored by this rank)}; every rank gets the gathered result. `bos`: put BOS
+    first (None: `logits_fn.bos`, the model's training data, else true as in nanochat)."""
     dp_rank, dp_world = _layout(dp_rank, dp_world)
+    bos = getattr(logits_fn, "bos", True) if bos is None else bos
     data = [task.examples[j] for j in task_examples(task, max_per_task)]
     n = len(data)
 
@@ -224,7 +228,7 @@ def evaluate_task(logits_fn, tokenizer, task: Task, max_seq_len: int, max_per_ta
     batches = []
     for group in mine:
         items = [(i, c, seq) for i in group
-                 for c, seq in enumerate(example_sequences(task.type, prompts(i), tokenizer, max_seq_len))]
+                 for c, seq in enumerate(example_sequences(task.type, prompts(i), tokenizer, max_seq_len, bos))]
         batches += _split(items, batch_size, max_batch_tokens)
     # Expert parallelism exchanges tokens inside every forward pass, so all ranks must run the same
     # number of passes; ranks with fewer batches run small throwaway ones.
@@ -249,7 +253,7 @@ def evaluate_task(logits_fn, tokenizer, task: Task, max_seq_len: int, max_per_ta
 
 def evaluate_core(logits_fn, tokenizer, bundle, max_seq_len: int, max_per_task=None, baselines="v1",
                   batch_size=32, max_batch_tokens=16384, progress=True, dp_rank=None, dp_world=None,
-                  device=None) -> dict:
+                  device=None, bos=None) -> dict:
     """Evaluate every task of a bundle (a Bundle or anything load_bundle takes).
 
     Items are split over data-parallel ranks: by default every process of the default group is its
@@ -258,10 +262,11 @@ def evaluate_core(logits_fn, tokenizer, bundle, max_seq_len: int, max_per_task=N
     """
     bundle = load_bundle(bundle)
     table = task_baselines(bundle, baselines)  # fail on a bad baseline before any forward pass
+    bos = bool(getattr(logits_fn, "bos", True) if bos is None else bos)
     rows = []
     for task in bundle.tasks:
         r = evaluate_task(logits_fn, tokenizer, task, max_seq_len, max_per_task, batch_size,
-                          max_batch_tokens, dp_rank, dp_world, device, progress)
+                          max_batch_tokens, dp_rank, dp_world, device, progress, bos)
         rows.append({"task": task.label, "type": task.type, "shots": task.shots, "n": r["n"],
                      "accuracy": r["accuracy"], "centered": centered_accuracy(r["accuracy"], table[task.label])})
-    return summarize(rows, baselines)
+    return {**summarize(rows, baselines), "bos": bos}

@@ -18,7 +18,7 @@ class CoreSubset:
         self.cfg, self.engine = cfg, engine
         self.bundle = load_bundle(cfg.eval.core_bundle)
         self.tokenizer = Tokenizer(cfg.data.tokenizer)
-        self.logits_fn = logits_fn_for(engine.module, cfg.model.vocab_size)
+        self.logits_fn = logits_fn_for(engine.module, cfg.model.vocab_size, bool(cfg.data.bos))
         self.device = device
 
     def evaluate(self) -> dict:

@@ -21,7 +21,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.config import Config
 from megatron_kappa.kappa import KappaSettings
+from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.attention import SDPAttention
+from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
@@ -115,16 +117,19 @@ def _adapt_layer_spec(spec, cfg: Config):
 
 def kappa_settings(cfg: Config) -> KappaSettings:
     k = cfg.model.kappa
-    return KappaSettings(U=k.U, use_alpha=k.use_alpha, use_bias=k.use_bias,
-                         logit_scale=k.logit_scale, tanh_gain=k.tanh_gain)
+    v = kappa_inputs.resolve(k)  # null keys take the `model.kappa.input` variant's values
+    return KappaSettings(U=v.U, use_alpha=k.use_alpha, use_bias=k.use_bias,
+                         logit_scale=v.logit_scale, tanh_gain=v.tanh_gain, backend=k.backend,
+                         input=k.input, router_grad_scale=v.router_grad_scale)
 
 
 def router_spec(cfg: Config, stock: MoESubmodules):
     """The router class: κ needs each pair's raw logit handed on with the probabilities."""
+    kappa = dict(kappa=kappa_settings(cfg)) if cfg.model.kappa.enabled else {}
     if cfg.model.moe.router == "softmoe":
         router = softmoe.KappaSoftMoERouter if cfg.model.kappa.enabled else softmoe.SoftMoERouter
-        return partial(router, settings=softmoe.softmoe_settings(cfg))
-    return KappaRouter if cfg.model.kappa.enabled else stock.router
+        return partial(router, settings=softmoe.softmoe_settings(cfg), **kappa)
+    return partial(KappaRouter, **kappa) if cfg.model.kappa.enabled else stock.router
 
 
 def experts_spec(cfg: Config, stock: MoESubmodules):
@@ -164,14 +169,15 @@ def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubm
 
 
 def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False) -> GPTModel:
-    """The GPT model of `cfg` on this rank, on `device` (default: the device chosen by
-    megatron_kappa.parallel.groups.init_distributed, whose parallel state must exist).
+    """The GPT model of `cfg` on this rank, on `device` (the caller's: the trainer passes the one
+    megatron_kappa.parallel.groups.init_distributed chose); megatron's parallel state must exist.
 
     meta=True builds shapes only (no memory, no initialisation), for counting parameters.
     """
     if device is None:
-        from megatron_kappa.parallel.groups import current_device
-        device = current_device()
+        if not meta:
+            raise TypeError("build_model: give the device (the one init_distributed returned)")
+        device = "cpu"
     tconfig = transformer_config(cfg, device)
     if meta:
         tconfig.perform_initialization = False
@@ -186,6 +192,8 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
             rotary_base=cfg.model.rotary_base,
         )
     softmoe.link_budgets(model)  # the SoftMoE layers share one budget (no-op without them)
+    if cfg.eval.capacity_factor is not None:  # the authors train at 1.0 and evaluate at 3.0
+        install_capacity_switch(model, cfg.model.moe.capacity_factor, cfg.eval.capacity_factor)
     if not meta and torch.device(device).type == "cuda":
         # megatron creates the router weight on the CPU and moves it at the first forward; move
         # everything now, so the optimizer and the checkpoints see the model where it runs.

@@ -100,7 +100,7 @@ def ds_config(cfg: Config, grad_accum: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
         "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": cfg.train.grad_clip,
+        "gradient_clipping": cfg.train.clip,  # null: by optimizer (TrainConfig.clip)
         "zero_optimization": {"stage": cfg.zero.stage, "contiguous_gradients": True,
                               "reduce_scatter": True, "overlap_comm": False},
         "bf16": {"enabled": cfg.precision in ("bf16", "fp8")},

@@ -2,6 +2,7 @@
 
 loop.py        run(cfg): setup → data → steps → metrics/checkpoints (the algorithm)
 recipe.py      the paper's recipe: learning-rate schedules, the κ freeze, the κ L2 penalty
+schedule.py    the main learning-rate and weight-decay schedules, each group's peak values
 optimizer.py   parameter groups and the optimizer built from them
 matrix_optim.py the orthogonalised update of Muon and Aurora (the math)
 muon.py        Muon/Aurora inside DeepSpeed's ZeRO: parameter tags, matrix blocks, the patched update

@@ -10,7 +10,7 @@ On logging steps only, from what the last forward left behind (no extra pass ove
   kappa/layerL/{alpha_pos_mean,bias_pos_mean}  mean of the positive entries of α, of b
   kappa/layerL/{alpha_s_abs,bias_routed_abs}   mean |α·s| and |b| over the routed pairs' gate
                                          units: the two terms inside κ's tanh (s: the logit as κ
-                                         uses it, i.e. times model.kappa.logit_scale)
+                                         uses it: times logit_scale, normalised for input normalized)
   load/layerL/{min,max,mean,cv}         tokens per expert (after any dropping), over every rank's
                                          last micro-batch; cv = std / mean
   load/layerL/dropped_frac              dropped (token, expert) pairs / top-k · tokens, when
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.experts import gate_weights
 
 TOKENS = 256        # routed tokens sampled per rank and layer
@@ -152,7 +153,7 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
     world = dist.get_world_size()
     per_rank = None if values is None else max(1000, values // world)
     gen = torch.Generator().manual_seed(0)
-    scale = cfg.model.kappa.logit_scale
+    scale = kappa_inputs.resolve(cfg.model.kappa).logit_scale  # as κ uses it (input scaled: 0.15)
     for index, layer in moe_layers(model):
         p = f"layer{index}"
         table = expert_table(layer)
@@ -176,7 +177,11 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
             token_cos = a / x.norm(dim=-1).clamp_min(1e-30)
             gate_bias = table["proj"][expert] * a[:, None]                        # [P, F]
             zero = gate_bias.new_zeros((), dtype=torch.float64)
-            alpha_s = (alpha[expert] * (scale * s)[:, None]).abs().double().sum() if alpha is not None else zero
+            s_kappa = s
+            if cfg.model.kappa.input == "normalized":  # κ sees 6·s / n_e (megatron_kappa.kappa.inputs)
+                w = layer.router.weight
+                s_kappa = s * kappa_inputs.normalized_logit(w.new_ones(w.shape[0], dtype=s.dtype), w)[expert]
+            alpha_s = (alpha[expert] * (scale * s_kappa)[:, None]).abs().double().sum() if alpha is not None else zero
             bias_abs = bias[expert].abs().double().sum() if bias is not None else zero
             n_tok, n_val = token_cos.numel(), gate_bias.numel()
             sums = torch.stack([token_cos.double().sum(), gate_bias.double().sum(), alpha_s, bias_abs])

@@ -24,15 +24,18 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.config import Config, to_dict
+from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, update_expert_bias
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
+from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
 from megatron_kappa.train import analysis, muon, optimizer as optim, recipe, throughput
-from megatron_kappa.train.checkpoint import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
 from megatron_kappa.train.softmoe_metrics import softmoe_stats
@@ -41,10 +44,6 @@ from megatron_kappa.train.preemption import Preempted, StopAgreement
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-def layout(cfg: Config, world: int) -> dict:
-    return {"world": world, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "etp": cfg.parallel.expert_tp}
 
 
 def total_steps(cfg: Config, model) -> int:
@@ -115,6 +114,7 @@ def run(cfg: Config, log=print) -> dict:
     """Train (or resume) the job described by `cfg`; returns the last metrics record."""
     if cfg.train.deterministic:
         use_deterministic_kernels()
+    cfg.data.bos = documents_start_with_bos(cfg)  # recorded in config.yaml: CORE follows it
     # --- model and parallel setup
     num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
     device = init_distributed(cfg.parallel, cfg.train.seed, num_experts)
@@ -165,6 +165,8 @@ def run(cfg: Config, log=print) -> dict:
     record, window_start, window_steps = {}, time.perf_counter(), 0
     for step in range(start, steps):
         freeze.begin_step(step, optimizer)
+        kappa_U = recipe.kappa_U(step, steps, cfg)  # the authors' U ramp (constant by default)
+        set_kappa_U(model, kappa_U)
         lrs = recipe.set_learning_rates(optimizer, step, steps, cfg)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
         if cfg.model.moe.router == "sigmoid":
@@ -186,6 +188,7 @@ def run(cfg: Config, log=print) -> dict:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_steps * tokens_per_step / elapsed
             record = {"step": done, "loss": loss_value, "lr": lrs["matrix"], "lr_kappa": lrs["kappa"],
+                      "kappa_U": kappa_U,
                       "tokens_per_s": tokens_per_s, "tokens_seen": done * tokens_per_step,
                       **throughput.throughput(tokens_per_s, flops_token, world, peak),
                       **step_metrics(engine, model, cfg, l2, device)}
@@ -203,7 +206,7 @@ def run(cfg: Config, log=print) -> dict:
         else:
             get_moe_metrics_tracker().clear()
         if saving:
-            ckpts.save(engine, done, {"layout": layout(cfg, world), "config": to_dict(cfg)},
+            ckpts.save(engine, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
                        {"rng": rng_state(device), "coords": rank_coords(model),
                         "weights": owned_state(model), "buffers": dict(model.named_buffers())})
         if stopping:

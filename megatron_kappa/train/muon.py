@@ -54,10 +54,12 @@ CALL_SITES = [("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._
 _originals: dict = {}
 
 
-def is_orthogonalised(name: str, p: torch.Tensor) -> bool:
-    """Attention, dense-MLP and expert weight matrices. AdamW keeps embeddings, the output layer,
-    norms, routers and κ's α and b (the paper's split)."""
-    return p.dim() >= 2 and not (is_embedding_or_output(name) or is_router(name) or is_kappa(name))
+def is_orthogonalised(name: str, p: torch.Tensor, routers: bool = False) -> bool:
+    """Attention, dense-MLP and expert weight matrices, and the routers if `routers`
+    (train.router_optimizer matrix, as the authors' code). AdamW keeps embeddings, the output
+    layer, norms, κ's α and b, and otherwise the routers (the paper's split)."""
+    return p.dim() >= 2 and not (is_embedding_or_output(name) or is_kappa(name)
+                                 or (is_router(name) and not routers))
 
 
 def matrix_blocks(name: str, param: torch.Tensor, config):
@@ -79,20 +81,22 @@ def param_groups(model, cfg: Config) -> list[dict]:
     """The groups of MuonWithAuxAdam, every parameter tagged (`use_muon`, `muon_num_heads`):
     megatron's names do not follow DeepSpeed's "embed"/"lm_head" convention, so nothing is
     left to DeepSpeed's guess."""
-    groups = {kind: [] for kind in ("matrix", "router", "non_matrix", "kappa")}
+    from megatron_kappa.train.optimizer import ADAMW_KINDS, adamw_groups, adamw_kind  # imports this module
+    from megatron_kappa.train.schedule import peak_weight_decays
+    groups = {kind: [] for kind in ("matrix", "router", *ADAMW_KINDS, "kappa")}
+    routers = cfg.train.router_optimizer == "matrix"
     for name, p in model.named_parameters():
-        p.use_muon = is_orthogonalised(name, p)
+        p.use_muon = is_orthogonalised(name, p, routers)
         p.muon_num_heads = matrix_blocks(name, p, model.config) if p.use_muon else None
         kind = ("kappa" if is_kappa(name) else "matrix" if p.use_muon
-                else "router" if is_router(name) and p.dim() >= 2 else "non_matrix")
+                else "router" if is_router(name) and p.dim() >= 2 else adamw_kind(name))
         groups[kind].append(p)
-    t, mu = cfg.train, cfg.train.muon
-    adamw = dict(use_muon=False, lr=0.0, betas=tuple(t.betas), eps=1e-8)  # lr: set per step (recipe)
+    t, mu, wd = cfg.train, cfg.train.muon, peak_weight_decays(cfg)
+    adamw = dict(use_muon=False, lr=0.0, betas=tuple(t.betas), eps=t.adam_eps)  # lr: set per step (recipe)
     return [dict(name="matrix", kind="matrix", params=groups["matrix"], use_muon=True, lr=0.0,
-                 momentum=mu.momentum, weight_decay=mu.weight_decay, ns_method="standard"),
-            dict(name="router", kind="router", params=groups["router"], weight_decay=t.weight_decay, **adamw),
-            dict(name="non_matrix", kind="non_matrix", params=groups["non_matrix"], weight_decay=0.0, **adamw),
-            dict(name="kappa", kind="kappa", params=groups["kappa"], weight_decay=0.0, **adamw)]
+                 momentum=mu.momentum, weight_decay=wd["matrix"], ns_method="standard"),
+            dict(name="router", kind="router", params=groups["router"], weight_decay=wd["router"], **adamw),
+            *[{**g, **adamw} for g in adamw_groups(groups)]]
 
 
 def update_fn(cfg: Config, compute_dtype: torch.dtype = torch.float32):

@@ -1,11 +1,13 @@
 """The optimizer: the paper's parameter groups and the optimizer built from them.
 
 Groups (each carries `kind`, which survives DeepSpeed's expert split of the groups and is what
-megatron_kappa.train.recipe schedules by):
-  matrix      2-D weights inside the transformer blocks: attention, MLPs, experts, and under
-              adamw the routers too
-  router      train.optimizer muon/aurora only: the routers, which stay on AdamW (train.lr)
-  non_matrix  embeddings, the output layer, norms
+megatron_kappa.train.recipe schedules by; megatron_kappa.train.schedule has each kind's peak):
+  matrix      2-D weights inside the transformer blocks: attention, MLPs, experts, and the
+              routers (under adamw, or with train.router_optimizer matrix)
+  router      muon/aurora with train.router_optimizer adamw: the routers on AdamW (train.lr)
+  embedding   the input embedding (AdamW, train.lr_embedding)
+  output      the output layer (AdamW, train.lr_output)
+  non_matrix  norms and other 1-D parameters (AdamW, train.lr_non_matrix)
   kappa       κ's α and b (own schedule, L2 penalty in the loss, no weight decay)
 With muon or aurora the matrix group takes the orthogonalised update and everything else AdamW,
 in one DeepSpeed MuonWithAuxAdam (megatron_kappa.train.muon).
@@ -16,23 +18,38 @@ import torch
 
 from megatron_kappa.config import Config
 from megatron_kappa.model.params import is_embedding_or_output, is_kappa
-from megatron_kappa.train import muon
+from megatron_kappa.train import muon, schedule
+
+ADAMW_KINDS = ("embedding", "output", "non_matrix")
+
+
+def adamw_kind(name: str) -> str:
+    """The group of a parameter that AdamW trains outside the matrices, routers and κ."""
+    if is_embedding_or_output(name):
+        return "output" if name.startswith("output_layer") else "embedding"
+    return "non_matrix"
+
+
+def adamw_groups(by_kind: dict) -> list[dict]:
+    """The embedding, output, non-matrix and κ groups: no weight decay, learning rates set per step."""
+    return [dict(name=kind, kind=kind, params=by_kind[kind], weight_decay=0.0)
+            for kind in (*ADAMW_KINDS, "kappa")]
 
 
 def param_groups(model, cfg: Config) -> list[dict]:
     if cfg.train.optimizer != "adamw":
         return muon.param_groups(model, cfg)
-    matrix, non_matrix, kappa = [], [], []
+    by_kind = {kind: [] for kind in ("matrix", *ADAMW_KINDS, "kappa")}
     for name, p in model.named_parameters():
         if is_kappa(name):
-            kappa.append(p)
+            by_kind["kappa"].append(p)
         elif p.dim() >= 2 and not is_embedding_or_output(name):
-            matrix.append(p)
+            by_kind["matrix"].append(p)
         else:
-            non_matrix.append(p)
-    return [dict(name="matrix", kind="matrix", params=matrix, weight_decay=cfg.train.weight_decay),
-            dict(name="non_matrix", kind="non_matrix", params=non_matrix, weight_decay=0.0),
-            dict(name="kappa", kind="kappa", params=kappa, weight_decay=0.0)]
+            by_kind[adamw_kind(name)].append(p)
+    wd = schedule.peak_weight_decays(cfg)["matrix"]
+    return [dict(name="matrix", kind="matrix", params=by_kind["matrix"], weight_decay=wd),
+            *adamw_groups(by_kind)]
 
 
 def build_optimizer(param_groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
@@ -41,4 +58,28 @@ def build_optimizer(param_groups: list[dict], cfg: Config) -> torch.optim.Optimi
     if cfg.train.optimizer != "adamw":
         return muon.build_optimizer(param_groups, cfg)
     muon.uninstall()  # a process that ran muon/aurora before gets DeepSpeed's own Muon back
-    return torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=1e-8)
+    return torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                             eps=cfg.train.adam_eps)
+
+
+def describe_groups(model, cfg: Config, kappa_peak: float) -> list[dict]:
+    """Each parameter group as `python -m megatron_kappa.summary --optimizer` lists it: which
+    tensors (names with layer numbers collapsed to *), the optimizer, the peak learning rate and
+    the weight decay at step 0 (the schedules in megatron_kappa.train.schedule scale both)."""
+    import re
+    names = {id(p): name for name, p in model.named_parameters()}
+    peaks = {**schedule.peak_lrs(cfg), "kappa": kappa_peak}
+    rows = []
+    for g in param_groups(model, cfg):
+        if not g["params"]:
+            continue
+        patterns = sorted({re.sub(r"\.\d+\.", ".*.", names[id(p)]) for p in g["params"]})
+        row = dict(group=g["name"], optimizer=cfg.train.optimizer if g.get("use_muon") else "adamw",
+                   tensors=len(g["params"]), params=sum(p.numel() for p in g["params"]),
+                   lr=peaks[g["kind"]], weight_decay=g["weight_decay"], names=patterns)
+        if g.get("use_muon"):
+            row["momentum"] = g["momentum"]
+        else:
+            row.update(betas=list(cfg.train.betas), eps=cfg.train.adam_eps)
+        rows.append(row)
+    return rows

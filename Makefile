@@ -11,7 +11,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv test demo gpu-carry gpu-check clean
+.PHONY: venv test test-fast demo gpu-carry gpu-check clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: no working python3.12 found (install Python 3.12)"; exit 1; }
@@ -25,6 +25,11 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The unit tests of every package: no multi-process launches, no end-to-end training runs (those
+# are marked `slow`), spread over two pytest workers.
+test-fast: venv
+	$(PY) -m pytest -q -n 2 -m "not slow and not gpu" tests
 
 demo: venv
 	$(PY) launch/demo.py

@@ -26,13 +26,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 _LAYER_KEY = re.compile(r"^(?P<family>[a-z_]+)/layer(?P<layer>\d+)/(?P<stat>.+)$")
 _BANDS = (("top5", "95 %", "-"), ("mean", "mean", ":"), ("bottom5", "5 %", "--"))
@@ -61,12 +59,12 @@ def unfreeze_step(run_dir: Path, records: list[dict]) -> int | None:
     if not path.is_file():
         return None
     from megatron_kappa.config import load_config
-    from megatron_kappa.train.recipe import unfreeze_step as first_trained
+    from megatron_kappa.train.recipe import kappa_start as first_trained
     cfg = load_config(path)
     if not cfg.model.kappa.enabled:
         return None
     total = cfg.train.steps or (records[-1]["step"] if records else 0)
-    return first_trained(total, cfg.model.kappa.freeze_fraction)
+    return first_trained(total, cfg)
 
 
 def _grid(n: int, title: str):
@@ -197,8 +195,8 @@ def load_figure(records, path):
 
 def checkpoint_figures(run_dir: Path, out: Path) -> list[Path]:
     """Histograms at the latest checkpoint: router–gate cosines, and α, b."""
-    from megatron_kappa.train.checkpoint import Checkpoints
-    if Checkpoints(run_dir).latest() is None:
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    if CheckpointDir(run_dir).latest() is None:
         return []
     from megatron_kappa.evaluation.loading import consolidated_state
     tables = final_tables(consolidated_state(run_dir))

@@ -13,15 +13,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from analysis.plots import layers_of, read_metrics, series  # noqa: E402
+from analysis.plots import layers_of, read_metrics, series
 
 
 def plot_allocation(run_dir: str | Path, out: str | Path | None = None) -> Path:

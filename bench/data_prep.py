@@ -25,16 +25,14 @@ import platform
 import resource
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import sentencepiece as spm  # noqa: E402
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
 
 
 class MegatronStyleEncoder:

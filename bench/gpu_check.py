@@ -107,8 +107,7 @@ import json, sys
 from megatron_kappa.evaluation.loading import load_model_for_eval
 from megatron_kappa.evaluation.core import evaluate_core
 from megatron_kappa.evaluation.lm_loss import validation_loss
-sys.path.insert(0, "tests")
-from toy import ByteTokenizer
+from bench.toy import ByteTokenizer
 fn, cfg = load_model_for_eval(sys.argv[1])
 tok = ByteTokenizer()
 core = evaluate_core(fn, tok, "tests/core_bundle", 128, max_per_task=20, progress=False)

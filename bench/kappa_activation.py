@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,8 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron_kappa.kappa import kappa_swiglu  # noqa: E402
+from megatron_kappa.kappa import kappa_swiglu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # variant → backend of kappa_swiglu (None: plain SwiGLU)

@@ -20,14 +20,13 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.model.build import build_model, moe_layer_pattern  # noqa: E402
-from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
-from bench.interleave import sync, time_interleaved  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.parallel.groups import init_distributed
+from bench.interleave import sync, time_interleaved
 
 VARIANTS = [("plain", "sequential"), ("kappa", "sequential"), ("plain", "grouped"), ("kappa", "grouped")]
 

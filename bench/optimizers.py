@@ -27,11 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
+from megatron_kappa.parallel.launch_env import free_port
 
 METHODS = ("adamw", "muon", "aurora")
 
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
     step_ms = interleaved_step_ms(args.rounds, args.warmup)
     print("interleaved step ms:", json.dumps(step_ms), flush=True)
     base, steps_logged = results["adamw"], [s for s, _ in results["adamw"]["valid"]]
-    print(f"\n| optimizer | train loss (last 3 logs) | " + " | ".join(f"valid @{s}" for s in steps_logged)
+    print("\n| optimizer | train loss (last 3 logs) | " + " | ".join(f"valid @{s}" for s in steps_logged)
           + " | valid vs AdamW | step ms (interleaved) | step time vs AdamW | step ms in the EP2 run |")
     print("|---|---|" + "---|" * len(steps_logged) + "---|---|---|---|")
     for method, r in results.items():

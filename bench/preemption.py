@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
-from megatron_kappa.train.preemption import StopAgreement  # noqa: E402
+from megatron_kappa.parallel.launch_env import free_port
+from megatron_kappa.train.preemption import StopAgreement
 
 MODES = ("none", "pipelined", "blocking", "every4")
 

@@ -25,17 +25,16 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.model.build import build_model  # noqa: E402
-from megatron_kappa.train.loop import lm_loss  # noqa: E402
-from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
-from megatron_kappa.summary import count  # noqa: E402
-from megatron_kappa.train import throughput  # noqa: E402
-from bench.interleave import sync, time_interleaved  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.model.build import build_model
+from megatron_kappa.train.loop import lm_loss
+from megatron_kappa.parallel.groups import init_distributed
+from megatron_kappa.summary import count
+from megatron_kappa.train import throughput
+from bench.interleave import sync, time_interleaved
 
 
 def _rss_kb(field: str) -> int:

@@ -5,8 +5,8 @@
     python data_prep/fineweb_edu.py --input data_prep/sample --output runs/fwe \\
         --tokenizer runs/fwe_tok/tokenizer.model --min-int-score 3 --language en
 
-Output in --output: train_00000.bin/.idx, ... and valid_00000.bin/.idx, ... (each document is its
-tokens followed by one EOD, no BOS), tokenizer.model, manifest.json. See docs/data_prep.md.
+Output in --output: train_00000.bin/.idx, ... and valid_00000.bin/.idx, ... (each document is BOS,
+its tokens, then one EOD; --no-bos drops the BOS), tokenizer.model, manifest.json. See docs/data_prep.md.
 Importable: `data_prep.fineweb_edu.run(argv) -> manifest` raises DataPrepError; `main(argv) -> int`.
 """
 from __future__ import annotations
@@ -20,9 +20,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import numpy as np
 from tqdm import tqdm
 
@@ -31,7 +28,8 @@ from data_prep.shards import ShardWriter, choose_dtype, merge
 from data_prep.sources import STATUS_NAMES, Selection
 
 VERSION = "1.0"
-LAYOUT = "each document is its tokens followed by one EOD token; no BOS"
+LAYOUTS = {True: "each document is one BOS token, its tokens, then one EOD token",
+           False: "each document is its tokens followed by one EOD token; no BOS"}
 
 
 def count(text: str) -> int:
@@ -57,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--language", help="keep documents whose `language` is one of these (comma list)")
     src.add_argument("--max-docs", type=count, help="stop after this many documents (both splits)")
     src.add_argument("--max-tokens", type=count,
-                     help="stop before the document that would take the total (EODs included) past this")
+                     help="stop before the document that would take the total (BOS and EOD included) past this")
     tok = ap.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer", help="an existing SentencePiece .model (copied into --output)")
     tok.add_argument("--train-tokenizer", action="store_true", help="train a BPE model on the input")
@@ -71,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     out.add_argument("--valid-fraction", type=float, default=0.001,
                      help="share of documents held out for validation (chosen by a hash of the text)")
     out.add_argument("--dtype", default="auto", choices=["auto", "uint16", "int32"])
+    out.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
+                     help="start every document with BOS, as nanochat's training data and CORE "
+                          "prompts do (recorded in manifest.json as \"bos\")")
     out.add_argument("--seed", type=int, default=1234, help="seeds the train/valid split")
     out.add_argument("--overwrite", action="store_true", help="delete this tool's files in --output first")
     run = ap.add_argument_group("run (do not change the output)")
@@ -247,7 +248,7 @@ def _copy(totals: dict) -> dict:
 def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Selection, dtype, args):
     """Run the workers over the units left and write shards in input order as results arrive."""
     writer = Writer(out, state, dtype, args)
-    init_args = (str(tok_file), selection, dtype.name, args.seed, args.valid_fraction)
+    init_args = (str(tok_file), selection, dtype.name, args.seed, args.valid_fraction, args.bos)
     bar = tqdm(total=source["rows"], initial=writer.totals["rows_read"], unit="doc", unit_scale=True,
                desc="docs read", disable=args.quiet, dynamic_ncols=True)
     pool = None
@@ -308,7 +309,7 @@ def finish(out: Path, state: dict, config: dict, tokenizer: dict, dtype, args) -
             e["split"] = split
     manifest = {"tool": "data_prep/fineweb_edu.py", "version": VERSION, "config": config,
                 "source": config["source"], "filters": config["filters"], "seed": args.seed,
-                "tokenizer": tokenizer, "dtype": dtype.name, "layout": LAYOUT,
+                "tokenizer": tokenizer, "dtype": dtype.name, "bos": args.bos, "layout": LAYOUTS[args.bos],
                 "shards": train + valid, "totals": totals,
                 "prefixes": {"train": [e["prefix"] for e in train],
                              "valid": [e["prefix"] for e in valid]}}
@@ -336,7 +337,7 @@ def run(argv=None) -> dict:
                           "language": list(languages) if languages else None,
                           "max_docs": args.max_docs, "max_tokens": args.max_tokens},
               "shard_tokens": args.shard_tokens, "valid_fraction": args.valid_fraction,
-              "seed": args.seed, "version": VERSION}
+              "seed": args.seed, "bos": args.bos, "version": VERSION}
     run_settings = {"jsonl_unit_bytes": args.jsonl_unit_bytes, "hub_unit_docs": args.hub_unit_docs}
     state, done = st.open_output(out, config, run_settings, args.overwrite)
     if done is not None:

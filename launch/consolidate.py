@@ -8,11 +8,8 @@ megatron_kappa.parallel.sharding.load_full_state_dict).
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_kappa.config import ConfigError  # noqa: E402
+from megatron_kappa.config import ConfigError
 
 
 def main(argv=None) -> int:

@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from analysis.plots import make_plots  # noqa: E402
-from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
+from analysis.plots import make_plots
+from megatron_kappa.parallel.launch_env import free_port
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 
@@ -80,9 +79,9 @@ def main(argv=None) -> int:
         "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets])
 
     stage("3/4 evaluate: validation loss / bits per byte, CORE bundle (one process, weights consolidated)")
-    sh([py, "eval/loss.py", "--checkpoint", run_dir, "--data", *valid_prefixes, "--no-progress",
+    sh([py, "launch/eval_loss.py", "--checkpoint", run_dir, "--data", *valid_prefixes, "--no-progress",
         "--json", out / "valid.json"])
-    sh([py, "eval/core.py", "--checkpoint", run_dir, "--bundle", BUNDLE, "--no-progress",
+    sh([py, "launch/eval_core.py", "--checkpoint", run_dir, "--bundle", BUNDLE, "--no-progress",
         "--json", out / "core.json"])
 
     stage("4/4 summary")

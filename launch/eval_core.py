@@ -1,7 +1,7 @@
 """CORE evaluation of a trained checkpoint (docs/core_eval.md).
 
-    python eval/core.py --checkpoint runs/sandwich28 --bundle eval_bundle.zip [--max-per-task N] [--json out.json]
-    torchrun --nproc_per_node 8 eval/core.py ...   (or `deepspeed eval/core.py ...`: items split over ranks)
+    python launch/eval_core.py --checkpoint runs/sandwich28 --bundle eval_bundle.zip [--max-per-task N] [--json out.json]
+    torchrun --nproc_per_node 8 launch/eval_core.py ...   (or `deepspeed launch/eval_core.py ...`: items split over ranks)
 
 --bundle takes a folder, a .zip or a URL (downloaded once into --cache-dir). The per-task table goes
 to stdout; a malformed bundle prints `error: <file>:<line>: ...` and exits with status 2.
@@ -9,15 +9,12 @@ to stdout; a malformed bundle prints `error: <file>:<line>: ...` and exits with 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_kappa.config import ConfigError
 from megatron_kappa.evaluation import core as core_eval
+from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
 
 
 def parse_args(argv=None):
@@ -38,10 +35,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def get_bundle(args):
     """Load the bundle; a URL is downloaded by rank 0 alone so ranks do not race on the cache file."""
     if "://" in args.bundle:
@@ -50,20 +43,6 @@ def get_bundle(args):
         if dist.is_initialized():
             dist.barrier()
     return core_eval.load_bundle(args.bundle, args.cache_dir)
-
-
-def data_parallel_layout():
-    """(rank, world) to split items over: Megatron's data-parallel group when the loader set up
-    model parallelism (tensor/expert peers must score the same batches), else every process."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def write_json(path, result):
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def run(args, logits_fn, tokenizer, max_seq_len, bundle=None) -> dict:
@@ -80,29 +59,6 @@ def run(args, logits_fn, tokenizer, max_seq_len, bundle=None) -> dict:
         if args.json:
             write_json(args.json, result)
     return result
-
-
-def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
-    """The CLIs' frame: join the launcher's group, `prepare()` cheap inputs (so bad ones fail
-    before the model loads), load the checkpoint, `evaluate(prepared, logits_fn, tokenizer,
-    max_seq_len)`; one-line errors with exit status 2."""
-    created = False
-    try:
-        from megatron_kappa.parallel.launch_env import export_environment
-        export_environment()  # RANK & co. from torchrun/deepspeed, or from Slurm under srun
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher's group: join it before work
-            from megatron_kappa.parallel.groups import init_process_group, pick_device
-            created = init_process_group(pick_device())
-        prepared = prepare()
-        from megatron_kappa.evaluation.loading import load_for_eval  # the model side, needed only here
-        evaluate(prepared, *load_for_eval(args.checkpoint))
-    except (FileNotFoundError, ConfigError, *errors) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if created:  # a group someone else made (a test session, a caller) is theirs to end
-            dist.destroy_process_group()
-    return 0
 
 
 def main(argv=None) -> int:

@@ -1,21 +1,17 @@
 """Validation loss and bits per byte of a trained checkpoint on held-out Megatron shards.
 
-    python eval/loss.py --checkpoint runs/sandwich28 --data data/val/shard_00000 [more prefixes] [--max-tokens N]
-    torchrun --nproc_per_node 8 eval/loss.py ...   (batches split over ranks)
+    python launch/eval_loss.py --checkpoint runs/sandwich28 --data data/val/shard_00000 [more prefixes] [--max-tokens N]
+    torchrun --nproc_per_node 8 launch/eval_loss.py ...   (batches split over ranks)
 
 --data takes shard prefixes (PREFIX.bin + PREFIX.idx). See megatron_kappa/evaluation/lm_loss.py for the rules.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-# Run as `python eval/loss.py`, this folder is sys.path[0]; put the repo root there for `eval.core`.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval.core import data_parallel_layout, is_rank0, run_on_checkpoint, write_json  # noqa: E402
-from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
+from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
+from megatron_kappa.evaluation.lm_loss import validation_loss
 
 
 def parse_args(argv=None):

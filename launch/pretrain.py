@@ -14,14 +14,11 @@ fails (a dead or hung rank) is reported with the ranks that no longer answer
 """
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_kappa.config import ConfigError, load_config  # noqa: E402
-from megatron_kappa.train import preemption  # noqa: E402  (signals only: no heavy imports)
-from megatron_kappa.parallel.launch_env import LaunchEnvError, export_environment  # noqa: E402
-from megatron_kappa.preflight import preflight  # noqa: E402
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.train import preemption  # signals only: no heavy imports
+from megatron_kappa.parallel.launch_env import LaunchEnvError, export_environment
+from megatron_kappa.preflight import preflight
 
 
 def parse_args(argv=None):
@@ -36,7 +33,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     preemption.install()  # first: a warning during the slow start-up must not kill the process
-    rank = 0
+    rank, finished = 0, False
     try:
         found = export_environment()  # RANK & co. from torchrun/deepspeed, or from Slurm under srun
         rank = found.rank if found else 0
@@ -44,6 +41,7 @@ def main(argv=None) -> int:
         preflight(cfg)
         from megatron_kappa.train.loop import run  # heavy imports only once the inputs are known good
         run(cfg, log=print if rank == 0 else (lambda *a, **k: None))
+        finished = True
     except (ConfigError, LaunchEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -51,6 +49,7 @@ def main(argv=None) -> int:
         preemption.ignore_from_now()  # the checkpoint is written: die of nothing until the exit
         if rank == 0:
             print(f"{e} (exit status {preemption.EXIT_RESUMABLE})", flush=True)
+        finished = True  # every rank stops at the step they agreed on
         return preemption.EXIT_RESUMABLE
     except Exception as e:
         from megatron_kappa.parallel.failures import explain
@@ -58,6 +57,9 @@ def main(argv=None) -> int:
         if note:
             print(f"error: rank {rank}: {note}", file=sys.stderr, flush=True)
         raise
+    finally:
+        if "megatron_kappa.parallel.groups" in sys.modules:  # the groups exist only once training started
+            sys.modules["megatron_kappa.parallel.groups"].teardown(peers_alive=finished)
     return 0
 
 

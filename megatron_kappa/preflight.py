@@ -12,30 +12,17 @@ checkpoint to resume against the layout.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import struct
-from pathlib import Path
 
-from megatron_kappa.config import Config, ConfigError, ParallelConfig
+from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.data.blend import parse_blend, split_ranges
+from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import read_index
 from megatron_kappa.parallel import launch_env
+from megatron_kappa.parallel.layout import check_layout, layout_record
 
 # --- layout -------------------------------------------------------------------------------------
-
-def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None):
-    """One-line errors for a layout that cannot be built on `world` ranks."""
-    etp = par.expert_tp
-    if world % par.tp:
-        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp={par.tp}")
-    if world % (etp * par.ep):
-        raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
-                          f"ep × etp = {par.ep} × {etp} (start {par.ep * etp} or a multiple of "
-                          f"processes, or lower parallel.ep)")
-    if num_experts is not None and num_experts % par.ep:
-        raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
-
 
 def world_size() -> int:
     """The number of processes the launcher (torchrun, deepspeed, srun) started; 1 for python."""
@@ -157,15 +144,14 @@ def check_eval(cfg: Config):
 def check_resume(cfg: Config, world: int):
     """A checkpoint in run.dir must have been written with this layout (conversion: see
     launch/consolidate.py and train.init_weights)."""
-    root = Path(cfg.run.dir) / "checkpoints"
-    steps = sorted(int(d.name[5:]) for d in root.glob("step_*")
-                   if d.name[5:].isdigit() and (d / "meta.json").is_file()) if root.is_dir() else []
-    if not steps:
+    ckpts = CheckpointDir(cfg.run.dir)
+    step = ckpts.latest()
+    if step is None:
         return
-    saved = json.loads((root / f"step_{steps[-1]}" / "meta.json").read_text())["layout"]
-    now = {"world": world, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "etp": cfg.parallel.expert_tp}
+    saved = ckpts.meta(step)["layout"]
+    now = layout_record(cfg.parallel, world)
     if saved != now:
-        raise ConfigError(f"config: parallel: checkpoint {root}/step_{steps[-1]} was written with {saved}, "
+        raise ConfigError(f"config: parallel: checkpoint {ckpts.folder(step)} was written with {saved}, "
                           f"this run is {now} (start a new run.dir from `launch/consolidate.py` "
                           "weights with train.init_weights to change the layout)")
 

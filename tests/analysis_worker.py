@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 import parity  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.parallel import sharding  # noqa: E402
+from megatron_kappa.parallel import groups  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.train import analysis  # noqa: E402
 
@@ -57,8 +58,7 @@ def main(plan_path, out_path):
     results = {case["name"]: run_case(case) for case in torch.load(plan_path, weights_only=False)}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    groups.teardown()  # a barrier, then every group's threads joined before the exit
 
 
 if __name__ == "__main__":

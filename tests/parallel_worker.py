@@ -19,6 +19,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 import parity  # noqa: E402
 from megatron_kappa.parallel import sharding  # noqa: E402
+from megatron_kappa.parallel import groups  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.summary import count  # noqa: E402
 
@@ -35,12 +36,15 @@ def run_case(case):
         sharding.load_full_state_dict(model, case["weights"])
     finally:
         sharding._global_name = global_name
+    # the κ penalty from the loaded weights, before training moves them
+    penalty = parity.kappa_penalty(model, cfg) if cfg.model.kappa.enabled and not case.get("negative") else None
     batches = parity.split_for_rank(parity.global_batch(), ps.get_data_parallel_rank(),
                                     ps.get_data_parallel_world_size())
     losses, grads = parity.train(model, cfg, batches,
                                  skip_expert_data_parallel=case.get("negative") == "skip_edp")
     total = count(model, cfg, numel=sharding.global_numel)["total_params"]
-    return {"losses": losses, "grads": sharding.gather_full(model, grads), "total_params": total}
+    return {"losses": losses, "grads": sharding.gather_full(model, grads), "total_params": total,
+            "kappa_penalty": penalty}
 
 
 def main(plan_path, out_path):
@@ -50,8 +54,7 @@ def main(plan_path, out_path):
         results[case["name"]] = run_case(case)
     if dist.get_rank() == 0:
         torch.save(results, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    groups.teardown()  # a barrier, then every group's threads joined before the exit
 
 
 if __name__ == "__main__":

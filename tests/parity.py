@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, reduce_data_parallel_grads, update_expert_bias
+from megatron_kappa.parallel.groups import current_device
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
 
@@ -82,6 +83,37 @@ def train(model, cfg, micro_batches_per_step, skip_expert_data_parallel=False):
     return losses, grads0
 
 
+def kappa_penalty(model, cfg) -> dict:
+    """The κ L2 penalty as the training loop has it, for l2_reduction mean and sum: its global
+    value (recipe.global_kappa_l2) and the α, b gradients of this rank's penalty × l2_scale after
+    the data-parallel reduction, gathered to the full layout. "mean_no_shards" is the negative
+    control: the mean computed as if the rank held every expert (EP and ETP forgotten).
+    Leaves no .grad behind."""
+    import copy
+
+    from megatron_kappa.model.params import is_kappa
+    from megatron_kappa.parallel.sharding import gather_full
+    from megatron_kappa.train import recipe
+
+    out = {}
+    for name, reduction, ep, etp in (("mean", "mean", None, None), ("sum", "sum", None, None),
+                                     ("mean_no_shards", "mean", 1, 1)):
+        c = copy.deepcopy(cfg)
+        c.model.kappa.l2_reduction = reduction
+        if ep is not None:
+            c.parallel.ep, c.parallel.etp = ep, etp
+        local = recipe.kappa_l2(model, c, torch.device("cpu"))
+        (local * recipe.l2_scale()).backward()
+        reduce_data_parallel_grads(model)
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        full = gather_full(model, grads)
+        out[name] = {"value": recipe.global_kappa_l2(local).item(),
+                     "grads": {n: g for n, g in full.items() if is_kappa(n)}}
+        for p in model.parameters():
+            p.grad = None
+    return out
+
+
 def split_for_rank(batch, dp_rank, dp_size):
     """Each step's global batch cut into dp_size micro-batches; this DP rank's one."""
     return [[step.chunk(dp_size)[dp_rank]] for step in batch]
@@ -93,7 +125,7 @@ def split_for_reference(batch, dp_size):
 
 def build(cfg, seed=5):
     torch.manual_seed(seed)
-    return build_model(cfg)
+    return build_model(cfg, current_device())
 
 
 def run_plan(plan: list, tmp: Path, world: int) -> dict:

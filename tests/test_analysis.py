@@ -249,6 +249,7 @@ def test_parallel_negative_control_is_caught(parallel_runs):
     assert ref.max_rel_gap(got[name]["stats"][0], refs[name]["stats"]) > 1e-2
 
 
+@pytest.mark.slow
 def test_training_run_logs_the_analyses(world1, tmp_path):
     """Through the training loop: the first logged step already has every analysis metric."""
     from megatron_kappa.train.loop import run
@@ -277,3 +278,26 @@ def test_training_run_logs_the_analyses(world1, tmp_path):
         assert table["cos"].double().mean().item() == pytest.approx(last[f"align/layer{i}/mean"], abs=1e-6)
         assert table["alpha"].shape == (4, 256) and table["bias"].shape == (4, 256)
     assert plots.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_kappa_range_reads_the_last_logged_quantiles(tmp_path, capsys):
+    """analysis.kappa_range: per layer, the last logged 5 %/95 % κ quantiles and the band verdict;
+    a run without κ statistics is an error (status 1), not an empty table."""
+    from analysis import kappa_range
+    run = tmp_path / "study/runs/kappa-seed1"
+    run.mkdir(parents=True)
+    rows = [{"step": 10, "kappa/layer1/bottom5": 0.99, "kappa/layer1/top5": 1.01,
+             "kappa/layer2/bottom5": 0.5, "kappa/layer2/top5": 1.5},
+            {"step": 20, "loss": 3.0},
+            {"step": 30, "kappa/layer1/bottom5": 0.8, "kappa/layer1/top5": 1.3,
+             "kappa/layer2/bottom5": 0.95, "kappa/layer2/top5": 1.2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert kappa_range.final_range(run) == {1: (0.8, 1.3), 2: (0.95, 1.2)}
+    assert kappa_range.main([str(tmp_path / "study"), "--json", str(tmp_path / "k.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| kappa-seed1 | 1 | 0.8000 | 1.3000 | yes |" in out
+    assert "| kappa-seed1 | 2 | 0.9500 | 1.2000 | one side |" in out
+    assert json.loads((tmp_path / "k.json").read_text()) == {"kappa-seed1": {"1": [0.8, 1.3], "2": [0.95, 1.2]}}
+    (tmp_path / "study/runs/kappa-seed2").mkdir()
+    (tmp_path / "study/runs/kappa-seed2/metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert kappa_range.main([str(tmp_path / "study")]) == 1

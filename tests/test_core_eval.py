@@ -8,7 +8,6 @@ import json
 import math
 import random
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
@@ -18,13 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `eval` is a folder of the repo, not an installed package
 
-from eval import core as core_cli  # noqa: E402
+from launch import eval_core as core_cli  # noqa: E402
 from megatron_kappa.evaluation import core as ce  # noqa: E402
 from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
 from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
-from toy import ByteTokenizer, TinyCausalLM  # noqa: E402
+from bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 TOK = ByteTokenizer()
@@ -242,6 +240,65 @@ def test_uniform_model_scores_tie_broken_baseline():
         assert {r["n"] for r in result["tasks"]} == ({3} if cap else {5, 6})
 
 
+class FirstTokens:
+    """A uniform model that records each row's first token and length (the BOS rule's witness)."""
+
+    def __init__(self, bos):
+        self.bos, self.rows = bos, []
+
+    def __call__(self, tokens):
+        self.rows += [row.tolist() for row in tokens]
+        return torch.zeros(*tokens.shape, V)
+
+
+@pytest.mark.parametrize("trained_with_bos", [True, False])
+def test_bos_first_exactly_when_the_model_was_trained_with_it(trained_with_bos):
+    """CORE puts BOS before every prompt iff the model's training documents started with BOS
+    (logits_fn.bos, from the run's data.bos); without it no BOS appears anywhere but in padding."""
+    model = FirstTokens(trained_with_bos)
+    result = ce.evaluate_core(model, TOK, BUNDLE, 4096, batch_size=5, progress=False)
+    assert result["bos"] is trained_with_bos and model.rows
+    firsts = {row[0] for row in model.rows}
+    assert (firsts == {TOK.bos}) if trained_with_bos else (TOK.bos not in firsts)
+    if not trained_with_bos:  # BOS is the pad id, so only trailing padding may hold it
+        for row in model.rows:
+            body = row[:len(row) - next((i for i, t in enumerate(reversed(row)) if t != TOK.bos), 0)]
+            assert TOK.bos not in body
+    # Reference: the same prompts by hand, with and without the leading BOS, same scored text.
+    prompts = prompts_at("arc_easy", 0)
+    with_bos = ce.example_sequences("multiple_choice", prompts, TOK, 4096, bos=True)
+    without = ce.example_sequences("multiple_choice", prompts, TOK, 4096, bos=False)
+    for (t1, s1, e1), (t0, s0, e0), p in zip(with_bos, without, prompts):
+        assert t1 == [TOK.bos] + TOK.encode(p) and t0 == TOK.encode(p)
+        assert TOK.decode(t1[s1:e1]) == TOK.decode(t0[s0:e0])
+    # An explicit argument overrides the model's attribute; a plain function defaults to BOS.
+    assert ce.evaluate_core(model, TOK, BUNDLE, 4096, progress=False, bos=True)["bos"] is True
+    assert ce.evaluate_core(uniform, TOK, BUNDLE, 4096, progress=False)["bos"] is True
+
+
+def test_run_records_whether_its_shards_start_with_bos(tmp_path):
+    """data.bos: explicit wins; else the data prep manifest beside the shards (an old manifest
+    without "bos" means no BOS); mock data and manifest-less shards: false; mixed: refused."""
+    from megatron_kappa.config import ConfigError, load_config
+    from megatron_kappa.data.bos import documents_start_with_bos
+    for name, bos in (("a", True), ("b", False), ("old", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({} if bos is None else {"bos": bos}))
+    (tmp_path / "bare").mkdir()
+
+    def answer(*sets):
+        return documents_start_with_bos(load_config(None, list(sets)))
+    assert answer(f"data.paths=[{tmp_path}/a/train_00000]") is True
+    assert answer(f"data.paths=[0.5,{tmp_path}/a/train_00000,0.5,{tmp_path}/a/train_00001]") is True
+    assert answer(f"data.paths=[{tmp_path}/b/train_00000]") is False
+    assert answer(f"data.paths=[{tmp_path}/old/train_00000]") is False
+    assert answer(f"data.paths=[{tmp_path}/bare/train_00000]") is False
+    assert answer("data.mock=true") is False
+    assert answer(f"data.paths=[{tmp_path}/b/train_00000]", "data.bos=true") is True
+    with pytest.raises(ConfigError, match="data.bos"):
+        answer(f"data.paths=[{tmp_path}/a/train_00000]", f"data.valid_paths=[{tmp_path}/b/valid_00000]")
+
+
 def test_centered_accuracy_and_core_by_hand():
     result = ce.evaluate_core(uniform, TOK, BUNDLE, 4096, progress=False)
     centered = {r["task"]: r["centered"] for r in result["tasks"]}
@@ -359,7 +416,7 @@ def test_validation_loss_reads_megatron_shards(tmp_path, capsys):
     model = Bigram()
     from_shards = validation_loss(model, prefixes, TOK, seq_len=9, batch_size=2)
     assert from_shards == pytest.approx(validation_loss(model, DOCS, TOK, seq_len=9, batch_size=2))
-    from eval import loss as loss_cli
+    from launch import eval_loss as loss_cli
     args = loss_cli.parse_args(["--checkpoint", "x", "--data", *prefixes, "--seq-len", "9", "--no-progress"])
     assert loss_cli.run(args, model, TOK, 64)["loss"] == pytest.approx(reference(model, DOCS)[0])
     assert "bits/byte" in capsys.readouterr().out

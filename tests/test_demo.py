@@ -15,7 +15,10 @@ from megatron_kappa.evaluation.loading import load_for_eval, logits_fn_for
 from megatron_kappa.model.build import build_model
 from megatron_kappa.parallel.launch_env import free_port
 from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict
-from megatron_kappa.train.checkpoint import Checkpoints
+from megatron_kappa.checkpoint.store import Checkpoints
+from megatron_kappa.parallel.groups import current_device
+
+pytestmark = pytest.mark.slow  # every test runs or reads the 2-process demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,14 +98,14 @@ def test_checkpoint_evaluates_the_same_with_one_and_two_processes(demo, tmp_path
     out, _ = demo
     port = lambda: str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
-    run(launcher + ["--master_port", port(), "eval/core.py", "--checkpoint", out / "run", "--bundle",
+    run(launcher + ["--master_port", port(), "launch/eval_core.py", "--checkpoint", out / "run", "--bundle",
                     "tests/core_bundle", "--no-progress", "--json", tmp_path / "core2.json"])
     one = json.loads((out / "core.json").read_text())
     two = json.loads((tmp_path / "core2.json").read_text())
     assert [(t["task"], t["n"], t["accuracy"]) for t in one["tasks"]] == \
         [(t["task"], t["n"], t["accuracy"]) for t in two["tasks"]]
     valid = sorted(str(p)[:-4] for p in (out / "data").glob("valid_*.bin"))
-    run(launcher + ["--master_port", port(), "eval/loss.py", "--checkpoint", out / "run", "--data", *valid,
+    run(launcher + ["--master_port", port(), "launch/eval_loss.py", "--checkpoint", out / "run", "--data", *valid,
                     "--no-progress", "--json", tmp_path / "valid2.json"])
     loss1 = json.loads((out / "valid.json").read_text())["loss"]
     loss2 = json.loads((tmp_path / "valid2.json").read_text())["loss"]
@@ -119,7 +122,7 @@ def test_consolidated_weights_negative_control(demo, world1):
     for f in files:
         f["coords"]["ep"][0] = 1 - f["coords"]["ep"][0]
     cfg = load_config(out / "run/config.yaml", ["parallel.ep=1"])
-    swapped = build_model(cfg).eval()
+    swapped = build_model(cfg, current_device()).eval()
     load_full_state_dict(swapped, consolidate([(f["coords"], f["weights"]) for f in files]))
     wrong = logits_fn_for(swapped, cfg.model.vocab_size)(tokens)
     assert (right - wrong).abs().max() > 1e-3
@@ -136,7 +139,7 @@ def test_tensor_parallel_checkpoint_evaluates_the_same_with_one_and_two_processe
                     f"run.dir={run_dir}", "train.steps=2", "parallel.tp=2", "data.mock=true",
                     f"data.tokenizer={out / 'data/tokenizer.model'}", "eval.valid_every=0"])
     valid = sorted(str(p)[:-4] for p in (out / "data").glob("valid_*.bin"))
-    args = ["eval/loss.py", "--checkpoint", run_dir, "--data", *valid, "--no-progress", "--max-tokens", "3000"]
+    args = ["launch/eval_loss.py", "--checkpoint", run_dir, "--data", *valid, "--no-progress", "--max-tokens", "3000"]
     run([sys.executable, *args, "--json", tmp_path / "one.json"])
     run(launcher + ["--master_port", port(), *args, "--json", tmp_path / "two.json"])
     one, two = (json.loads((tmp_path / f).read_text())["loss"] for f in ("one.json", "two.json"))
@@ -150,7 +153,7 @@ def test_consolidate_cli_writes_weights_that_start_a_new_run(demo, tmp_path, wor
     run([sys.executable, "launch/consolidate.py", "--checkpoint", out / "run", "--output", tmp_path / "full.pt"])
     state = torch.load(tmp_path / "full.pt", weights_only=True)
     cfg = load_config(out / "run/config.yaml", ["parallel.ep=1"])
-    model = build_model(cfg).eval()
+    model = build_model(cfg, current_device()).eval()
     load_full_state_dict(model, state)
     tokens = torch.arange(64).reshape(2, 32) * 7 % 2000
     expected, _, _ = load_for_eval(out / "run")

@@ -24,7 +24,7 @@ from megatron_kappa.parallel import groups
 from megatron_kappa.train import loop
 from megatron_kappa.train.data import batch_at, build_datasets
 from simulated_device import SIM, DeviceMixup, SimulatedDevice, on_device
-from toy import ByteTokenizer
+from bench.toy import ByteTokenizer
 
 BUNDLE = "tests/core_bundle"
 STEPS = 3
@@ -117,6 +117,7 @@ def run_steps(cfg, device, state, sim=None):
     return out
 
 
+@pytest.mark.slow
 def test_train_step_metrics_and_evaluation_on_a_non_cpu_device(cfg, on_sim_then_cpu):
     groups.init_distributed(cfg.parallel, cfg.train.seed, cfg.model.moe.num_experts, device="cpu")
     torch.manual_seed(0)

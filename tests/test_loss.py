@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -83,6 +84,7 @@ def tp_worker(rank, port, out, shift):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_vocabulary_matches_one_process(tmp_path):
     logits, target, weights = inputs()
     loss, grad = ours(logits, target, weights)

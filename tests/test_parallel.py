@@ -6,7 +6,6 @@ Every case starts from the reference's weights (α, b nonzero so κ matters from
 experts are grouped GEMMs (the default) except in the cases named "sequential".
 """
 import pytest
-import torch
 
 import parity
 from compare import max_gap, max_rel_grad_error
@@ -62,9 +61,11 @@ def runs(world1, tmp_path_factory):
             parity.init_reference_weights(model)
             weights[key] = {k: v.clone() for k, v in model.state_dict().items()
                             if not k.endswith("_extra_state")}
+            penalty = parity.kappa_penalty(model, cfg) if cfg.model.kappa.enabled else None
             losses, grads = parity.train(model, cfg, parity.split_for_reference(batch, dp_size(layout)))
             refs[key] = {"losses": losses, "grads": gather_full(model, grads),
-                         "total_params": sum(p.numel() for p in model.parameters())}
+                         "total_params": sum(p.numel() for p in model.parameters()),
+                         "kappa_penalty": penalty}
         tp, ep, etp = LAYOUTS[layout]
         plan.append(dict(name=name, layout=dict(tp=tp, ep=ep, etp=etp), model=model_kw,
                          weights=weights[key], negative=negative))
@@ -74,6 +75,7 @@ def runs(world1, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is None])
+@pytest.mark.slow
 def test_parallel_layout_matches_single_process(runs, name):
     ref, got = runs[name]
     assert len(got["losses"]) == parity.STEPS >= 3
@@ -85,7 +87,29 @@ def test_parallel_layout_matches_single_process(runs, name):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is not None])
+@pytest.mark.slow
 def test_negative_controls_break_parity(runs, name):
     ref, got = runs[name]
     loss_gap = max_gap(ref["losses"], got["losses"])
     assert loss_gap > 1e-4 or max_rel_grad_error(ref["grads"], got["grads"]) > 1e-2
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is None and c[2]["kappa"]])
+@pytest.mark.slow
+def test_kappa_penalty_matches_single_process(runs, name):
+    """The κ L2 penalty (l2_reduction mean and sum) and its α, b gradients after the DP
+    reduction equal the single process's from the same weights, in every layout (EP2, TP2 with
+    ETP 2, TP2×EP2 with ETP 1 or 2). Negative control: the mean without the shard count (EP·ETP
+    forgotten) is off by that factor."""
+    ref, got = runs[name]
+    ref, got = ref["kappa_penalty"], got["kappa_penalty"]
+    for reduction in ("mean", "sum"):
+        want = ref[reduction]
+        assert abs(got[reduction]["value"] - want["value"]) <= 1e-6 * abs(want["value"]), reduction
+        assert want["grads"] and max_rel_grad_error(want["grads"], got[reduction]["grads"]) <= 1e-6
+    assert ref["mean_no_shards"]["value"] == pytest.approx(ref["mean"]["value"], rel=1e-6)  # 1 process
+    tp, ep, etp = LAYOUTS[name.split("-")[0]]
+    shards = ep * (etp or tp)
+    bad = got["mean_no_shards"]
+    assert bad["value"] == pytest.approx(shards * ref["mean"]["value"], rel=1e-6) and shards > 1
+    assert max_rel_grad_error(ref["mean"]["grads"], bad["grads"]) > 0.5

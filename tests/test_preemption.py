@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
+from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.train import preemption
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,7 @@ def no_recorded_signal():
     preemption.reset()
 
 
+@pytest.mark.slow
 def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
     """One process: a stop requested before the first step stops the run after its second step
     (one step for the pipelined agreement) with a checkpoint there; running again resumes and
@@ -41,7 +43,7 @@ def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
     base = load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}"])
     torch.manual_seed(3)
     init = tmp_path / "init.pt"
-    torch.save({k: v for k, v in build_model(base).state_dict().items()
+    torch.save({k: v for k, v in build_model(base, current_device()).state_dict().items()
                 if not k.endswith("_extra_state")}, init)
     cfg = lambda d: load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}", f"run.dir={d}",
                                                                   f"train.init_weights={init}"])
@@ -54,7 +56,7 @@ def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
     e = stopped.value
     assert (e.step, e.steps, e.signum) == (2, steps, signal.SIGUSR1)
     assert "stopped at step 2/5 on SIGUSR1" in str(e)
-    from megatron_kappa.train.checkpoint import Checkpoints
+    from megatron_kappa.checkpoint.store import Checkpoints
     assert Checkpoints(tmp_path / "stopped").complete() == [2] and e.checkpoint.name == "step_2"
     assert [s for s, _ in losses(tmp_path / "stopped")] == [1, 2]
 
@@ -93,11 +95,13 @@ def test_handlers_record_instead_of_dying():
 WORKER = r'''
 import json, os, random, signal, sys, time
 sys.path.insert(0, os.environ["KAPPA_ROOT"])
+from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.train import preemption
 preemption.install()
 import torch.distributed as dist
 from megatron_kappa.config import ParallelConfig
 from megatron_kappa.parallel import failures, groups
+from megatron_kappa.parallel.groups import current_device
 mode, out = sys.argv[1], sys.argv[2]
 groups.init_distributed(ParallelConfig(timeout_s=float(os.environ.get("TIMEOUT_S", "60"))), seed=0)
 rank = dist.get_rank()
@@ -153,6 +157,7 @@ def two_ranks(tmp_path, mode, timeout_s=60, **env):
             for r in range(2)]
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_step(tmp_path):
     r0, r1 = two_ranks(tmp_path, "agree")
     assert r1["received"] == signal.SIGUSR1 and r0["received"] == 0  # rank 0 never saw it ...
@@ -160,6 +165,7 @@ def test_ranks_agree_on_the_step(tmp_path):
     assert r0["signum"] == r1["signum"] == signal.SIGUSR1
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
     """Rank 1 sleeps 300 s instead of joining; rank 0 reports within the bound (3 s collective
     timeout, 3 s barrier; 120 s allowed for start-up on a loaded machine)."""
@@ -169,6 +175,7 @@ def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
     assert r0["note"].startswith("a collective failed (")
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_reported(tmp_path):
     r0, _ = two_ranks(tmp_path, "die", TIMEOUT_S="30")
     assert "a rank has died" in r0["note"], r0

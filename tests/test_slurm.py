@@ -194,6 +194,7 @@ def results(text):
                    if line.startswith("RESULT ")), key=lambda r: (r["restart"], r["rank"]))
 
 
+@pytest.mark.slow
 def test_cluster_runs_and_requeues_a_job(cluster, tmp_path):
     """The helper itself: srun tasks, exit codes, scontrol requeue of a running job."""
     script = tmp_path / "job.sh"
@@ -211,6 +212,7 @@ def test_cluster_runs_and_requeues_a_job(cluster, tmp_path):
     assert "start 1" in out and "DUE TO JOB REQUEUE" in out and out.count("task 1/2") == 2
 
 
+@pytest.mark.slow
 def test_pretrain_sbatch_srun(cluster, tmp_path):
     """pretrain.sbatch's srun path with 2 CPU tasks: ranks from Slurm's variables, a gloo
     all-reduce, SIGUSR1 reaching the ranks but not the batch shell, requeue and the run-dir log."""
@@ -247,6 +249,7 @@ def test_pretrain_sbatch_srun(cluster, tmp_path):
     assert "RESULT" in cluster.output(job)     # Slurm's own --output has the same text
 
 
+@pytest.mark.slow
 def test_pretrain_sbatch_deepspeed(cluster, tmp_path):
     """LAUNCHER=deepspeed: the deepspeed runner once, with a hostfile from the node list."""
     entry = tmp_path / "standin.py"
@@ -265,6 +268,7 @@ def test_pretrain_sbatch_deepspeed(cluster, tmp_path):
         assert r["argv"][-2:] == ["--set", f"run.dir={run_dir}"]
 
 
+@pytest.mark.slow
 def test_eval_sbatch(cluster, tmp_path):
     entry = tmp_path / "ev.py"
     entry.write_text("import os, sys\nos.write(1, f\"EVAL {os.environ['SLURM_PROCID']} "
@@ -282,6 +286,7 @@ def test_eval_sbatch(cluster, tmp_path):
     assert "nosuch not found" in cluster.output(bad)
 
 
+@pytest.mark.slow
 def test_cleanup_leaves_nothing_and_spares_other_clusters(cluster, tmp_path):
     """A second cluster beside the module's: stopped by an exception with a job running, it
     leaves no process behind, and the first cluster goes on working."""

@@ -15,6 +15,8 @@ import pytest
 from compare import max_gap
 from megatron_kappa.config import load_config
 
+pytestmark = pytest.mark.slow  # every test runs jobs on the Slurm cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import FINAL_STATES  # noqa: E402

@@ -97,6 +97,7 @@ def runs(world1, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES if c[3] is None])
+@pytest.mark.slow
 def test_softmoe_parallel_layout_matches_single_process(runs, name):
     ref, got = runs[name]
     assert len(got["losses"]) == parity.STEPS >= 3
@@ -109,6 +110,7 @@ def test_softmoe_parallel_layout_matches_single_process(runs, name):
     assert (counts[:, : 3 + 1] > 0).sum() >= 6 and counts[:, -1].sum() > 0, counts
 
 
+@pytest.mark.slow
 def test_softmoe_negative_control_breaks_parity(runs):
     ref, got = runs["ep2-kappa-alltoall-NEG-theta"]
     assert max_gap(ref["losses"], got["losses"]) > 1e-5
@@ -122,6 +124,7 @@ def on_sim_then_cpu(world1):
     test_device.fresh_process_caches()
 
 
+@pytest.mark.slow
 def test_training_steps_on_a_simulated_device(tmp_path, on_sim_then_cpu):
     cfg = load_config("configs/tiny.yaml", [
         f"run.dir={tmp_path}", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
@@ -138,6 +141,7 @@ def test_training_steps_on_a_simulated_device(tmp_path, on_sim_then_cpu):
     assert on_sim["step_syncs"] == [], on_sim["step_syncs"]
 
 
+@pytest.mark.slow
 def test_budgets_move_while_their_mean_stays(tmp_path):
     """A short CPU run: k_l leave the uniform allocation, Σ_l k_l / L stays the budget, and the
     allocation figure is drawn from the finished run."""

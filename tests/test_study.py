@@ -15,6 +15,8 @@ import pytest
 
 from analysis import study_table
 
+pytestmark = pytest.mark.slow  # every test launches studies of several runs
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
 

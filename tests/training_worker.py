@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_kappa.parallel import engine  # noqa: E402
+from megatron_kappa.parallel import engine, groups  # noqa: E402
 from megatron_kappa.train import loop  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 
@@ -37,6 +37,7 @@ def main(plan_path):
         log = (lambda *a, **k: print(*a, flush=True)) if case.get("log") else (lambda *a, **k: None)
         loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=log)
     engine.wire_experts = wire
+    groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit
 
 
 if __name__ == "__main__":

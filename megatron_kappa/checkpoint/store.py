@@ -24,18 +24,13 @@ import json
 import os
 import random
 import shutil
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-
-def _atomic_write_text(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from megatron_kappa.checkpoint.listing import CheckpointDir, atomic_write_text
 
 
 def rng_state(device: torch.device) -> dict:
@@ -69,28 +64,8 @@ def _deepspeed_without_module_copy(engine):
         del engine.module_state_dict
 
 
-class Checkpoints:
-    def __init__(self, run_dir: str | Path, keep: int = 1):
-        self.root = Path(run_dir) / "checkpoints"
-        self.tmp = self.root / ".tmp"
-        self.keep = keep
-
-    def complete(self) -> list[int]:
-        """Steps of the fully written checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted(int(d.name[5:]) for d in self.root.glob("step_*")
-                      if d.name[5:].isdigit() and (d / "meta.json").is_file())
-
-    def latest(self) -> int | None:
-        done = self.complete()
-        return done[-1] if done else None
-
-    def folder(self, step: int) -> Path:
-        return self.root / f"step_{step}"
-
-    def meta(self, step: int) -> dict:
-        return json.loads((self.folder(step) / "meta.json").read_text())
+class Checkpoints(CheckpointDir):
+    """The checkpoints of a run: the listing, plus saving and loading through a DeepSpeed engine."""
 
     def rank_files(self, step: int, map_location="cpu") -> list[dict]:
         """Every rank's file of a checkpoint (offline; no process group needed)."""
@@ -116,7 +91,7 @@ class Checkpoints:
             final = self.folder(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
-            _atomic_write_text(self.root / "latest", tag + "\n")
+            atomic_write_text(self.root / "latest", tag + "\n")
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(self.folder(old), ignore_errors=True)
         dist.barrier()

@@ -2,7 +2,7 @@
 
 `load_for_eval(run_dir)` rebuilds the model from the run's config.yaml on this process's device
 and loads the latest checkpoint: under the training layout (same world size, e.g.
-`deepspeed eval/core.py ...`) each rank loads its own weights from their owners' files; otherwise
+`deepspeed launch/eval_core.py ...`) each rank loads its own weights from their owners' files; otherwise
 (e.g. one process) the full weights are consolidated from every rank's file and loaded into a
 layout without model parallelism.
 """
@@ -20,12 +20,14 @@ from megatron_kappa.config import ConfigError, ParallelConfig, load_config
 from megatron_kappa.model.build import build_model, moe_layer_pattern
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict, load_local_state, local_state
-from megatron_kappa.train.checkpoint import Checkpoints
+from megatron_kappa.checkpoint.store import Checkpoints
 
 
-def logits_fn_for(model, vocab_size: int | None = None):
+def logits_fn_for(model, vocab_size: int | None = None, bos: bool = True):
     """tokens [B, T] → full-vocabulary logits [B, T, V] (TP-gathered, vocab padding cut off).
-    The function's `.device` is the model's: callers send their token batches there."""
+    The function's `.device` is the model's: callers send their token batches there. Its `.bos`
+    says whether the model was trained on documents that start with BOS (the run's data.bos):
+    CORE puts BOS before its prompts exactly then."""
     tp = ps.get_tensor_model_parallel_world_size()
     vocab = vocab_size or model.vocab_size
     device = next(model.parameters()).device
@@ -43,6 +45,7 @@ def logits_fn_for(model, vocab_size: int | None = None):
         return logits[:, :length, :vocab].float()
 
     logits_fn.device = device
+    logits_fn.bos = bool(bos)
     return logits_fn
 
 
@@ -85,8 +88,11 @@ def load_model_for_eval(run_dir: str | Path):
         load_local_state(model, state)
     else:
         load_full_state_dict(model, consolidated_state(run_dir))
-    model.eval()
-    return logits_fn_for(model, cfg.model.vocab_size), cfg
+    model.eval()  # also selects eval.capacity_factor (megatron_kappa.model.capacity)
+    # Runs from before data.bos was recorded: the manifests beside their shards, else no BOS.
+    from megatron_kappa.data.bos import documents_start_with_bos
+    cfg.data.bos = documents_start_with_bos(cfg)
+    return logits_fn_for(model, cfg.model.vocab_size, cfg.data.bos), cfg
 
 
 def consolidated_state(run_dir: str | Path) -> dict:

@@ -18,6 +18,7 @@ megatron_kappa.parallel.failures).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -27,7 +28,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_kappa.config import ConfigError, ParallelConfig
 from megatron_kappa.parallel import compat, launch_env
-from megatron_kappa.preflight import check_layout
+from megatron_kappa.parallel.layout import check_layout
 
 DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"
 _device: torch.device | None = None
@@ -140,8 +141,30 @@ def control_group() -> dist.ProcessGroup:
     return _control[1]
 
 
-def teardown():
+def teardown(peers_alive: bool = True):
+    """Leave every process group before the process exits; call it last, with the model and the
+    engine already dropped by the caller.
+
+    torch's destroy_process_group only unregisters a gloo group: its C++ object (worker threads,
+    the TCP pairs to every peer and their event loop) lives as long as a Python reference does.
+    Megatron's parallel state, our control group and every megatron module keep such references
+    in module globals, so without this the groups were destroyed while the interpreter shut
+    down, racing the C++ runtime's own teardown: now and then a rank died with SIGABRT
+    ("terminate called without an active exception") after its work had finished. Here the
+    references go first and a garbage collection destroys the groups (joining their threads)
+    while everything is alive.
+
+    `peers_alive`: every rank reached this point (normal end): a barrier first, so no rank closes
+    its connections while a peer still waits on one of them. After a failure, no barrier."""
+    global _control
+    if dist.is_initialized() and peers_alive and dist.get_world_size() > 1:
+        try:
+            dist.barrier(group=control_group())
+        except RuntimeError:  # a peer already gone (it failed after all): nobody left to wait for
+            pass
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _control = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

@@ -1,20 +1,24 @@
 """Model summary without allocating weights: parameters, active parameters, N_eff, token budget.
 
     python -m megatron_kappa.summary --config configs/moe8.yaml [--json] [--set key=value ...]
+    python -m megatron_kappa.summary --config configs/moe8.yaml --optimizer   # the parameter groups
+    python -m megatron_kappa.summary --paper      # the 8 paper configs beside the paper's numbers
 
-N_eff follows the paper's Appendix 8: N_eff = N_shared + N_attn + N_MLP(all experts) · sqrt(k / E),
-where we count as N_shared everything used by every token outside attention (embeddings, output
-layer, norms, dense MLPs, routers) and as N_MLP the routed experts including κ's α and b.
-The paper's token budget is 5 × N_eff.
+(The command line is summary/__main__.py; this module counts.)
+
+N_eff follows the paper's Appendix 8, N_eff = N_shared + N_attn + N_MLP(all experts) · sqrt(k / E),
+counted as the authors' code counts it (askerlee/kappa-swiglu 02b8de3, nanochat/gpt.py
+get_moe_adjusted_scaling_params): every parameter of the transformer blocks and the output layer,
+not the input embedding, with the routed experts (κ's α and b included) at sqrt(k / E). The
+authors switch that discount off when a model has fewer than num_layers / 5 MoE layers
+(scripts/base_train.py, line 455): the sandwich models are counted in full (train.budget_discount).
+The token budget is train.tokens_per_param (5) × N_eff; steps = budget // tokens per step.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 
-from megatron_kappa.config import Config, ConfigError, load_config
+from megatron_kappa.config import Config
 from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.model.params import is_embedding_or_output, is_expert, is_router
 
@@ -33,27 +37,49 @@ def _category(name: str) -> str:
     return "norm"
 
 
+def uses_discount(cfg: Config) -> bool:
+    """Whether N_eff counts the routed experts at sqrt(k / E): train.budget_discount, or when it is
+    null the authors' rule: only with at least num_layers / 5 MoE layers (scripts/base_train.py, line 455)."""
+    moe_layers = sum(moe_layer_pattern(cfg))
+    if not moe_layers:
+        return False
+    if cfg.train.budget_discount is not None:
+        return cfg.train.budget_discount
+    return moe_layers >= cfg.model.num_layers / 5
+
+
+def n_eff(by: dict, input_embedding: int, ratio: float, discount: bool) -> float:
+    """The authors' scaling parameters: all but the input embedding, experts at sqrt(k/E) if `discount`."""
+    rest = sum(by.values()) - by["experts"] - input_embedding
+    return rest + by["experts"] * (math.sqrt(ratio) if discount else 1.0)
+
+
 def count(model, cfg: Config, numel=lambda name, p: p.numel()) -> dict:
     """Parameter counts by category and the derived totals. On a sharded model pass
     `numel=megatron_kappa.parallel.sharding.global_numel` to count the full model."""
     by = {k: 0 for k in ("embedding", "attention", "dense_mlp", "router", "experts", "norm")}
+    input_embedding = 0
     for name, p in model.named_parameters():
         by[_category(name)] += numel(name, p)
+        if "word_embeddings" in name:
+            input_embedding += numel(name, p)
     total = sum(by.values())
     k, E = cfg.model.moe.active_experts, cfg.model.moe.num_experts  # SoftMoE: the budget
     has_moe = any(moe_layer_pattern(cfg))
     ratio = k / E if has_moe else 1.0
-    n_shared = by["embedding"] + by["norm"] + by["dense_mlp"] + by["router"]
-    n_eff = n_shared + by["attention"] + by["experts"] * math.sqrt(ratio)
-    tokens = 5 * n_eff
+    discount = uses_discount(cfg)
+    neff = n_eff(by, input_embedding, ratio, discount)
+    tokens = int(cfg.train.tokens_per_param * neff)  # the authors' int(ratio × params)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
     return {
         "total_params": total,
         "active_params_per_token": int(round(total - by["experts"] + by["experts"] * ratio)),
-        "n_eff": int(round(n_eff)),
-        "token_budget": int(round(tokens)),
-        "steps_for_budget": math.ceil(tokens / tokens_per_step),
+        "n_eff": int(round(neff)),
+        "expert_discount": discount,
+        "token_budget": tokens,
+        "steps_for_budget": max(1, tokens // tokens_per_step),  # the authors floor it
         "tokens_per_step": tokens_per_step,
+        "input_embedding": input_embedding,
         "by_category": by,
         "layout": ["moe" if m else "dense" for m in moe_layer_pattern(cfg)],
         "experts": E if has_moe else 0, "topk": k if has_moe else 0,
@@ -70,7 +96,48 @@ def summarize(cfg: Config) -> dict:
     # The summary describes the whole model: build it unsharded, as one rank would hold it.
     unsharded = Config(**{**cfg.__dict__, "parallel": ParallelConfig()})
     init_distributed(unsharded.parallel, cfg.train.seed)
-    return count(build_model(unsharded, meta=True), cfg)
+    s = count(build_model(unsharded, meta=True), cfg)
+    if any(moe_layer_pattern(cfg)):
+        # The reference is counted with the target's discount decision, as the authors do.
+        ref = reference_d12(unsharded)
+        by_ref = count(build_model(ref, meta=True), ref)
+        ref_neff = n_eff(by_ref["by_category"], by_ref["input_embedding"],
+                         cfg.model.moe.active_experts / cfg.model.moe.num_experts if sum(moe_layer_pattern(ref)) else 1.0,
+                         s["expert_discount"])
+        tokens = auto_batch_tokens(s["token_budget"], ref_neff, cfg.train.tokens_per_param)
+        s["auto_batch_tokens"] = tokens
+        s["auto_global_batch"] = max(1, tokens // cfg.model.seq_length)
+    return s
+
+
+# The authors' automatic batch size (scripts/base_train.py, lines 831-843: "Power Lines",
+# arXiv 2505.13738, B_opt ∝ D^0.383): 2^19 tokens was measured best for their depth-12 model, and
+# B = 2^round(log2(2^19 · (D / D_ref)^0.383)) with D_ref = 5 × N_eff of that depth-12 model built
+# with the same MoE arguments (build_model_meta(12)).
+B_REF_TOKENS = 2 ** 19
+BATCH_EXPONENT = 0.383
+
+
+def reference_d12(cfg: Config) -> Config:
+    """The authors' depth-12 reference: width ceil(12·96/128)·128 = 1152, head dim 128, hidden
+    4·d, and the same --moe-start-layer / --num-moe-layers: layout moe (all layers from
+    first_dense on) stays so; a sandwich (two MoE layers from the middle of `cfg`) keeps those of
+    its MoE layers that fall below layer 12, so Sandwich-28L's layers 13, 14 leave a dense model."""
+    import dataclasses
+    pattern = moe_layer_pattern(cfg)
+    moe_below = max(0, 12 - cfg.model.first_dense) if cfg.model.layout == "moe" else sum(pattern[:12])
+    d = math.ceil(12 * 96 / 128) * 128
+    layout = {"layout": "moe", "first_dense": 12 - moe_below} if moe_below else {"layout": "dense"}
+    model = dataclasses.replace(cfg.model, num_layers=12, hidden_size=d, num_attention_heads=d // 128,
+                                ffn_hidden_size=4 * d, **layout,
+                                moe=dataclasses.replace(cfg.model.moe, ffn_hidden_size=None))
+    return dataclasses.replace(cfg, model=model)
+
+
+def auto_batch_tokens(budget_tokens: int, reference_n_eff: float, tokens_per_param: float) -> int:
+    """Tokens per optimizer step by the authors' rule, a power of two."""
+    ratio = budget_tokens / (tokens_per_param * reference_n_eff)
+    return 2 ** round(math.log2(B_REF_TOKENS * ratio ** BATCH_EXPONENT))
 
 
 def _fmt(n: float) -> str:
@@ -85,29 +152,49 @@ def render(s: dict) -> str:
     return "\n".join([
         f"total parameters        {_fmt(s['total_params'])}  ({s['total_params']:,})",
         f"active per token        {_fmt(s['active_params_per_token'])}  (top-{s['topk']} of {s['experts']} experts)",
-        f"N_eff (Appendix 8)      {_fmt(s['n_eff'])}",
-        f"token budget 5 × N_eff  {_fmt(s['token_budget'])} tokens = {s['steps_for_budget']:,} steps of {s['tokens_per_step']:,}",
+        f"N_eff (Appendix 8)      {_fmt(s['n_eff'])}  (all but the input embedding, as the authors count)",
+        f"token budget 5 × N_eff  {_fmt(s['token_budget'])} tokens = {s['steps_for_budget']:,} steps of {s['tokens_per_step']:,}"
+        f"  (experts at {'√(k/E)' if s['expert_discount'] else 'full count'})",
+        *([f"authors' auto batch     {s['auto_batch_tokens']:,} tokens = {s['auto_global_batch']} sequences"]
+          if "auto_batch_tokens" in s else []),
         f"layers (d dense, M MoE) {layout}",
         f"experts                 {'κ-SwiGLU' if s['kappa'] else 'SwiGLU'}",
         "by category             " + ", ".join(f"{k} {_fmt(v)}" for k, v in s["by_category"].items()),
     ])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_kappa.summary", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    s = summarize(cfg)
-    print(json.dumps(s, indent=2) if args.json else render(s))
-    return 0
+# The paper's reported sizes (its summary; docs/recipe.md, "Data, token budget and capacity"):
+# None = not reported. Where a config differs by more than 5 %, PAPER_DIFFERENCES says why.
+PAPER = {
+    "moe8": {"total_params": 2.7e9, "active_params_per_token": 269e6, "token_budget": 2.7e9},
+    "sandwich28": {"total_params": 3.3e9, "active_params_per_token": 849e6, "token_budget": 14.2e9},
+}
+PAPER_CONFIGS = [f"moe{n}" for n in (8, 10, 12, 14)] + [f"sandwich{n}" for n in (16, 20, 24, 28)]
+PAPER_DIFFERENCES = {
+    ("moe8", "active_params_per_token"): "the paper's count includes nanochat's value embeddings "
+                                         "(4 × 25 M), which this project's model does not have",
+    ("sandwich28", "token_budget"): "the sandwich widths are not published; this config's width "
+                                    "matches the paper's total and active counts, and the authors' "
+                                    "rule (no discount below num_layers / 5 MoE layers) then gives "
+                                    "16.3 B; 14.2 B would need N_eff 2.84 B",
+}
+_COLUMNS = (("total_params", "total"), ("active_params_per_token", "active"), ("n_eff", "N_eff"),
+            ("token_budget", "tokens"))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def paper_table(rows: dict) -> str:
+    """`rows`: config name → summarize() result. Each number beside the paper's, where reported."""
+    out = ["config       " + "  ".join(f"{title:>8} (paper)" for _, title in _COLUMNS)
+           + "  discount  auto batch  config batch"]
+    for name, s in rows.items():
+        cells = []
+        for key, _ in _COLUMNS:
+            ref = PAPER.get(name, {}).get(key)
+            cells.append(f"{_fmt(s[key]):>8} ({_fmt(ref) if ref else 'n/r'})")
+        auto = s.get("auto_batch_tokens")
+        out.append(f"{name:<12} " + "  ".join(f"{c:<16}" for c in cells)
+                   + f"  {'√(k/E)' if s['expert_discount'] else 'off':<8}  "
+                   + (f"2^{auto.bit_length() - 1:<9}" if auto else f"{'-':<11}") + f" {s['tokens_per_step']:,}")
+    out.append("n/r: not reported by the paper. Differences over 5 %: "
+               + "; ".join(f"{n} {k}: {why}" for (n, k), why in PAPER_DIFFERENCES.items()))
+    return "\n".join(out)

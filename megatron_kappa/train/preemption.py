@@ -24,7 +24,7 @@ launch/slurm/pretrain.sbatch requeues its own job after a warning (`scontrol req
 job allows it); on SIGTERM, Slurm itself decides (a requeue or a preemption in REQUEUE mode comes
 back, a scancel does not). Anywhere else: run the same command again, it resumes from the
 checkpoint. A run killed without warning (SIGKILL, a node failure) resumes from its last
-periodic checkpoint: checkpoints are atomic (megatron_kappa.train.checkpoint).
+periodic checkpoint: checkpoints are atomic (megatron_kappa.checkpoint.store).
 """
 from __future__ import annotations
 

@@ -1,0 +1,26 @@
+"""A parallel layout (TP, EP, ETP over a world of ranks): whether it can be built, and the record
+of it that checkpoints keep (a resume must use the same one).
+
+Torch-free: the preflight checks a layout before any process group or heavy import exists.
+"""
+from __future__ import annotations
+
+from megatron_kappa.config import ConfigError, ParallelConfig
+
+
+def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None):
+    """One-line errors for a layout that cannot be built on `world` ranks."""
+    etp = par.expert_tp
+    if world % par.tp:
+        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp={par.tp}")
+    if world % (etp * par.ep):
+        raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
+                          f"ep × etp = {par.ep} × {etp} (start {par.ep * etp} or a multiple of "
+                          f"processes, or lower parallel.ep)")
+    if num_experts is not None and num_experts % par.ep:
+        raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
+
+
+def layout_record(par: ParallelConfig, world: int) -> dict:
+    """The layout as checkpoints record it (meta.json "layout") and resumes compare it."""
+    return {"world": world, "tp": par.tp, "ep": par.ep, "etp": par.expert_tp}

@@ -87,7 +87,8 @@ def compile_all(which: str, archs):
                     compiled = triton.compile(
                         ASTSource(fn=v["kernel"], signature=v["signature"], constexprs=v["constexprs"],
                                   attrs=v["attrs"]),
-                        target=GPUTarget("cuda", arch, 32), options={"num_warps": v["num_warps"]})
+                        target=GPUTarget("cuda", arch, 32),
+                        options={"num_warps": v["num_warps"], **({"maxnreg": v["maxnreg"]} if v.get("maxnreg") else {})})
                 if not compiled.asm.get("cubin"):
                     result["error"] = "no cubin"
             except Exception as err:  # noqa: BLE001 - reported, the parent fails the test

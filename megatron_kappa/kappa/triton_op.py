@@ -49,10 +49,15 @@ from megatron_kappa.kappa.triton_guard import (  # noqa: F401 (KappaKernelError,
     MAX_BLOCK_F, MAX_BLOCK_N, MAX_NUM_WARPS, MAX_TILE_PER_THREAD, KappaKernelError, check_tiles,
     failure_message, power_of_2)
 
-# Tile defaults, not timed yet: [8, 128] with 4 warps gives 16-byte bf16 loads, and ptxas (sm_90)
-# puts the grouped backward at 128 registers without spills (4 programs per SM); larger tiles
-# spill or halve the programs per SM.
+# Tile defaults, not timed yet: [8, 128] with 4 warps gives 16-byte bf16 loads.
 BLOCK_N, BLOCK_F, NUM_WARPS = 8, 128, 4
+# Registers per thread of the main kernel (ptx .maxnreg). Left to itself, ptxas held two grouped
+# backward variants in bf16 at 96-128 registers on sm_80 and spilled 24 and 36 bytes (the default
+# tile; the largest allowed one); 8 warps or _BLOCK_E 32 moved spills to sm_90 variants instead
+# (tests/test_kappa_aot.py). At 160 no variant spills on sm_80 or sm_90 (at 136 some still do),
+# and 3 programs of 128 threads fit an SM's 64K registers; uncapped, ptxas takes up to 188 (2
+# programs). Not timed on a GPU yet.
+MAX_REGISTERS = 160
 _TARGET_PROGRAMS = 4096  # programs per pass to aim for: a few per SM slot on an H200 (132 SMs)
 _REDUCE_BLOCK_C, _REDUCE_NUM_WARPS = 16, 4
 _BLOCK_E = 64  # experts' row offsets read per step when locating a chunk's experts
@@ -247,12 +252,13 @@ def _empty(shape, dtype, device):
 _record = None  # launch_variants() sets this to collect launches instead of running them
 
 
-def _run(kernel, grid, args, constexprs, num_warps, cfg):
+def _run(kernel, grid, args, constexprs, num_warps, cfg, maxnreg=None):
     if _record is not None:
-        _record(kernel, args, constexprs, num_warps)
+        _record(kernel, args, constexprs, num_warps, maxnreg)
         return
+    limits = {"maxnreg": maxnreg} if maxnreg else {}  # (the interpreter ignores it)
     try:
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        kernel[grid](*args, **constexprs, num_warps=num_warps, **limits)
     except Exception as err:  # noqa: BLE001 - any failure here means: this machine cannot run it
         raise KappaKernelError(failure_message(err, args[0].device, cfg["backend"])) from err
 
@@ -276,7 +282,7 @@ def _launch(cfg, gate, up, logit, alpha, bias, offsets, h=None, dh=None, d_gate=
         HAS_A=alpha is not None, HAS_B=bias is not None, GROUPED=offsets is not None,
         BACKWARD=backward, NEED_DLOGIT=dlogit_part is not None, NEED_DA=da_part is not None,
         NEED_DB=db_part is not None, BLOCK_N=cfg["block_n"], BLOCK_F=cfg["block_f"], BLOCK_E=_BLOCK_E)
-    _run(_kappa_swiglu_kernel, grid, args, constexprs, NUM_WARPS, cfg)
+    _run(_kappa_swiglu_kernel, grid, args, constexprs, NUM_WARPS, cfg, MAX_REGISTERS)
 
 
 class _KappaSwiGLUTriton(torch.autograd.Function):
@@ -382,7 +388,7 @@ _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 
 def launch_variants(dtypes=DTYPES, tiles=((BLOCK_N, BLOCK_F),), f: int = 2 * MAX_BLOCK_F):
     """Every kernel variant the launch code above produces, for ahead-of-time compile checks: a
-    list of dicts (kernel, signature, constexprs, attrs, num_warps) as `triton.compile(ASTSource(
+    list of dicts (kernel, signature, constexprs, attrs, num_warps, maxnreg) as `triton.compile(ASTSource(
     ...))` takes them. Found by running this module's own forward and backward on meta tensors
     for each dtype, tile, α/b ablation, grouping and set of inputs wanting gradients, with each
     launch recorded instead of run, so the list follows the code. gate and up are the halves
@@ -392,7 +398,7 @@ def launch_variants(dtypes=DTYPES, tiles=((BLOCK_N, BLOCK_F),), f: int = 2 * MAX
     global _record
     found = {}
 
-    def record(kernel, args, constexprs, num_warps):
+    def record(kernel, args, constexprs, num_warps, maxnreg):
         names = kernel.arg_names
         signature = {name: "*" + _TRITON_TYPES[a.dtype] if isinstance(a, torch.Tensor) else
                      "fp32" if isinstance(a, float) else "i32" for name, a in zip(names, args)}
@@ -400,10 +406,11 @@ def launch_variants(dtypes=DTYPES, tiles=((BLOCK_N, BLOCK_F),), f: int = 2 * MAX
             a.storage_offset() * a.element_size() % 16 == 0 if isinstance(a, torch.Tensor)
             else isinstance(a, int) and a % 16 == 0)]
         signature.update({k: "constexpr" for k in constexprs})
-        key = (kernel.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(aligned), num_warps)
+        key = (kernel.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(aligned), num_warps,
+               maxnreg)
         found.setdefault(key, dict(kernel=kernel, signature=signature, constexprs=dict(constexprs),
                                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-                                   num_warps=num_warps))
+                                   num_warps=num_warps, maxnreg=maxnreg))
 
     n, e = 64, 3
     _record = record

@@ -43,6 +43,20 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _MARKS)
 
 
+def where(message: str) -> str:
+    """" (on node2: ranks 2, 3)" for the ranks a monitored-barrier message names
+    ("Ranks 2, 3 failed to pass monitoredBarrier"), from the host names gathered at start."""
+    hosts = groups.rank_hosts()
+    m = re.search(r"Ranks? ([\d, ]+) failed", message)
+    if not hosts or not m:
+        return ""
+    ranks = [int(r) for r in re.findall(r"\d+", m.group(1)) if int(r) < len(hosts)]
+    on = {}
+    for r in ranks:
+        on.setdefault(hosts[r], []).append(str(r))
+    return "".join(f" (on {h}: rank{'s' if len(rs) > 1 else ''} {', '.join(rs)})" for h, rs in on.items())
+
+
 def unresponsive_ranks(timeout_s: float) -> str:
     """Rank 0 waits up to `timeout_s` for every rank at a barrier on the control group; what it
     (or, on the other ranks, their exchange with rank 0) found, as one line."""
@@ -52,7 +66,7 @@ def unresponsive_ranks(timeout_s: float) -> str:
     except RuntimeError as e:
         found = _short(str(e)) or type(e).__name__
         if "monitoredbarrier" in found.lower():
-            return found
+            return found + where(found)
         return (f"a peer closed its connection ({found}): a rank has died; the launcher names it "
                 "(srun: 'task N')")
     return "every rank answered a barrier afterwards: a transient network error, or a rank that " \

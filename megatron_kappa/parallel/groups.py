@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_kappa.config import ConfigError, ParallelConfig
-from megatron_kappa.parallel import compat, launch_env
+from megatron_kappa.parallel import compat, launch_env, network
 from megatron_kappa.parallel.layout import check_layout
 
 DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"
@@ -60,7 +61,9 @@ def init_process_group(device: torch.device, timeout_s: float | None = None) -> 
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-    if launch_env.export_environment() is not None:  # deepspeed, torchrun, srun
+    found = launch_env.export_environment()
+    if found is not None:  # deepspeed, torchrun, srun
+        network.export_socket_interface(found)  # not loopback when the hosts name themselves 127.0.1.1
         if device.type == "cuda":
             torch.cuda.set_device(device)
             # a timed-out or failed NCCL collective takes the process down (the launcher then
@@ -132,13 +135,22 @@ def control_group() -> dist.ProcessGroup:
     device, so its messages never wait for the GPU's queue, and apart from the training groups,
     so an asynchronous message there never interleaves with theirs. Made on the first call after
     the default group exists (a collective call: every rank makes it at the same point), with the
-    timeout of the last `init_distributed`."""
+    timeout of the last `init_distributed`. Its first message is every rank's host name
+    (`rank_hosts`), so that a failure later can say where the ranks that stopped answering run."""
     global _control
     world = dist.group.WORLD
     if _control is None or _control[0] is not world:
         timeout = datetime.timedelta(seconds=_timeout_s) if _timeout_s else None
-        _control = (world, dist.new_group(backend="gloo", timeout=timeout))
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        _control = (world, group, hosts)
     return _control[1]
+
+
+def rank_hosts() -> list[str] | None:
+    """Each rank's host name, gathered when the control group was made (None before)."""
+    return _control[2] if _control is not None else None
 
 
 def teardown(peers_alive: bool = True):

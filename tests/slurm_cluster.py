@@ -133,6 +133,45 @@ def _parse_show(text: str) -> dict:
     return out
 
 
+def shared_settings(r: Path, kill_wait: int, requeue_delay: int, spool: str = "spool") -> str:
+    """slurm.conf lines every test cluster has: auth/none, root daemons, state and logs under `r`
+    (a pid and log file per node: %n; `spool` short: slurmstepd's socket path in it must stay
+    under 108 bytes), no cgroups, no accounting, requeue allowed, a scheduler that looks every
+    second."""
+    return f"""\
+AuthType=auth/none
+# cred_expire: credential lifetime, and how long a requeued job is held (default 120 s)
+AuthInfo=cred_expire={requeue_delay}
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/{spool}
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd-%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+# finished jobs stay visible to `scontrol show job` (no sacct without accounting)
+MinJobAge=86400
+JobRequeue=1
+KillWait={kill_wait}
+InactiveLimit=0
+SchedulerParameters=sched_interval=1
+"""
+
+
 class SlurmCluster:
     """Handle on a running test cluster: its environment and a few job helpers."""
 
@@ -168,37 +207,7 @@ SlurmctldHost={_HOST}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
-AuthType=auth/none
-# cred_expire: credential lifetime, and how long a requeued job is held (default 120 s)
-AuthInfo=cred_expire={self.requeue_delay}
-CredType=cred/none
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
-SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
-SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-ReturnToService=2
-MpiDefault=none
-JobCompType=jobcomp/none
-AccountingStorageType=accounting_storage/none
-# finished jobs stay visible to `scontrol show job` (no sacct without accounting)
-MinJobAge=86400
-JobRequeue=1
-KillWait={self.kill_wait}
-InactiveLimit=0
-SchedulerParameters=sched_interval=1
-NodeName={_HOST} NodeHostname={_HOST} NodeAddr=127.0.0.1 CPUs={self.ncpus} RealMemory={mem} State=UNKNOWN
+{shared_settings(r, self.kill_wait, self.requeue_delay)}NodeName={_HOST} NodeHostname={_HOST} NodeAddr=127.0.0.1 CPUs={self.ncpus} RealMemory={mem} State=UNKNOWN
 PartitionName=debug Nodes={_HOST} Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -253,15 +262,14 @@ PartitionName=debug Nodes={_HOST} Default=YES MaxTime=INFINITE State=UP
         raise SlurmError(f"no free ports after {tries} tries\n{self._log_tail()}")
 
     def _stop_daemons(self, timeout: float = 15):
-        for name in ("slurmd", "slurmctld"):
-            p = self._procs.get(name)
-            if p is not None and p.poll() is None:
+        names = list(reversed(self._procs))  # the last started first: slurmd before slurmctld
+        for name in names:
+            p = self._procs[name]
+            if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     p.terminate()
-        for name in ("slurmd", "slurmctld"):
-            p = self._procs.pop(name, None)
-            if p is None:
-                continue
+        for name in names:
+            p = self._procs.pop(name)
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -106,6 +106,10 @@ kappa_requeue() {
     fi
 }
 
+# Variables passed to the ranks the deepspeed runner starts on other nodes (one word values only:
+# the runner writes `export NAME=VALUE;` unquoted).
+KAPPA_DS_ENV='^(DS_ACCELERATOR|MEGATRON_KAPPA_[A-Z_]+|OMP_NUM_THREADS|TORCH[A-Z_]*|TRITON_[A-Z_]+|GLOO_[A-Z_]+|CUDA_[A-Z_]+|HF_[A-Z_]+|KAPPA_RUN_DIR)=[^ ]*$'
+
 # Run "$@" (a Python script and its arguments) on every rank and return its status.
 #   LAUNCHER=srun (default): one srun task per GPU (per --ntasks-per-node), all on the job's
 #     nodes; each task finds its rank in SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS.
@@ -115,6 +119,7 @@ kappa_requeue() {
 #     needs passwordless ssh; DS_ARGS="--launcher ..." to change). The runner ignores USR1 so
 #     that Slurm's --signal=USR1@T, which reaches every process of the step, leaves it running
 #     for the ranks (which inherit "ignore" and must install their own handler) to act on.
+#     With several nodes the other nodes' ranks get KAPPA_DS_ENV's variables (DS_ENV_FILE).
 kappa_launch() {
     local launcher=${LAUNCHER:-srun}
     case $launcher in
@@ -141,6 +146,21 @@ kappa_launch() {
         echo "=== hostfile $hostfile:"; cat "$hostfile"
         # one node: the runner starts the ranks itself, its ssh check would only get in the way
         [ "$nhosts" -gt 1 ] || check=(--no_ssh_check)
+        # several: the other nodes' ranks start from pdsh/ssh with a bare environment and the
+        # runner passes on only NCCL_*, PYTHON* and its environment file: give it one with the
+        # variables that decide what a rank does, after the user's own .deepspeed_env lines
+        if [ "$nhosts" -gt 1 ]; then
+            local envfile
+            envfile=$(mktemp "${TMPDIR:-/tmp}/kappa-dsenv-$SLURM_JOB_ID.XXXXXX") ||
+                kappa_die "cannot write a DeepSpeed environment file in ${TMPDIR:-/tmp}"
+            # shellcheck disable=SC2064
+            trap "rm -f '$hostfile' '$envfile'" EXIT
+            { for f in "$HOME/.deepspeed_env" ./.deepspeed_env; do [ -f "$f" ] && grep '=' "$f"; done
+              env | grep -E "$KAPPA_DS_ENV" || true
+            } > "$envfile"
+            export DS_ENV_FILE=$envfile
+            echo "=== environment for the other nodes' ranks ($envfile): $(cut -d= -f1 "$envfile" | tr '\n' ' ')"
+        fi
         # --whole: the runner's step gets all of the job's CPUs, GPUs and memory on the first node
         # shellcheck disable=SC2086
         srun --nodes=1 --ntasks=1 --whole --kill-on-bad-exit=1 --export=ALL ${SRUN_ARGS:-} \

@@ -23,8 +23,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Everything: the unit tests on two pytest workers, then the tests marked `slow` (multi-process
+# launches, the Slurm clusters, end-to-end training) one at a time, the 20 slowest listed.
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q -m slow --durations=20 tests
 
 # The unit tests of every package: no multi-process launches, no end-to-end training runs (those
 # are marked `slow`), spread over two pytest workers.

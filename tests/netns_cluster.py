@@ -122,12 +122,7 @@ class NetnsCluster(SlurmCluster):
     def run(self, *cmd, host: str = "ctl", check: bool = True, timeout: float = 60,
             env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
         """A command on `host` (default the controller: sbatch, scontrol, squeue ...)."""
-        out = subprocess.run(self.wrap(host, cmd), env={**self.env, **(env or {})}, cwd=cwd,
-                             capture_output=True, text=True, timeout=timeout)
-        if check and out.returncode:
-            raise SlurmError(f"on {host}: {' '.join(map(str, cmd))}: status {out.returncode}\n"
-                             f"{out.stdout[-2000:]}{out.stderr[-3000:]}")
-        return out
+        return super().run(*self.wrap(host, cmd), check=check, timeout=timeout, env=env, cwd=cwd)
 
     def popen(self, *cmd, host: str, env: dict | None = None, cwd=None, log: Path) -> subprocess.Popen:
         """A long command on `host`, output to `log`; killed by stop() with the namespaces."""
@@ -194,15 +189,7 @@ PartitionName=debug Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINITE St
 """)
 
     def _spawn_on(self, name: str, host: str, argv):
-        log = open(self.root / "log" / f"{name}.stdout", "ab")
-        try:
-            from slurm_cluster import _die_with_parent
-            self._procs[name] = subprocess.Popen(self.wrap(host, argv), env=dict(self.env),
-                                                 stdin=subprocess.DEVNULL, stdout=log,
-                                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                                 preexec_fn=_die_with_parent)
-        finally:
-            log.close()
+        self._spawn(name, self.wrap(host, argv))
 
     def _start_sshd(self):
         d = self.root / "ssh"
@@ -268,9 +255,7 @@ PartitionName=debug Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINITE St
             time.sleep(0.5)
 
     def start(self, timeout: float = 60, tries: int = 1):
-        from slurm_cluster import _kill_orphans
-        _kill_orphans()
-        _remove_orphans()
+        _remove_orphans()  # namespaces; SlurmCluster.start kills the processes of dead clusters
         return super().start(timeout, tries)
 
     def stop(self):

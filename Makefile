@@ -38,9 +38,9 @@ demo: venv
 	$(PY) launch/demo.py
 
 # For a GPU machine without a package index: ../shared/tools/gpu-carry copies megatron-core and
-# DeepSpeed from .venv into .gpu/site; the GPU check also needs pytest and a few pure-Python
-# packages (PyYAML falls back to pure Python without its C extension).
-CARRY_EXTRA := pytest _pytest pluggy iniconfig packaging tqdm yaml
+# DeepSpeed from .venv into .gpu/site; the GPU check also needs pytest, torchao (precision: fp8)
+# and a few pure-Python packages (PyYAML falls back to pure Python without its C extension).
+CARRY_EXTRA := pytest _pytest pluggy iniconfig packaging tqdm yaml torchao
 gpu-carry: venv
 	../shared/tools/gpu-carry
 	for p in $(CARRY_EXTRA); do rm -rf .gpu/site/$$p; cp -r $(VENV)/lib/python3.12/site-packages/$$p .gpu/site/; done

@@ -10,8 +10,9 @@ Stages, each a separate process with a time limit, each recorded whether it pass
   3. the main command: configs/tiny.yaml in bf16 for a few dozen steps with a checkpoint, killed
      after the checkpoint and resumed, against an uninterrupted run (train.deterministic);
   4. evaluation of that checkpoint: CORE on tests/core_bundle and loss / bits per byte;
-  5. the benchmarks: bench/kappa_activation.py, bench/model_step.py and bench/throughput.py at
-     the paper's moe8 / sandwich28 shapes (tiny shapes with --quick or --cpu).
+  5. the benchmarks: bench/kappa_activation.py, bench/model_step.py (the expert variants, then
+     bf16 against fp8) and bench/throughput.py at the paper's moe8 / sandwich28 shapes (tiny
+     shapes with --quick or --cpu).
 It writes <out>/report.json and <out>/report.md (paste the latter into docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -175,6 +176,9 @@ def main(argv=None) -> int:
          + (["--tokens", "2048", "--ffn", "512", "--reps", "2"] if small else
             ["--tokens", "32768", "65536", "--ffn", "3072", "4096", "--reps", "20"])),
         ("bench: model forward+backward", ["bench/model_step.py"]
+         + (["--config", "configs/tiny.yaml", "--reps", "2"] if small else
+            ["--config", "configs/moe8.yaml", "--set", "parallel.ep=1", "--micro-batch", "4"])),
+        ("bench: model bf16 vs fp8", ["bench/model_step.py", "--precisions", "bf16", "fp8"]
          + (["--config", "configs/tiny.yaml", "--reps", "2"] if small else
             ["--config", "configs/moe8.yaml", "--set", "parallel.ep=1", "--micro-batch", "4"])),
         ("bench: throughput moe8", ["bench/throughput.py"]

@@ -16,6 +16,7 @@ import os
 import struct
 
 from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import read_index
@@ -49,13 +50,19 @@ def check_attention(cfg: Config):
 
 
 def check_precision(cfg: Config):
+    """precision: fp8 needs torchao, and on CUDA a GPU of capability 9.0 or more (the widths and
+    the experts' grouped GEMM are config checks: megatron_kappa.config.checks)."""
     if cfg.precision != "fp8":
         return
-    if importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("config: precision: fp8 needs Transformer Engine, which is not installed "
-                          "here (use bf16)")
-    raise ConfigError("config: precision: fp8 is not implemented: the model uses megatron-core's "
-                      "local (non-TE) layers, which have no FP8 path (use bf16)")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("config: precision: fp8 needs torchao, which is not installed here "
+                          "(pip install -r requirements.txt, or use bf16)")
+    import torch  # only here: the other checks need no torch
+
+    if os.environ.get(launch_env.DEVICE_ENV) != "cpu" and torch.cuda.is_available():
+        error = fp8_capability_error(torch.cuda.get_device_capability())
+        if error:
+            raise ConfigError(error)
 
 
 # --- data ---------------------------------------------------------------------------------------

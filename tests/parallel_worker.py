@@ -38,10 +38,17 @@ def run_case(case):
         sharding._global_name = global_name
     # the κ penalty from the loaded weights, before training moves them
     penalty = parity.kappa_penalty(model, cfg) if cfg.model.kappa.enabled and not case.get("negative") else None
+    if case.get("negative") == "fp8_sp_grad":  # the SP gather's backward splits instead of reduce-scattering
+        from megatron_kappa.model import fp8
+        gather = fp8.gather_from_sequence_parallel_region
+        fp8.gather_from_sequence_parallel_region = \
+            lambda x, tensor_parallel_output_grad=True, group=None: gather(x, False, group)
     batches = parity.split_for_rank(parity.global_batch(), ps.get_data_parallel_rank(),
                                     ps.get_data_parallel_world_size())
     losses, grads = parity.train(model, cfg, batches,
                                  skip_expert_data_parallel=case.get("negative") == "skip_edp")
+    if case.get("negative") == "fp8_sp_grad":
+        fp8.gather_from_sequence_parallel_region = gather
     total = count(model, cfg, numel=sharding.global_numel)["total_params"]
     return {"losses": losses, "grads": sharding.gather_full(model, grads), "total_params": total,
             "kappa_penalty": penalty}

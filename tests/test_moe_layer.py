@@ -23,7 +23,7 @@ def make_cfg(dispatcher="alltoall", router="softmax", kappa=True, aux=0.0, z=0.0
 def build_layer(cfg, seed=0):
     torch.manual_seed(seed)
     tconfig = transformer_config(cfg)
-    layer = layer_specs(cfg, tconfig).layer_specs[0].submodules.mlp(config=tconfig)
+    layer = layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
     layer.set_layer_number(1)
     return layer
 
@@ -132,7 +132,7 @@ def test_flex_dispatcher_is_refused(world1):
     tconfig = transformer_config(cfg)
     tconfig.moe_token_dispatcher_type = "flex"
     with pytest.raises(ValueError, match="alltoall' or 'allgather"):
-        layer_specs(cfg, tconfig).layer_specs[0].submodules.mlp(config=tconfig)
+        layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
 
 
 @pytest.mark.parametrize("grouped", [True, False])

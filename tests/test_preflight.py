@@ -77,8 +77,11 @@ def test_split_ranges_match_megatron_core():
             assert split_ranges(split, n) == theirs, (split, n)
 
 
-def test_fp8_without_transformer_engine(tmp_path):
-    assert "precision: fp8" in error(tmp_path, ["precision=fp8"])
+def test_fp8_runs_without_transformer_engine(tmp_path):
+    """precision: fp8 goes through torchao (tests/test_fp8.py has its checks); Transformer
+    Engine's backend is the one refused."""
+    check(tmp_path, ["precision=fp8"])
+    assert "model.fp8.backend: te is not supported" in error(tmp_path, ["precision=fp8", "model.fp8.backend=te"])
 
 
 def test_layout_against_the_world_size(tmp_path):

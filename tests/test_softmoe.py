@@ -45,7 +45,7 @@ def build_layers(cfg, seed=0, theta=(0.4, -0.3)):
     logits of a few units and expert activations of order 1, and nonzero κ parameters."""
     torch.manual_seed(seed)
     tconfig = transformer_config(cfg)
-    spec = layer_specs(cfg, tconfig).layer_specs[0].submodules.mlp
+    spec = layer_specs(cfg).layer_specs[0].submodules.mlp
     layers = torch.nn.ModuleList()
     for i in range(cfg.model.num_layers):
         layer = spec(config=tconfig)
@@ -300,7 +300,7 @@ def test_softmax_clamp_breaks_the_mean_where_lapsum_does_not():
 def test_unlinked_router_refuses_to_route(world1):
     cfg = make_cfg(layers=1)
     tconfig = transformer_config(cfg)
-    layer = layer_specs(cfg, tconfig).layer_specs[0].submodules.mlp(config=tconfig)
+    layer = layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
     with pytest.raises(RuntimeError, match="link_budgets"):
         layer(inputs(1)[0])
 

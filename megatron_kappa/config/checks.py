@@ -97,6 +97,53 @@ def validate(cfg: Config):
     need(cfg.train.tokens_per_param > 0, "train.tokens_per_param",
          f"must be positive, got {cfg.train.tokens_per_param}")
     _validate_muon(cfg, need)
+    if cfg.precision == "fp8":
+        _validate_fp8(cfg, need)
+
+
+FP8_ALIGN = 16  # FP8 GEMMs (torch._scaled_mm, _scaled_grouped_mm) want every width a multiple of 16
+
+
+def fp8_gemm_widths(cfg: Config) -> dict[str, int]:
+    """The width of each GEMM dimension that runs in FP8 on one rank, by the key that sets it."""
+    m, par, f = cfg.model, cfg.parallel, cfg.model.fp8
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    widths = {"model.hidden_size": m.hidden_size,
+              # the weight-gradient GEMMs reduce over the tokens of a micro-batch
+              "model.seq_length × train.micro_batch": m.seq_length * cfg.train.micro_batch}
+    if f.attention:
+        widths["model.num_attention_heads × head_dim / tp"] = m.num_attention_heads * head_dim // par.tp
+        widths["model.num_query_groups × head_dim / tp"] = groups * head_dim // par.tp
+    if f.dense_mlp:
+        widths["model.ffn_hidden_size / tp"] = ffn // par.tp
+    if f.experts and m.layout != "dense":
+        etp = par.expert_tp
+        widths["model.moe.ffn_hidden_size / etp"] = (m.moe.ffn_hidden_size or ffn) // etp
+    return widths
+
+
+def fp8_capability_error(capability: tuple[int, int]) -> str | None:
+    """Why a CUDA device of this compute capability cannot run the FP8 GEMMs (None: it can)."""
+    if tuple(capability) < (9, 0):
+        return (f"config: precision: fp8 needs a GPU of compute capability 9.0 or more (Hopper) for "
+                f"torchao's FP8 GEMMs; this one is {capability[0]}.{capability[1]} (use bf16)")
+    return None
+
+
+def _validate_fp8(cfg: Config, need):
+    f = cfg.model.fp8
+    need(f.backend == "torchao", "model.fp8.backend",
+         "te is not supported: Transformer Engine does not import without CUDA, cannot be carried to "
+         "the GPU machine, and without it megatron-core's fp8 flag silently stays bf16 (use torchao)")
+    if cfg.model.layout != "dense" and f.experts:
+        need(cfg.model.moe.grouped_gemm, "model.fp8.experts",
+             "FP8 experts need model.moe.grouped_gemm: true (torchao's FP8 grouped GEMM; megatron's "
+             "per-expert loop has no FP8 path here), or set model.fp8.experts: false")
+    for key, width in fp8_gemm_widths(cfg).items():
+        need(width % FP8_ALIGN == 0, "precision", f"fp8 needs {key} divisible by {FP8_ALIGN}, got {width} "
+             "(or turn that GEMM off in model.fp8)")
 
 
 def _validate_kappa(k, need):

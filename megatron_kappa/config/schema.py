@@ -69,6 +69,22 @@ class KappaConfig:
 
 
 @dataclass
+class FP8Config:
+    """model.fp8: which GEMMs run in FP8 when `precision: fp8` (docs/fp8.md)."""
+    backend: Literal["torchao", "te"] = _f(
+        "torchao", "torchao's float8 training GEMMs inside megatron's parallel linears and the grouped "
+                   "experts; te is refused (Transformer Engine does not import without CUDA, and without it "
+                   "megatron-core's fp8 flag silently stays bf16)")
+    recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = _f(
+        "rowwise", "torchao's Float8LinearConfig recipe for the linears (the experts' grouped GEMMs are always "
+                   "rowwise e4m3 with power-of-2 scales: torchao's only FP8 grouped GEMM)")
+    attention: bool = _f(True, "FP8 for the attention projections (linear_qkv, linear_proj)")
+    dense_mlp: bool = _f(True, "FP8 for the dense layers' MLP (linear_fc1, linear_fc2)")
+    experts: bool = _f(True, "FP8 for the routed experts' grouped GEMMs (fc1, fc2; needs "
+                             "model.moe.grouped_gemm); κ, the router, norms, embedding and output stay bf16")
+
+
+@dataclass
 class SoftMoEConfig:
     """model.moe.router: softmoe (docs/softmoe.md; defaults marked there as reconstructions)."""
     budget: Optional[float] = _f(None, "mean over the MoE layers of k_l, each layer's mean active experts "
@@ -143,6 +159,7 @@ class ModelConfig:
                 "comparison), or Transformer Engine's (GPU, where TE imports)")
     moe: MoEConfig = field(default_factory=MoEConfig)
     kappa: KappaConfig = field(default_factory=KappaConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
 
 
 @dataclass
@@ -295,7 +312,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32", "parameter/compute precision; fp8 is refused in the preflight (the local layers have no FP8 path yet): use bf16")
+    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32", "parameter/compute precision: fp8 keeps bf16 parameters and runs the GEMMs chosen in "
+                    "model.fp8 in FP8 (torchao; emulated off CUDA; docs/fp8.md)")
     train: TrainConfig = field(default_factory=TrainConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -28,7 +30,7 @@ from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
-from megatron_kappa.model import softmoe
+from megatron_kappa.model import fp8, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
@@ -63,7 +65,8 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
         expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp,
         use_cpu_initialization=torch.device(device).type == "cpu",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-        fp8="hybrid" if cfg.precision == "fp8" else None,
+        # precision fp8 runs its GEMMs through torchao (model/fp8.py); megatron's own fp8 flag would
+        # need Transformer Engine and stays off
         **recompute_settings(cfg, has_moe),
     )
     if has_moe:
@@ -100,18 +103,40 @@ def core_attention(cfg: Config):
     return None  # megatron's local DotProductAttention, as the local spec has it
 
 
-def _adapt_layer_spec(spec, cfg: Config):
-    """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm and the
-    core attention of `model.attention`."""
+def fp8_linears(submodules, settings: fp8.FP8Settings | None, **names):
+    """`submodules` with the megatron linears named in `names` (name → "column" | "row") built as
+    their FP8 subclasses when `settings` is given."""
+    if settings is None:
+        return submodules
+    classes = {"column": (ColumnParallelLinear, fp8.FP8ColumnParallelLinear),
+               "row": (RowParallelLinear, fp8.FP8RowParallelLinear)}
+    swaps = {}
+    for name, kind in names.items():
+        stock, fp8_class = classes[kind]
+        if getattr(submodules, name) is not stock:
+            raise ValueError(f"fp8: {name} is {getattr(submodules, name)}, expected megatron's {stock.__name__}")
+        swaps[name] = ModuleSpec(module=fp8_class, params={"fp8": settings})
+    return dataclasses.replace(submodules, **swaps)
+
+
+def _adapt_layer_spec(spec, cfg: Config, device, dense: bool):
+    """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm, the core
+    attention of `model.attention`, and FP8 linears where `precision: fp8` asks for them."""
     sub = spec.submodules
     attn = sub.self_attention
     qk = {name: SPTorchNorm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
     if core_attention(cfg) is not None:
         qk["core_attention"] = core_attention(cfg)
-    attention = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **qk))
+    attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
+                           linear_qkv="column", linear_proj="row")
     sub = dataclasses.replace(sub, input_layernorm=SPTorchNorm, pre_mlp_layernorm=SPTorchNorm,
-                              self_attention=attention)
+                              self_attention=dataclasses.replace(attn, submodules=attn_sub))
+    if dense:  # megatron's local spec: partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
+        mlp = sub.mlp
+        mlp_sub = fp8_linears(mlp.keywords["submodules"], fp8.settings(cfg, device, "dense_mlp"),
+                              linear_fc1="column", linear_fc2="row")
+        sub = dataclasses.replace(sub, mlp=partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": mlp_sub}))
     return dataclasses.replace(spec, submodules=sub)
 
 
@@ -132,37 +157,41 @@ def router_spec(cfg: Config, stock: MoESubmodules):
     return partial(KappaRouter, **kappa) if cfg.model.kappa.enabled else stock.router
 
 
-def experts_spec(cfg: Config, stock: MoESubmodules):
-    """The experts: grouped GEMMs or megatron's per-expert loop, with κ-SwiGLU or plain SwiGLU."""
+def experts_spec(cfg: Config, stock: MoESubmodules, device):
+    """The experts: grouped GEMMs (FP8 or not) or megatron's per-expert loop, with κ-SwiGLU or
+    plain SwiGLU."""
     kappa = kappa_settings(cfg) if cfg.model.kappa.enabled else None
+    fp8_experts = fp8.settings(cfg, device, "experts")
     if cfg.model.moe.grouped_gemm:
-        return partial(GroupedExperts, kappa=kappa)
+        return partial(GroupedExperts, kappa=kappa, fp8=fp8_experts)
+    if fp8_experts is not None:
+        raise ValueError("fp8 experts need model.moe.grouped_gemm: true")
     if kappa is not None:
         return partial(KappaSequentialMLP, submodules=stock.experts.keywords["submodules"], kappa=kappa)
     return stock.experts
 
 
-def moe_layer_spec(cfg: Config, stock: MoESubmodules):
+def moe_layer_spec(cfg: Config, stock: MoESubmodules, device):
     """The MoE layer: the κ layer swaps in the dispatcher that carries the logit."""
     layer = KappaMoELayer if cfg.model.kappa.enabled else MoELayer
     if cfg.model.moe.router == "softmoe":  # a variable number of experts per token
         layer = partial(SoftMoELayer, carry_logit=cfg.model.kappa.enabled)
     elif cfg.model.moe.dispatcher == "sorted":  # moves the logit channel like the probabilities
         layer = SortedMoELayer
-    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock), router=router_spec(cfg, stock)))
+    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg, stock)))
 
 
-def layer_specs(cfg: Config, tconfig: TransformerConfig) -> TransformerBlockSubmodules:
-    """Local (plain torch) specs per layer; the MoE layers' router, experts and layer class come
-    from router_spec, experts_spec and moe_layer_spec."""
+def layer_specs(cfg: Config, device="cpu") -> TransformerBlockSubmodules:
+    """Local (plain torch) specs per layer for a model on `device`; the MoE layers' router,
+    experts and layer class come from router_spec, experts_spec and moe_layer_spec."""
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
-    dense = _adapt_layer_spec(spec(num_experts=None), cfg)
+    dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True)
     moe = None
     if any(moe_layer_pattern(cfg)):
-        moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg)
+        moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg, device, dense=False)
         stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
-        mlp = moe_layer_spec(cfg, stock)
+        mlp = moe_layer_spec(cfg, stock, device)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
     layers = [moe if is_moe else dense for is_moe in moe_layer_pattern(cfg)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
@@ -186,7 +215,7 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
         model_class = partial(ChunkedLossGPTModel, cross_entropy_chunk=cfg.model.cross_entropy_chunk) \
             if cfg.model.cross_entropy_chunk else GPTModel
         model = model_class(
-            config=tconfig, transformer_layer_spec=layer_specs(cfg, tconfig),
+            config=tconfig, transformer_layer_spec=layer_specs(cfg, device),
             vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,

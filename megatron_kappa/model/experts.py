@@ -11,6 +11,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings, kappa_swiglu, kappa_values
+from megatron_kappa.model import fp8 as fp8_gemm
+from megatron_kappa.model.fp8 import FP8Settings
 
 # megatron-core's fused paths are keyed on `activation_func == F.silu` (bias_activation_fusion,
 # TE's activation, TE's op fuser, the FP8 input store) or apply the probabilities before fc1; any
@@ -129,8 +131,9 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
     STACKS = {"fc1_weight": "linear_fc1.weight", "fc2_weight": "linear_fc2.weight"}
 
     def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, name=None,
-                 kappa: KappaSettings | None = DEFAULTS):
+                 kappa: KappaSettings | None = DEFAULTS, fp8: FP8Settings | None = None):
         super().__init__(config=config)
+        self.fp8 = fp8  # FP8 rowwise grouped GEMMs (model/fp8.py) instead of bf16/fp32 ones
         if kappa is not None:
             check_kappa_config(config)
         elif not config.gated_linear_unit or config.add_bias_linear:
@@ -166,12 +169,12 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
 
     def forward(self, hidden_states, tokens_per_expert, permuted_probs):
         if self.config.fp8 or self.config.fp4:
-            raise NotImplementedError("grouped experts: FP8 needs the TE experts path")
+            raise NotImplementedError("grouped experts: megatron's TE fp8 flag is not used here (model.fp8)")
         # megatron's dispatchers hand the counts over on the host (they read them for the
         # all-to-all anyway); the GEMMs take their offsets on the device.
         counts = tokens_per_expert.to(hidden_states.device, torch.int32, non_blocking=True)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        fc1 = F.grouped_mm(hidden_states, self.fc1_weight.transpose(1, 2), offs=offs)
+        fc1 = self._gemm(hidden_states, self.fc1_weight, offs)
         if self.kappa is not None:
             probs, logits = permuted_probs.unbind(-1)
             self.last_logits = (logits.detach(), tokens_per_expert)
@@ -182,14 +185,20 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
             act_fn = lambda fc1, p: weighted_bias_swiglu_impl(fc1, None, p.unsqueeze(-1))  # noqa: E731
             act_args = (fc1, permuted_probs)
         if not self.recompute_activation:
-            return F.grouped_mm(act_fn(*act_args), self.fc2_weight.transpose(1, 2), offs=offs), None
+            return self._gemm(act_fn(*act_args), self.fc2_weight, offs), None
         # Selective recompute ("moe_act"): fc2's input is dropped after fc2's forward and made
         # again from fc1's output just before fc2's backward needs it.
         checkpoint = CheckpointWithoutOutput(fp8=self.config.fp8)  # megatron reads `fp8 is not None`
         act = checkpoint.checkpoint(act_fn, *act_args)
-        out = F.grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs)
+        out = self._gemm(act, self.fc2_weight, offs)
         checkpoint.discard_output_and_register_recompute(out)
         return out, None
+
+    def _gemm(self, x, weight, offs):
+        """Each expert's rows times its [out, in] weight: one grouped GEMM (FP8 with model.fp8)."""
+        if self.fp8 is not None:
+            return fp8_gemm.grouped_mm(x, weight, offs, self.fp8)
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
 
     def routed_logits(self) -> list:
         """Per local expert, the router logits of the rows it got in the last forward."""

@@ -29,9 +29,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_kappa.config import ConfigError, ParallelConfig
 from megatron_kappa.parallel import compat, launch_env, network
+from megatron_kappa.parallel.launch_env import DEVICE_ENV
 from megatron_kappa.parallel.layout import check_layout
 
-DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"
 _device: torch.device | None = None
 _control: tuple | None = None  # (the default group it was made for, the gloo control group)
 _timeout_s: float | None = None  # of the last init_distributed

@@ -30,6 +30,8 @@ from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass, fields
 from typing import Mapping, MutableMapping, Optional
 
+DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"  # auto | cpu | cuda: the device a process trains on (parallel.groups)
+
 __all__ = ["LaunchEnv", "LaunchEnvError", "from_environment", "export", "export_environment",
            "free_port", "expand_hostlist", "first_host", "slurm_port", "tasks_on_node"]
 

@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
+from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model, moe_layer_pattern
 from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
@@ -127,6 +128,8 @@ def run(cfg: Config, log=print) -> dict:
     dist.barrier()
 
     model = build_model(cfg, device)
+    if cfg.precision == "fp8":
+        log(fp8.describe(cfg, device))
     analysis.watch_routers(model)  # the analyses read each router's last input on logging steps
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)

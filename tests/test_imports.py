@@ -19,6 +19,7 @@ STAGES = [
     ("megatron_kappa.model",),
     ("megatron_kappa.parallel",),
     ("megatron_kappa.summary",),
+    ("megatron_kappa.plan",),
     ("megatron_kappa.data", "megatron_kappa.tokenizer"),
     ("megatron_kappa.checkpoint",),
     ("megatron_kappa.evaluation",),
@@ -74,7 +75,7 @@ def test_the_check_finds_an_upward_import():
     """Negative control: a model module importing the training loop, lazily, is reported."""
     probe = "def f():\n    from megatron_kappa.train.loop import run\n"
     assert upward_imports({"megatron_kappa.model.probe": probe}) == [
-        "megatron_kappa.model.probe (stage 2) imports megatron_kappa.train.loop (stage 8)"]
+        "megatron_kappa.model.probe (stage 2) imports megatron_kappa.train.loop (stage 9)"]
     assert upward_imports({"megatron_kappa.train.probe": probe}) == []
 
 

@@ -58,6 +58,12 @@ def validate(cfg: Config):
     need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
     etp = par.expert_tp
     need(etp > 0, "parallel.etp", f"must be positive, got {etp}")
+    need(par.pp > 0, "parallel.pp", f"must be positive, got {par.pp}")
+    need(m.num_layers % par.pp == 0, "parallel.pp",
+         f"model.num_layers={m.num_layers} is not divisible by pp={par.pp} (the stages split the layers evenly)")
+    shared = moe.shared_ffn_hidden_size
+    need(shared is None or (shared > 0 and shared % par.tp == 0), "model.moe.shared_ffn_hidden_size",
+         f"must be positive and divisible by tp={par.tp} (or null: no shared expert), got {shared}")
     need(par.timeout_s > 0, "parallel.timeout_s", f"must be positive, got {par.timeout_s}")
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     need(ffn % par.tp == 0, "parallel.tp", f"model.ffn_hidden_size={ffn} is not divisible by tp={par.tp}")

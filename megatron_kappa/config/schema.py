@@ -105,6 +105,10 @@ class MoEConfig:
     num_experts: int = _f(8, "routed experts per MoE layer")
     topk: int = _f(2, "experts per token")
     ffn_hidden_size: Optional[int] = _f(None, "expert hidden size (default: model.ffn_hidden_size)")
+    shared_ffn_hidden_size: Optional[int] = _f(
+        None, "hidden size of a shared expert that every token passes through beside the routed ones "
+              "(megatron's moe_shared_expert_intermediate_size: a plain SwiGLU MLP, TP-sharded like a "
+              "dense one; null: none)")
     router: Literal["softmax", "sigmoid", "softmoe"] = _f(
         "softmax", "softmax top-k with aux loss (paper), sigmoid with an aux-loss-free bias (Trinity), or "
                    "softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)")
@@ -167,6 +171,9 @@ class ParallelConfig:
     tp: int = _f(1, "tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = _f(1, "expert parallel size")
     etp: Optional[int] = _f(None, "expert tensor parallel size (null: same as tp)")
+    pp: int = _f(1, "pipeline parallel size: model.num_layers split evenly over pp stages, the embedding on "
+                    "the first and the output layer on the last (model building and the memory planner; the "
+                    "training loop refuses pp > 1 until it has a pipeline schedule)")
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
 

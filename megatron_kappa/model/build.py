@@ -12,6 +12,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -62,6 +63,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=par.tp, sequence_parallel=par.tp > 1,
+        pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp,
         use_cpu_initialization=torch.device(device).type == "cpu",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
@@ -81,6 +83,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
             moe_router_topk_scaling_factor=moe.route_scale if moe.route_scale != 1.0 else None,
             moe_expert_capacity_factor=moe.capacity_factor,
             moe_grouped_gemm=moe.grouped_gemm, moe_permute_fusion=False, moe_router_fusion=False,
+            moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size,
         )
         if moe.router == "softmax":
             kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.aux_loss)
@@ -178,12 +181,14 @@ def moe_layer_spec(cfg: Config, stock: MoESubmodules, device):
         layer = partial(SoftMoELayer, carry_logit=cfg.model.kappa.enabled)
     elif cfg.model.moe.dispatcher == "sorted":  # moves the logit channel like the probabilities
         layer = SortedMoELayer
-    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg, stock)))
+    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg, stock),
+                                                   shared_experts=stock.shared_experts))
 
 
-def layer_specs(cfg: Config, device="cpu") -> TransformerBlockSubmodules:
-    """Local (plain torch) specs per layer for a model on `device`; the MoE layers' router,
-    experts and layer class come from router_spec, experts_spec and moe_layer_spec."""
+def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None) -> TransformerBlockSubmodules:
+    """Local (plain torch) specs per layer for a model on `device` (of one pipeline stage, when
+    given); the MoE layers' router, experts and layer class come from router_spec, experts_spec
+    and moe_layer_spec."""
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
     dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True)
@@ -194,7 +199,17 @@ def layer_specs(cfg: Config, device="cpu") -> TransformerBlockSubmodules:
         mlp = moe_layer_spec(cfg, stock, device)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
     layers = [moe if is_moe else dense for is_moe in moe_layer_pattern(cfg)]
+    if pipeline_stage is not None:  # this stage's layers only (megatron numbers them from its offset)
+        start, stop = stage_layers(cfg, pipeline_stage)
+        layers = layers[start:stop]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
+
+
+def stage_layers(cfg: Config, stage: int) -> tuple[int, int]:
+    """The [start, stop) layer numbers of a pipeline stage: an even split, as megatron makes it
+    without a custom pipeline layout."""
+    per = cfg.model.num_layers // cfg.parallel.pp
+    return stage * per, (stage + 1) * per
 
 
 def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False) -> GPTModel:
@@ -214,8 +229,12 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
         # model.cross_entropy_chunk: the chunked loss inside the model; 0: megatron's own
         model_class = partial(ChunkedLossGPTModel, cross_entropy_chunk=cfg.model.cross_entropy_chunk) \
             if cfg.model.cross_entropy_chunk else GPTModel
+        stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        if stages != cfg.parallel.pp:
+            raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
         model = model_class(
-            config=tconfig, transformer_layer_spec=layer_specs(cfg, device),
+            config=tconfig, transformer_layer_spec=layer_specs(cfg, device, stage if stages > 1 else None),
+            pre_process=stage == 0, post_process=stage == stages - 1,
             vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,

@@ -92,13 +92,15 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size(),
-                   parallel_state.get_expert_tensor_parallel_world_size())
-        if current == (par.tp, par.ep, par.expert_tp):  # same layout: keep the groups (creating more is slow)
+                   parallel_state.get_expert_tensor_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size())
+        if current == (par.tp, par.ep, par.expert_tp, par.pp):  # same layout: keep the groups (creating more is slow)
             set_seed(seed)
             return _device
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
         create_gloo_process_groups=False,

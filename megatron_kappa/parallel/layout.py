@@ -1,4 +1,4 @@
-"""A parallel layout (TP, EP, ETP over a world of ranks): whether it can be built, and the record
+"""A parallel layout (TP, EP, ETP, PP over a world of ranks): whether it can be built, and the record
 of it that checkpoints keep (a resume must use the same one).
 
 Torch-free: the preflight checks a layout before any process group or heavy import exists.
@@ -10,17 +10,29 @@ from megatron_kappa.config import ConfigError, ParallelConfig
 
 def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None):
     """One-line errors for a layout that cannot be built on `world` ranks."""
-    etp = par.expert_tp
-    if world % par.tp:
-        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp={par.tp}")
-    if world % (etp * par.ep):
+    etp, pp = par.expert_tp, par.pp
+    if world % (par.tp * pp):
+        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp × pp = "
+                          f"{par.tp} × {pp}")
+    if world % (etp * par.ep * pp):
         raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
-                          f"ep × etp = {par.ep} × {etp} (start {par.ep * etp} or a multiple of "
+                          f"ep × etp × pp = {par.ep} × {etp} × {pp} (start {par.ep * etp * pp} or a multiple of "
                           f"processes, or lower parallel.ep)")
     if num_experts is not None and num_experts % par.ep:
         raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
 
 
+def check_trainable(par: ParallelConfig):
+    """The layouts the training loop can run: all but pipeline parallelism, which has no schedule
+    in the loop yet (the memory planner and model building take parallel.pp)."""
+    if par.pp > 1:
+        raise ConfigError(f"config: parallel.pp: {par.pp}: the training loop has no pipeline schedule yet "
+                          "(pp > 1 is for `python -m megatron_kappa.plan` and model building); use pp 1")
+
+
 def layout_record(par: ParallelConfig, world: int) -> dict:
     """The layout as checkpoints record it (meta.json "layout") and resumes compare it."""
-    return {"world": world, "tp": par.tp, "ep": par.ep, "etp": par.expert_tp}
+    record = {"world": world, "tp": par.tp, "ep": par.ep, "etp": par.expert_tp}
+    if par.pp > 1:  # absent for pp 1, so checkpoints written before parallel.pp existed still match
+        record["pp"] = par.pp
+    return record

@@ -28,6 +28,7 @@ from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_stat
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
+from megatron_kappa.parallel.layout import check_trainable
 from megatron_kappa.model.build import build_model, moe_layer_pattern
 from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
@@ -118,6 +119,7 @@ def run(cfg: Config, log=print) -> dict:
     cfg.data.bos = documents_start_with_bos(cfg)  # recorded in config.yaml: CORE follows it
     # --- model and parallel setup
     num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
+    check_trainable(cfg.parallel)
     device = init_distributed(cfg.parallel, cfg.train.seed, num_experts)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)

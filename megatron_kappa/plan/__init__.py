@@ -1,0 +1,289 @@
+"""The memory planner: what the most-loaded rank of a layout holds, and whether it fits.
+
+    python -m megatron_kappa.plan --config X --world N [--gpu-mem 80] [--gpus-per-node 8] [--search] [--json]
+
+Arithmetic only (no torch, no model): the parameters each rank builds, counted from the shapes
+the way megatron-core shards them (tests/test_plan.py checks the counts against meta-device
+builds of every rank of a grid of layouts), then bytes for them under DeepSpeed's bf16 ZeRO-1/2
+as this project configures it (megatron_kappa.parallel.engine.ds_config), and an activation
+estimate per recompute mode. docs/plan.md says where each number comes from.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size
+
+GIB = 2 ** 30
+KINDS = ("embedding", "output", "attention", "dense_mlp", "shared_experts", "router", "experts", "kappa", "norm")
+EXPERT_KINDS = ("experts", "kappa")  # reduced over the expert-data-parallel group
+BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce and all-gather bucket sizes (elements)
+HEADROOM = 0.9  # a layout fits when the estimate stays under this share of the GPU's memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size of the dense parameters."""
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel size of the experts (megatron's expert-data-parallel group)."""
+        return self.world // (self.ep * self.etp * self.pp)
+
+    def label(self) -> str:
+        return f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp} DP{self.dp} (EDP{self.edp})"
+
+
+def layout_of(cfg: Config, world: int) -> Layout:
+    par = cfg.parallel
+    return Layout(world=world, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp)
+
+
+def with_layout(cfg: Config, layout: Layout) -> Config:
+    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
+    return dataclasses.replace(cfg, parallel=par)
+
+
+def check(cfg: Config, layout: Layout):
+    """One-line errors for a layout the model cannot be split by (the same rules as the trainer)."""
+    from megatron_kappa.parallel.layout import check_layout
+    m, moe = cfg.model, cfg.model.moe
+    if moe.router == "softmoe" and any(moe_layer_pattern(cfg)):
+        raise ConfigError("plan: model.moe.router: softmoe is not modelled by the planner")
+    check_layout(with_layout(cfg, layout).parallel, layout.world,
+                 moe.num_experts if any(moe_layer_pattern(cfg)) else None)
+    groups = m.num_query_groups or m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    for key, size, by in (("model.num_attention_heads", m.num_attention_heads, layout.tp),
+                          ("model.num_query_groups", groups, layout.tp), ("model.ffn_hidden_size", ffn, layout.tp),
+                          ("model.moe.ffn_hidden_size", moe.ffn_hidden_size or ffn, layout.etp),
+                          ("model.num_layers", m.num_layers, layout.pp)):
+        if size % by:
+            raise ConfigError(f"plan: {key}={size} is not divisible by {by} ({layout.label()})")
+
+
+# --- parameters ---------------------------------------------------------------------------------
+
+def layer_params(cfg: Config, layout: Layout, is_moe: bool) -> dict[str, int]:
+    """One transformer layer's parameters on one rank, by kind (megatron's sharding)."""
+    m, moe, t = cfg.model, cfg.model.moe, layout.tp
+    h = m.hidden_size
+    head_dim = m.head_dim or h // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    out = dict.fromkeys(KINDS, 0)
+    out["attention"] = h * head_dim * (m.num_attention_heads + 2 * groups) // t  # linear_qkv
+    out["attention"] += h * head_dim * m.num_attention_heads // t  # linear_proj
+    out["norm"] = 2 * h + (2 * head_dim if m.qk_layernorm else 0)  # input, pre-MLP (and q, k) norms
+    ffn = m.ffn_hidden_size or 4 * h
+    if not is_moe:
+        out["dense_mlp"] = 3 * h * ffn // t  # fc1 [gate; up] and fc2
+        return out
+    local_experts, expert_ffn = moe.num_experts // layout.ep, (moe.ffn_hidden_size or ffn) // layout.etp
+    out["router"] = moe.num_experts * h
+    out["experts"] = local_experts * 3 * h * expert_ffn
+    k = m.kappa
+    out["kappa"] = local_experts * expert_ffn * ((k.use_alpha + k.use_bias) if k.enabled else 0)
+    if moe.shared_ffn_hidden_size:
+        out["shared_experts"] = 3 * h * moe.shared_ffn_hidden_size // t
+    return out
+
+
+def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
+    """Every parameter one rank of pipeline stage `stage` holds, by kind."""
+    per = cfg.model.num_layers // layout.pp
+    total = dict.fromkeys(KINDS, 0)
+    for is_moe in moe_layer_pattern(cfg)[stage * per:(stage + 1) * per]:
+        for kind, n in layer_params(cfg, layout, is_moe).items():
+            total[kind] += n
+    vocab = padded_vocab_size(with_layout(cfg, layout)) // layout.tp * cfg.model.hidden_size
+    if stage == 0:
+        total["embedding"] += vocab
+    if stage == layout.pp - 1:
+        total["output"] += vocab
+        total["norm"] += cfg.model.hidden_size  # the final norm
+    return total
+
+
+# --- bytes --------------------------------------------------------------------------------------
+
+def state_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str, float]:
+    """Bytes of weights, gradients, the fp32 master copy and the optimizer moments on one rank,
+    under DeepSpeed's ZeRO-`zero.stage` with this project's settings.
+
+    bf16/fp8: bf16 weights; ZeRO-1 keeps the full bf16 gradients and an fp32 gradient partition,
+    ZeRO-2 only the partitions (bf16 and fp32); the master copy (fp32) and the moments are
+    partitioned over the data-parallel group of each parameter: DP for the dense ones, EDP for
+    the experts. fp32: the same without the bf16 copies (fp32 weights and gradients, no master).
+    Moments: AdamW 2 fp32 per parameter; muon and aurora keep one momentum buffer for the matrices
+    they orthogonalise (attention, MLPs, experts; the router too under aurora) and AdamW's two
+    for the rest."""
+    half = cfg.precision in ("bf16", "fp8")
+    weight = 2 if half else 4
+    out = dict(weights=0.0, gradients=0.0, master=0.0, moments=0.0)
+    matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
+        {"router"} if cfg.train.optimizer == "aurora" else set())
+    for kind, n in params.items():
+        d = layout.edp if kind in EXPERT_KINDS else layout.dp
+        out["weights"] += weight * n
+        if cfg.zero.stage == 1:
+            out["gradients"] += weight * n + (4 * n / d if half else 0)
+        else:
+            out["gradients"] += (weight + (4 if half else 0)) * n / d
+        out["master"] += 4 * n / d if half else 0
+        moments = 4 if (cfg.train.optimizer != "adamw" and kind in matrices) else 8
+        out["moments"] += moments * n / d
+    return out
+
+
+def bucket_bytes(cfg: Config, params: dict[str, int]) -> float:
+    """DeepSpeed's reduce bucket and all-gather bucket: up to 5e8 elements each, fewer when the
+    rank has fewer parameters."""
+    elements = min(BUCKET_ELEMENTS, sum(params.values()))
+    return 2 * elements * (2 if cfg.precision in ("bf16", "fp8") else 4)
+
+
+def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, micro_batch: int) -> float:
+    """An estimate of the activations one rank of `stage` keeps for backward, in bytes.
+
+    Per layer and micro-batch, with s·b tokens, sequence parallelism (the tensors outside the
+    attention and MLP cores split by TP) and SDPA (no s² scores kept):
+      attention: norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
+      dense MLP: norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
+      MoE: norm input and router input s·b·2h/tp, the s·b·k routed rows (capacity factor when
+      set) with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
+    in 2 bytes (4 in fp32). selective recompute drops the experts' activation output (megatron's
+    "moe_act") and the core attention's; full keeps only each layer's input (s·b·h/tp) plus one
+    layer's activations while it is recomputed. The output layer's logits add one loss chunk
+    (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32. Under 1F1B the first
+    stage holds pp micro-batches in flight, stage i holds pp − i (at most the micro-batches
+    per step)."""
+    m, moe, t = cfg.model, cfg.model.moe, layout.tp
+    h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch
+    head_dim = m.head_dim or h // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * h
+    size = 2 if cfg.precision in ("bf16", "fp8") else 4
+    per = m.num_layers // layout.pp
+    core = tokens * head_dim * m.num_attention_heads / t
+    attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
+    rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
+    expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
+    shared = 3 * tokens * (moe.shared_ffn_hidden_size or 0) / t
+    layers = []
+    for is_moe in moe_layer_pattern(cfg)[stage * per:(stage + 1) * per]:
+        if is_moe:
+            mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + shared
+            dropped = rows * expert_ffn + core  # moe_act, core_attn
+        else:
+            mlp = tokens * (2 * h + 3 * ffn / t)
+            dropped = core
+        full_layer = attention + mlp
+        layers.append({"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer))
+    if recompute == "full":
+        kept = per * tokens * h / t + max(layers, default=0)
+    else:
+        kept = sum(layers)
+    if stage == layout.pp - 1:
+        chunk = min(m.cross_entropy_chunk or tokens, tokens)
+        kept += chunk * padded_vocab_size(with_layout(cfg, layout)) / t * 4 / size
+    in_flight = min(layout.pp - stage, max(1, cfg.train.global_batch // (micro_batch * layout.dp)))
+    return kept * size * in_flight
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = None) -> dict:
+    params = stage_params(cfg, layout, stage)
+    recompute = recompute or cfg.model.recompute
+    states = state_bytes(params, cfg, layout)
+    buckets = bucket_bytes(cfg, params)
+    activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch)
+                   for mode in ("none", "selective", "full")}
+    total = sum(states.values()) + buckets + activations[recompute]
+    return {"stage": stage, "params": params, "param_count": sum(params.values()),
+            "bytes": {**states, "buckets": buckets, "activations": activations[recompute]},
+            "activations_by_recompute": activations, "recompute": recompute, "total_bytes": total}
+
+
+def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8) -> dict:
+    """The most-loaded rank of `layout` (by total bytes, over the pipeline stages) and a verdict."""
+    check(cfg, layout)
+    stages = [plan_stage(cfg, layout, s) for s in range(layout.pp)]
+    worst = max(stages, key=lambda r: r["total_bytes"])
+    budget = HEADROOM * gpu_mem_gib * GIB
+    return {"layout": dataclasses.asdict(layout) | {"dp": layout.dp, "edp": layout.edp},
+            "label": layout.label(), "gpu_mem_gib": gpu_mem_gib, "gpus_per_node": gpus_per_node,
+            "zero_stage": cfg.zero.stage, "precision": cfg.precision, "most_loaded": worst,
+            "stage_totals_gib": [r["total_bytes"] / GIB for r in stages],
+            "fits": worst["total_bytes"] <= budget, "budget_gib": budget / GIB,
+            "ep_inside_node": layout.ep * layout.etp <= gpus_per_node,
+            "tp_inside_node": layout.tp <= gpus_per_node}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Config, world: int, gpus_per_node: int):
+    """Every layout of `world` ranks the model can be split by, TP within a node."""
+    has_moe = any(moe_layer_pattern(cfg))
+    experts = cfg.model.moe.num_experts if has_moe else 1
+    for tp in (d for d in _divisors(world) if d <= gpus_per_node):
+        for pp in _divisors(world // tp):
+            for ep in _divisors(experts) if has_moe else [1]:
+                for etp in sorted({1, tp}) if has_moe else [tp]:
+                    layout = Layout(world, tp, pp, ep, etp)
+                    try:
+                        check(cfg, layout)
+                    except ConfigError:
+                        continue
+                    yield layout
+
+
+def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int = 10) -> list[dict]:
+    """Feasible layouts, best first: EP (× ETP) inside a node, then fewer pipeline stages, then
+    less TP, then the most memory left."""
+    fitting = [p for p in (plan(cfg, layout, gpu_mem_gib, gpus_per_node)
+                           for layout in candidates(cfg, world, gpus_per_node)) if p["fits"]]
+    fitting.sort(key=lambda p: (not p["ep_inside_node"], p["layout"]["pp"], p["layout"]["tp"],
+                                p["most_loaded"]["total_bytes"]))
+    return fitting[:top]
+
+
+def render(p: dict) -> str:
+    w = p["most_loaded"]
+    lines = [f"layout        {p['label']}  on {p['layout']['world']} GPUs ({p['gpus_per_node']} per node)"
+             + ("" if p["ep_inside_node"] else "  [EP × ETP crosses nodes]"),
+             f"precision     {p['precision']}, ZeRO-{p['zero_stage']}, recompute {w['recompute']}",
+             f"most loaded   pipeline stage {w['stage']} of {p['layout']['pp']}: "
+             f"{w['param_count'] / 1e9:.3f} B parameters",
+             "  by kind     " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in w["params"].items() if v)]
+    for key, value in w["bytes"].items():
+        lines.append(f"  {key:<12}{value / GIB:>9.2f} GiB")
+    lines.append("  activations by recompute: " + ", ".join(
+        f"{k} {v / GIB:.2f} GiB" for k, v in w["activations_by_recompute"].items()))
+    lines.append(f"  total       {w['total_bytes'] / GIB:>9.2f} GiB of {p['gpu_mem_gib']:g} GiB "
+                 f"({HEADROOM:.0%} usable: {p['budget_gib']:.1f})")
+    lines.append(f"verdict       {'fits' if p['fits'] else 'does NOT fit'}")
+    return "\n".join(lines)
+
+
+def render_search(rows: list[dict]) -> str:
+    if not rows:
+        return "no layout fits"
+    out = [f"{'layout':<42}{'GiB':>8}  params/rank  EP in node"]
+    for p in rows:
+        w = p["most_loaded"]
+        out.append(f"{p['label']:<42}{w['total_bytes'] / GIB:>8.1f}  {w['param_count'] / 1e9:>9.2f} B  "
+                   f"{'yes' if p['ep_inside_node'] else 'no'}")
+    return "\n".join(out)

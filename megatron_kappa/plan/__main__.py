@@ -1,0 +1,41 @@
+"""`python -m megatron_kappa.plan`: the command line of megatron_kappa.plan."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_kappa import plan as planner
+from megatron_kappa.config import ConfigError, load_config
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_kappa.plan", description=planner.__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world", type=int, required=True, help="GPUs (ranks) in the job")
+    ap.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of memory per GPU")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--search", action="store_true", help="rank the layouts that fit (EP inside nodes first)")
+    ap.add_argument("--top", type=int, default=10, help="layouts listed by --search")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
+    args = ap.parse_args(argv)
+    for name in ("world", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.search:
+            rows = planner.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top)
+            print(json.dumps(rows, indent=1) if args.json else planner.render_search(rows))
+            return 0 if rows else 1
+        result = planner.plan(cfg, planner.layout_of(cfg, args.world), args.gpu_mem, args.gpus_per_node)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else planner.render(result))
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

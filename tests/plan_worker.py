@@ -1,0 +1,58 @@
+"""Builds the model of every layout in a plan on the meta device, on every rank of a torchrun
+world, and writes each rank's parameter counts by kind (rank 0 writes OUT):
+
+    torchrun --nproc_per_node 8 tests/plan_worker.py PLAN.json OUT.json
+
+PLAN: a list of {"name", "overrides"}; each is configs/tiny.yaml with those overrides."""
+import json
+import sys
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_kappa.config import load_config
+from megatron_kappa.model.build import build_model
+from megatron_kappa.parallel import groups
+
+
+def kind(name: str) -> str:
+    """The planner's kind of a parameter (megatron_kappa.plan.KINDS), by its name."""
+    if "word_embeddings" in name:
+        return "embedding"
+    if name.startswith("output_layer"):
+        return "output"
+    if "layernorm" in name or "final_norm" in name:
+        return "norm"
+    if ".self_attention." in name:
+        return "attention"
+    if ".mlp.router." in name:
+        return "router"
+    if ".mlp.experts." in name:
+        return "kappa" if "kappa_" in name else "experts"
+    if ".mlp.shared_experts." in name:
+        return "shared_experts"
+    if ".mlp." in name:
+        return "dense_mlp"
+    raise ValueError(f"no kind for {name}")
+
+
+def main(plan_path, out_path):
+    dist.init_process_group("gloo")
+    results = {}
+    for case in json.load(open(plan_path)):
+        cfg = load_config("configs/tiny.yaml", case["overrides"])
+        groups.init_distributed(cfg.parallel, cfg.train.seed, cfg.model.moe.num_experts, device="cpu")
+        counts = {}
+        for name, p in build_model(cfg, meta=True).named_parameters():
+            counts[kind(name)] = counts.get(kind(name), 0) + p.numel()
+        mine = {"stage": ps.get_pipeline_model_parallel_rank(), "counts": counts}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        results[case["name"]] = every
+    if dist.get_rank() == 0:
+        json.dump(results, open(out_path, "w"))
+    groups.teardown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

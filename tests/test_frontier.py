@@ -31,3 +31,28 @@ def test_frontier_config_fits_80gb_with_its_layout(name):
 def test_shared_expert_counted_where_published():
     shared = {n for n in FRONTIER if load_config(f"configs/frontier/{n}.yaml").model.moe.shared_ffn_hidden_size}
     assert shared == {"deepseek_v3", "kimi_k2"}
+
+
+@pytest.mark.parametrize("kappa", [True, False])
+def test_shared_expert_is_on_the_path(world1, kappa):
+    """model.moe.shared_ffn_hidden_size builds megatron's shared expert beside the routed ones:
+    it gets gradients, and zeroing its output projection changes the loss."""
+    import torch
+
+    from megatron_kappa.model.build import build_model
+    cfg = load_config("configs/tiny.yaml", ["model.moe.shared_ffn_hidden_size=128",
+                                            f"model.kappa.enabled={str(kappa).lower()}"])
+    torch.manual_seed(0)
+    model = build_model(cfg, "cpu")
+    tokens = torch.randint(0, 2048, (2, 128))
+    position = torch.arange(128).expand(2, -1)
+    loss = model(tokens, position, None, labels=tokens).mean()
+    loss.backward()
+    shared = {n: p for n, p in model.named_parameters() if ".mlp.shared_experts." in n}
+    assert len(shared) == 2 * 3  # fc1 and fc2 of the 3 MoE layers
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in shared.values())
+    with torch.no_grad():
+        for n, p in shared.items():
+            if n.endswith("linear_fc2.weight"):
+                p.zero_()
+        assert model(tokens, position, None, labels=tokens).mean().item() != pytest.approx(loss.item(), abs=1e-6)

@@ -282,6 +282,55 @@ def test_log_line_says_emulated():
                     "products: no FP8 speed-up)")
 
 
+# --- on a GPU: the real FP8 kernels ------------------------------------------------------------
+
+CUDA_CHILD = r"""
+import json, torch
+from megatron_kappa.model import fp8
+torch.manual_seed(0)
+s = fp8.FP8Settings(recipe="rowwise", emulate=False)
+def rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm()).item()
+counts = [5, 0, 17, 42]  # an empty expert and groups that are not multiples of 16
+a, w, g = torch.randn(sum(counts), 64), torch.randn(4, 96, 64), torch.randn(sum(counts), 96)
+starts = [sum(counts[:i]) for i in range(4)]
+a64, w64 = a.double().requires_grad_(), w.double().requires_grad_()
+ref = torch.cat([a64[st:st + c] @ w64[i].T for i, (st, c) in enumerate(zip(starts, counts))])
+ref.backward(g.double())
+A, W = a.cuda().bfloat16().requires_grad_(), w.cuda().bfloat16().requires_grad_()
+offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).cuda()
+out = fp8.grouped_mm(A, W, offs, s)
+out.backward(g.cuda().bfloat16())
+grouped = [rel(out.cpu(), ref), rel(A.grad.cpu(), a64.grad), rel(W.grad.cpu(), w64.grad)]
+x, wl, gl = torch.randn(32, 64), torch.randn(96, 64), torch.randn(32, 96)
+x64, wl64 = x.double().requires_grad_(), wl.double().requires_grad_()
+r = x64 @ wl64.T
+r.backward(gl.double())
+X, WL = x.cuda().bfloat16().requires_grad_(), wl.cuda().bfloat16().requires_grad_()
+o = fp8.fp8_linear(X, WL, s)
+o.backward(gl.cuda().bfloat16())
+linear = [rel(o.cpu(), r), rel(X.grad.cpu(), x64.grad), rel(WL.grad.cpu(), wl64.grad)]
+print("RESULT " + json.dumps({"grouped": grouped, "linear": linear}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_kernels_on_cuda_in_band():
+    """torchao's FP8 kernels on the GPU (sm_90: _scaled_mm, and _scaled_grouped_mm with this
+    project's group padding): every GEMM's error in the FP8 band. In a child process: the tests
+    interpret Triton, and torchao's casts are Triton kernels."""
+    import os
+    import sys
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 GEMMs need compute capability 9.0")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", CUDA_CHILD], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert in_band(*result["grouped"]) and in_band(*result["linear"]), result
+
+
 # --- training (slow) ----------------------------------------------------------------------------
 
 TRAIN = ["data.mock=true", "log.interval=1", "eval.valid_every=0", "model.seq_length=32", "train.micro_batch=2",

@@ -7,7 +7,7 @@ backward on meta tensors, launches recorded), so the list follows the code. Each
 TRITON_INTERPRET=0 (conftest interprets in this one); ptxas's -v log (knobs.nvidia.dump_ptxas_log)
 gives registers and spill bytes. Negative control: a kernel with a type error and one whose tile
 cannot fit in registers are reported as failures by the same checker.
-Slow: about 300 compiles (several minutes on two CPU cores).
+Slow: about 300 compiles, one process per arch side by side (2–3 minutes on two CPU cores).
 """
 import json
 import os
@@ -103,14 +103,23 @@ def compile_all(which: str, archs):
 
 
 def run_checker(which: str, archs=ARCHS) -> list[dict]:
+    """Compile in one child process per arch, side by side (the compiles are single-threaded)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": cache,
+        env = {**os.environ, "TRITON_INTERPRET": "0",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        code = f"import test_kappa_aot as t; t.compile_all({which!r}, {tuple(archs)!r})"
-        done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                              capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        children = []
+        for arch in archs:
+            code = f"import test_kappa_aot as t; t.compile_all({which!r}, ({arch},))"
+            children.append(subprocess.Popen(
+                [sys.executable, "-c", code], cwd=Path(__file__).parent, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, env={**env, "TRITON_CACHE_DIR": f"{cache}/sm_{arch}"}))
+        outputs = []
+        for child in children:
+            out, err = child.communicate(timeout=3600)
+            assert child.returncode == 0, err[-3000:]
+            outputs.append(out)
+    return [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
+            if line.startswith("RESULT ")]
 
 
 def failures(results) -> list[str]:

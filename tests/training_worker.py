@@ -2,7 +2,8 @@
 
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
-PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts", "log": false}; each
+PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline",
+"log": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines).
 """
@@ -29,14 +30,16 @@ def unmarked(original):
 def main(plan_path):
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     plan = json.loads(Path(args[0]).read_text())
-    wire = engine.wire_experts
+    wire, check_pipeline = engine.wire_experts, loop.check_pipeline
     for i, case in enumerate(plan):
         engine.wire_experts = unmarked(wire) if case.get("negative") == "unmarked_experts" else wire
+        # negative control: ZeRO-2 with pipeline stages, past the check that refuses it
+        loop.check_pipeline = (lambda cfg: None) if case.get("negative") == "zero2_pipeline" else check_pipeline
         if case.get("log"):  # the run's log lines on stdout, after a header naming the case
             print(f"== case {i}", flush=True)
         log = (lambda *a, **k: print(*a, flush=True)) if case.get("log") else (lambda *a, **k: None)
         loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=log)
-    engine.wire_experts = wire
+    engine.wire_experts, loop.check_pipeline = wire, check_pipeline
     groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit
 
 

@@ -172,8 +172,8 @@ class ParallelConfig:
     ep: int = _f(1, "expert parallel size")
     etp: Optional[int] = _f(None, "expert tensor parallel size (null: same as tp)")
     pp: int = _f(1, "pipeline parallel size: model.num_layers split evenly over pp stages, the embedding on "
-                    "the first and the output layer on the last (model building and the memory planner; the "
-                    "training loop refuses pp > 1 until it has a pipeline schedule)")
+                    "the first and the output layer on the last; megatron-core's 1F1B schedule with ZeRO-1 "
+                    "(ZeRO-2, softmoe and eval.core_every are refused with pp > 1; docs/pipeline.md)")
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
 

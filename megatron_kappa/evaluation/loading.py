@@ -76,7 +76,8 @@ def load_model_for_eval(run_dir: str | Path):
         raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
     trained = ckpts.meta(step)["layout"]
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
-    same_layout = world == trained["world"]
+    # pipeline stages: evaluation runs the whole model per rank, from the consolidated weights
+    same_layout = world == trained["world"] and trained.get("pp", 1) == 1
     par = cfg.parallel if same_layout else ParallelConfig()
     num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
     device = init_distributed(par, cfg.train.seed, num_experts)

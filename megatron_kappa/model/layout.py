@@ -20,3 +20,14 @@ def moe_layer_pattern(cfg: Config) -> list[int]:
 def padded_vocab_size(cfg: Config) -> int:
     multiple = 128 * cfg.parallel.tp
     return int(math.ceil(cfg.model.vocab_size / multiple) * multiple)
+
+
+def layer_offset(model) -> int:
+    """The global index of this pipeline stage's first layer (`decoder.layers.<i>` is local)."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def global_layer_index(model, local_name: str) -> int:
+    """The global layer index of a `decoder.layers.<i>...` name of this stage's model."""
+    return layer_offset(model) + int(local_name.split("layers.")[1].split(".")[0])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 
 import torch
 
@@ -37,6 +38,7 @@ PATCHED = [
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
+    ("megatron.core.pipeline_parallel.schedules", "torch"),
 ]
 # torch.cuda entry points megatron calls unconditionally; pointed at CPU stand-ins.
 CUDA_SHIMMED = ["current_device", "Stream", "Event", "current_stream", "stream", "synchronize"]
@@ -123,6 +125,18 @@ def _move_to_cpu(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+class _TorchOnCPU(types.ModuleType):
+    """torch as megatron's pipeline schedules see it on the CPU: `zeros(..., device="cuda")`
+    (their token counter) lands on the CPU; everything else is torch's own."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 def _make_gather_along_first_dim(original):
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
         # gloo has no uneven list all_gather (site 11): pad to the largest split, gather, strip.
@@ -165,5 +179,6 @@ def apply(device: torch.device | str = "cpu") -> bool:
         importlib.import_module(module).maybe_move_tensor_to_cpu = _move_to_cpu
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _make_gather_along_first_dim(mappings._gather_along_first_dim)
+    importlib.import_module("megatron.core.pipeline_parallel.schedules").torch = _TorchOnCPU("torch")
     _applied = True
     return True

@@ -104,6 +104,9 @@ def ds_config(cfg: Config, grad_accum: int) -> dict:
         "zero_optimization": {"stage": cfg.zero.stage, "contiguous_gradients": True,
                               "reduce_scatter": True, "overlap_comm": False},
         "bf16": {"enabled": cfg.precision in ("bf16", "fp8")},
+        # pipeline stages: megatron's schedule does the backward passes and engine.step() is the
+        # accumulation boundary (megatron_kappa.train.pipeline)
+        "managed_gradient_accumulation": cfg.parallel.pp == 1,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }

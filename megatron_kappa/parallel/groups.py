@@ -126,6 +126,32 @@ def dp_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def stage_group():
+    """The ranks of this rank's pipeline stage (TP × DP, with the expert groups inside it): the
+    group for statistics over the layers a stage holds. None (the world) without pipeline stages."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_and_data_parallel_group()
+
+
+def merge_stages(values: dict) -> dict:
+    """Every pipeline stage's `values` (keys disjoint: each names its stage's layers) in one dict,
+    on every rank (collective over the pipeline group; a no-op without pipeline stages)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    every = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(every, values, group=parallel_state.get_pipeline_model_parallel_group())
+    return {k: v for stage in every for k, v in stage.items()}
+
+
+def pipeline_sum(value: torch.Tensor) -> torch.Tensor:
+    """`value` summed over the pipeline stages (each holds part of the layers); unchanged without."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+    return value
+
+
 def collective_timeout_s() -> float:
     """Seconds a collective waits (the last init_distributed's timeout; torch's gloo default of
     30 min before any)."""

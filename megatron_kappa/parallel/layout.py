@@ -22,12 +22,21 @@ def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None
         raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
 
 
-def check_trainable(par: ParallelConfig):
-    """The layouts the training loop can run: all but pipeline parallelism, which has no schedule
-    in the loop yet (the memory planner and model building take parallel.pp)."""
-    if par.pp > 1:
-        raise ConfigError(f"config: parallel.pp: {par.pp}: the training loop has no pipeline schedule yet "
-                          "(pp > 1 is for `python -m megatron_kappa.plan` and model building); use pp 1")
+def check_pipeline(cfg):
+    """What pipeline stages (parallel.pp > 1) cannot be combined with, as one-line errors."""
+    if cfg.parallel.pp == 1:
+        return
+    if cfg.zero.stage != 1:
+        raise ConfigError(f"config: zero.stage: {cfg.zero.stage} with parallel.pp={cfg.parallel.pp}: ZeRO-2 "
+                          "reduces gradients inside backward hooks, which the pipeline schedule's backward "
+                          "passes bypass (the update comes out silently wrong); use zero.stage 1")
+    if cfg.model.layout != "dense" and cfg.model.moe.router == "softmoe":
+        raise ConfigError("config: model.moe.router: softmoe shares one expert budget over all MoE layers, "
+                          "which pipeline stages split; use parallel.pp 1")
+    if cfg.eval.core_every:
+        raise ConfigError("config: eval.core_every: the CORE subset during training needs the whole model on "
+                          "each rank; with parallel.pp > 1 evaluate the checkpoints afterwards "
+                          "(launch/eval_core.py consolidates them)")
 
 
 def layout_record(par: ParallelConfig, world: int) -> dict:

@@ -1,11 +1,13 @@
-"""Move weights between one full (single-process) state dict and any TP/EP/ETP layout.
+"""Move weights between one full (single-process) state dict and any TP/EP/ETP/PP layout.
 
 A full state dict names experts by their global index (`local_experts.<global>`) and holds
 unsplit tensors; a rank's model holds its local experts and its TP shards. The rules come from
 the attributes megatron-core puts on parameters (`tensor_model_parallel`, `partition_dim`) plus
 two layouts it leaves implicit:
   - a SwiGLU fc1 weight is [gate; up] on every rank, so a TP shard is [gate_t; up_t];
-  - κ's α, b are [local experts, ffn / ETP]: rows follow EP, columns follow expert TP.
+  - κ's α, b are [local experts, ffn / ETP]: rows follow EP, columns follow expert TP;
+  - a pipeline stage numbers its layers from 0 (`decoder.layers.<i>`); the full model's number is
+    i plus the stage's first layer (`layer_offset`).
 """
 from __future__ import annotations
 
@@ -15,9 +17,27 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kappa.model.layout import layer_offset
 from megatron_kappa.model.params import is_expert as _is_expert, is_kappa as _is_kappa
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def _shift_layers(name: str, offset: int) -> str:
+    """A pipeline stage's local `decoder.layers.<i>` name as the full model's (i + offset)."""
+    if not offset:
+        return name
+    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}.", name, count=1)
+
+
+def _stage() -> tuple[int, int]:
+    """(pipeline stage, stages) of this rank."""
+    return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+
+
+def _layer_offset(model) -> int:
+    return layer_offset(model)
 
 
 def _is_glu_fc1(name: str) -> bool:
@@ -58,7 +78,7 @@ def _tp_join(pieces: list[torch.Tensor], name: str, dim: int) -> torch.Tensor:
 def local_shard(full_state: dict, name: str, local: torch.Tensor, model) -> torch.Tensor:
     """This rank's piece of the full tensor that corresponds to local parameter `name`."""
     num_local, ep_rank = _num_local_experts(model), ps.get_expert_model_parallel_rank()
-    key = _global_name(name, ep_rank, num_local)
+    key = _shift_layers(_global_name(name, ep_rank, num_local), _layer_offset(model))
     if key not in full_state:
         raise KeyError(f"full state dict has no '{key}' (for local '{name}')")
     tensor = full_state[key]
@@ -105,7 +125,8 @@ def gather_full(model, tensors: dict | None = None) -> dict:
     """The full-layout version of `tensors` (local name → tensor; default: the parameters).
 
     Collective: every rank of the world must call it; every rank gets the full result. Use it
-    with `{n: p.grad for n, p in model.named_parameters()}` to gather gradients.
+    with `{n: p.grad for n, p in model.named_parameters()}` to gather gradients. With pipeline
+    stages each stage's part is gathered, then the parts are exchanged over the pipeline group.
     """
     params = dict(model.named_parameters())
     tensors = {n: p.detach() for n, p in params.items()} if tensors is None else tensors
@@ -127,7 +148,15 @@ def gather_full(model, tensors: dict | None = None) -> dict:
             pieces = [torch.empty_like(t) for _ in range(ep_size)]
             dist.all_gather(pieces, t, group=ep_group)
             _place_expert_pieces(full, name, pieces, num_local)
-    return full
+    stage, stages = _stage()
+    if stages == 1:
+        return full
+    offset = _layer_offset(model)
+    mine = {_shift_layers(n, offset): t.cpu() for n, t in full.items()}
+    every = [None] * stages
+    dist.all_gather_object(every, mine, group=ps.get_pipeline_model_parallel_group())
+    device = next(iter(full.values())).device
+    return {n: t.to(device) for part in every for n, t in part.items()}
 
 
 def _place_expert_pieces(full: dict, name: str, per_ep: list[torch.Tensor], num_local: int):
@@ -143,6 +172,7 @@ def rank_coords(model) -> dict:
     """Where this rank's tensors sit in the full layout, and which of them it owns (saved with
     checkpoints, so that consolidation needs no process group)."""
     return {
+        "pp": list(_stage()), "layer_offset": _layer_offset(model),
         "tp": [ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()],
         "ep": [ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()],
         "etp": [ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()],
@@ -185,7 +215,23 @@ def global_numel(name: str, param) -> int:
 
 
 def consolidate(ranks: list[tuple[dict, dict]]) -> dict:
-    """Full state dict from every rank's (coords, owned state), offline (no process group)."""
+    """Full state dict from every rank's (coords, owned state), offline (no process group): each
+    pipeline stage's layers are assembled from that stage's ranks, then renamed to the full
+    model's layer numbers."""
+    full = {}
+    for stage in sorted({_pp(c)[0] for c, _ in ranks}):
+        members = [(c, s) for c, s in ranks if _pp(c)[0] == stage]
+        offset = members[0][0].get("layer_offset", 0)
+        full.update({_shift_layers(n, offset): t for n, t in _consolidate_stage(members).items()})
+    return full
+
+
+def _pp(coords: dict) -> list[int]:
+    return coords.get("pp", [0, 1])  # checkpoints from before pipeline stages: one stage
+
+
+def _consolidate_stage(ranks: list[tuple[dict, dict]]) -> dict:
+    """The full-TP/EP state of one pipeline stage, in its local layer names."""
     coords0 = ranks[0][0]
     names = list(coords0["split_dim"])  # every parameter and buffer, in model order
     dense = {c["tp"][0]: s for c, s in ranks if c["dp"][0] == 0}
@@ -211,6 +257,8 @@ def local_state(ranks: list[tuple[dict, dict]], coords: dict) -> dict:
     collected from its owners' files."""
     state = {}
     for c, owned in ranks:
+        if _pp(c)[0] != _pp(coords)[0]:
+            continue
         same_dense = c["tp"][0] == coords["tp"][0] and c["dp"][0] == 0
         same_experts = (c["ep"][0], c["etp"][0]) == (coords["ep"][0], coords["etp"][0]) and c["edp"][0] == 0
         for name, tensor in owned.items():

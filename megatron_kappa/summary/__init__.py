@@ -54,15 +54,18 @@ def n_eff(by: dict, input_embedding: int, ratio: float, discount: bool) -> float
     return rest + by["experts"] * (math.sqrt(ratio) if discount else 1.0)
 
 
-def count(model, cfg: Config, numel=lambda name, p: p.numel()) -> dict:
+def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> dict:
     """Parameter counts by category and the derived totals. On a sharded model pass
-    `numel=megatron_kappa.parallel.sharding.global_numel` to count the full model."""
+    `numel=megatron_kappa.parallel.sharding.global_numel` to count the full model, and with
+    pipeline stages `combine` (by category, input embedding) → the same summed over the stages."""
     by = {k: 0 for k in ("embedding", "attention", "dense_mlp", "router", "experts", "norm")}
     input_embedding = 0
     for name, p in model.named_parameters():
         by[_category(name)] += numel(name, p)
         if "word_embeddings" in name:
             input_embedding += numel(name, p)
+    if combine is not None:
+        by, input_embedding = combine(by, input_embedding)
     total = sum(by.values())
     k, E = cfg.model.moe.active_experts, cfg.model.moe.num_experts  # SoftMoE: the budget
     has_moe = any(moe_layer_pattern(cfg))

@@ -37,6 +37,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.experts import gate_weights
+from megatron_kappa.model.layout import global_layer_index
+from megatron_kappa.parallel.groups import merge_stages, stage_group
 
 TOKENS = 256        # routed tokens sampled per rank and layer
 VALUES = 200_000    # numbers per layer and statistic entering a quantile, over all ranks
@@ -44,8 +46,9 @@ _QUANTILES = (0.05, 0.95)
 
 
 def moe_layers(model) -> list[tuple[int, MoELayer]]:
-    """(layer index as in `decoder.layers.<i>`, layer) of every MoE layer, in model order."""
-    return [(int(name.split("layers.")[1].split(".")[0]), m) for name, m in model.named_modules()
+    """(global layer index, layer) of every MoE layer this rank's model holds, in model order
+    (`decoder.layers.<i>` counts from the pipeline stage's first layer)."""
+    return [(global_layer_index(model, name), m) for name, m in model.named_modules()
             if isinstance(m, MoELayer)]
 
 
@@ -140,8 +143,10 @@ def _summary(prefix: str, sums: torch.Tensor, values: list[torch.Tensor]) -> dic
 
 
 def _gather_values(local: torch.Tensor) -> list[torch.Tensor]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local.detach().double().cpu())  # pickled: sizes differ per rank
+    """Every rank's values, over this pipeline stage's ranks (all ranks without stages)."""
+    group = stage_group()
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, local.detach().double().cpu(), group=group)  # pickled: sizes differ per rank
     return out
 
 
@@ -150,7 +155,8 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
     """Every metric listed in the module docstring, per MoE layer (collective: all ranks call it).
     tokens / values = None: no sampling (the tests compare exact numbers across layouts)."""
     out = {}
-    world = dist.get_world_size()
+    group = stage_group()  # each pipeline stage reduces over its own ranks, for its layers
+    world = dist.get_world_size(group)
     per_rank = None if values is None else max(1000, values // world)
     gen = torch.Generator().manual_seed(0)
     scale = kappa_inputs.resolve(cfg.model.kappa).logit_scale  # as κ uses it (input scaled: 0.15)
@@ -188,7 +194,7 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
             counts = torch.tensor([n_tok, n_val, n_val * (alpha is not None), n_val * (bias is not None)],
                                   dtype=torch.float64, device=sums.device)
             sums = torch.stack([sums, counts], dim=1)
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=group)
             sums = sums.cpu()
             out.update(_summary(f"token_cos/{p}", sums[0], _gather_values(_subsample(token_cos, per_rank, gen))))
             out.update(_summary(f"gate_bias/{p}", sums[1], _gather_values(_subsample(gate_bias, per_rank, gen))))
@@ -196,7 +202,7 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
                 if sums[row, 1] > 0:
                     out[f"kappa/{p}/{key}"] = (sums[row, 0] / sums[row, 1]).item()
         out.update(load_stats(layer, cfg, device, p))
-    return out
+    return merge_stages(out)
 
 
 def load_stats(layer: MoELayer, cfg, device: torch.device, prefix: str) -> dict:
@@ -208,7 +214,7 @@ def load_stats(layer: MoELayer, cfg, device: torch.device, prefix: str) -> dict:
     x, routing_map = last
     routed = routing_map.reshape(-1, routing_map.shape[-1]) != 0
     counts = torch.cat([routed.sum(0), torch.tensor([routed.shape[0]], device=routed.device)]).to(device, torch.float64)
-    dist.all_reduce(counts)  # token sets are disjoint across ranks (DP batch split, SP sequence split)
+    dist.all_reduce(counts, group=stage_group())  # token sets are disjoint across ranks (DP batch split, SP sequence split)
     counts = counts.cpu()
     per_expert, tokens = counts[:-1], counts[-1].item()
     mean = per_expert.mean().item()

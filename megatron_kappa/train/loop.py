@@ -28,16 +28,15 @@ from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_stat
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
-from megatron_kappa.parallel.layout import check_trainable
 from megatron_kappa.model.build import build_model, moe_layer_pattern
 from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, update_expert_bias
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
-from megatron_kappa.parallel.layout import layout_record
+from megatron_kappa.parallel.layout import check_pipeline, layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
-from megatron_kappa.train import analysis, muon, optimizer as optim, recipe, throughput
+from megatron_kappa.train import analysis, muon, optimizer as optim, pipeline, recipe, throughput
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
 from megatron_kappa.train.softmoe_metrics import softmoe_stats
@@ -48,10 +47,15 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+def full_count(model, cfg: Config) -> dict:
+    """megatron_kappa.summary.count of the whole model, from this rank's shard and stage."""
+    return count(model, cfg, numel=global_numel, combine=pipeline.stage_sum_counts)
+
+
 def total_steps(cfg: Config, model) -> int:
     if cfg.train.steps is not None:
         return cfg.train.steps
-    return count(model, cfg, numel=global_numel)["steps_for_budget"]
+    return full_count(model, cfg)["steps_for_budget"]
 
 
 def lm_loss(model, batch, position_ids) -> torch.Tensor:
@@ -64,6 +68,8 @@ def lm_loss(model, batch, position_ids) -> torch.Tensor:
 
 @torch.no_grad()
 def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tensor:
+    if cfg.parallel.pp > 1:
+        return pipeline.validate(engine, valid_ds, cfg, device, position_ids)
     engine.eval()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb = cfg.train.micro_batch
@@ -81,7 +87,10 @@ def grad_accumulation(cfg: Config) -> int:
 def train_step(engine, model, cfg: Config, train_ds, step: int, device, position_ids):
     """One optimizer step over this rank's micro-batches. `engine` is DeepSpeed's (or anything
     with its forward/backward/step). Returns the step's loss averaged over data-parallel ranks and
-    the last κ L2 penalty, as device tensors: nothing here waits for the device."""
+    the last κ L2 penalty, as device tensors: nothing here waits for the device. With pipeline
+    stages: megatron_kappa.train.pipeline."""
+    if cfg.parallel.pp > 1:
+        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     l2_scale = recipe.l2_scale()
     losses = []
@@ -119,7 +128,7 @@ def run(cfg: Config, log=print) -> dict:
     cfg.data.bos = documents_start_with_bos(cfg)  # recorded in config.yaml: CORE follows it
     # --- model and parallel setup
     num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
-    check_trainable(cfg.parallel)
+    check_pipeline(cfg)
     device = init_distributed(cfg.parallel, cfg.train.seed, num_experts)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
@@ -139,7 +148,7 @@ def run(cfg: Config, log=print) -> dict:
     if cfg.train.init_weights and not start:
         load_full_state_dict(model, torch.load(cfg.train.init_weights, map_location=device, weights_only=True))
     steps = total_steps(cfg, model)
-    flops_token = throughput.flops_per_token(cfg, count(model, cfg, numel=global_numel))
+    flops_token = throughput.flops_per_token(cfg, full_count(model, cfg))
     peak = throughput.peak_tflops(cfg, device)
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg)
@@ -161,7 +170,11 @@ def run(cfg: Config, log=print) -> dict:
 
     # --- the loop
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / grad_accum, device=device))
+    # the router losses' gradient scale (1 / micro-batches); megatron's pipeline schedule sets it
+    # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (), 1.0 / grad_accum,
+                                                   device=device))
     core = None
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset

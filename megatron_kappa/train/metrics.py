@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from megatron_kappa.model.experts import KappaExpertActivation, routed_logits
-from megatron_kappa.parallel.groups import dp_mean
+from megatron_kappa.model.layout import global_layer_index
+from megatron_kappa.parallel.groups import dp_mean, merge_stages, pipeline_sum, stage_group
 
 _SAMPLE = 20000  # κ values per rank and layer used for the quantiles
 
@@ -24,14 +25,12 @@ def kappa_layers(model):
             if isinstance(m, KappaExpertActivation) and m.kappa is not None]
 
 
-def _layer_index(name: str) -> int:
-    return int(name.split("layers.")[1].split(".")[0])
-
-
 def kappa_stats(model, device: torch.device) -> dict:
-    """Per κ layer: mean κ, 5% / 95% quantiles of κ, mean |α|, mean |b| (collective)."""
+    """Per κ layer: mean κ, 5% / 95% quantiles of κ, mean |α|, mean |b| (collective: over the
+    ranks of each pipeline stage for its layers, then merged over the stages)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
+    group = stage_group()
     for name, layer in kappa_layers(model):
         values = []
         for e, logits in enumerate(routed_logits(layer)):
@@ -40,24 +39,24 @@ def kappa_stats(model, device: torch.device) -> dict:
         local = torch.cat(values).cpu() if values else torch.zeros(0)
         if local.numel() > _SAMPLE:
             local = local[torch.randperm(local.numel(), generator=gen)[:_SAMPLE]]
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)  # CPU tensors: pickled, whatever the backend
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)  # CPU tensors: pickled, whatever the backend
         kappa = torch.cat(gathered)
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         for i, p in enumerate((layer.kappa_alpha, layer.kappa_bias)):
             if p is not None:
                 sums[2 * i] = p.detach().abs().double().sum()
                 sums[2 * i + 1] = p.numel()
-        dist.all_reduce(sums)  # replicas count equally, so the mean is unchanged by them
+        dist.all_reduce(sums, group=group)  # replicas count equally, so the mean is unchanged by them
         sums = sums.cpu()
-        prefix = f"kappa/layer{_layer_index(name)}"
+        prefix = f"kappa/layer{global_layer_index(model, name)}"
         if kappa.numel():
             q = torch.quantile(kappa.double(), torch.tensor([0.05, 0.95], dtype=torch.float64))
             out.update({f"{prefix}/mean": kappa.mean().item(), f"{prefix}/bottom5": q[0].item(),
                         f"{prefix}/top5": q[1].item()})
         out[f"{prefix}/alpha_abs"] = (sums[0] / sums[1]).item() if sums[1] else 0.0
         out[f"{prefix}/bias_abs"] = (sums[2] / sums[3]).item() if sums[3] else 0.0
-    return out
+    return merge_stages(out)
 
 
 def router_losses(config, micro_batches: int, device: torch.device) -> dict:
@@ -71,7 +70,7 @@ def router_losses(config, micro_batches: int, device: torch.device) -> dict:
         else:
             totals[0] += entry.values.sum() * (config.moe_aux_loss_coeff or 0.0)
     tracker.clear()
-    aux, z = dp_mean(totals / micro_batches).tolist()
+    aux, z = dp_mean(pipeline_sum(totals) / micro_batches).tolist()  # each stage has its layers
     return {"aux_loss": aux, "z_loss": z}
 
 

@@ -1,0 +1,152 @@
+"""Pipeline parallelism (parallel.pp) in training: PP2, PP2×EP2 and PP2×DP2 under DeepSpeed ZeRO-1
+against one process from the same weights (losses and gradient norms ≤ 1e-5 over 3 steps), an
+exact resume from a PP2 checkpoint, consolidation of a PP checkpoint into the full weights, and
+what pipeline stages refuse."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_kappa.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "eval.valid_every=0", "model.seq_length=32",
+          "train.micro_batch=2", "train.global_batch=8", "train.grad_clip=0.05", "model.kappa.freeze_fraction=0.0",
+          "model.kappa.warmup=1", "model.moe.aux_loss=1e-2", "log.tensorboard=false", "zero.stage=1",
+          "checkpoint.interval=100"]
+LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
+           "pp2_dp2": (4, ["parallel.pp=2"])}
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(tmp_path, plan, nproc, check=True):
+    import sys
+
+    from test_training import env, free_port
+    (tmp_path / f"plan{nproc}.json").write_text(json.dumps(plan))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "tests/training_worker.py", str(tmp_path / f"plan{nproc}.json")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
+    if not check:
+        return done
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(world1, tmp_path_factory):
+    from megatron_kappa.train.loop import run
+    from weights import save_init_weights
+    tmp = tmp_path_factory.mktemp("pipeline")
+    init = save_init_weights(tmp / "init.pt", COMMON)
+    sets = COMMON + [f"train.init_weights={init}"]
+    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
+    # PP2 on 2 ranks, with checkpoints at every step (the resume test starts from step 1's)
+    launch(tmp, [{"overrides": sets + LAYOUTS["pp2"][1] + [f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
+                                                           "checkpoint.keep=3"]}], 2)
+    launch(tmp, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={tmp / name}"]} for name in ("pp2_ep2", "pp2_dp2")], 4)
+    return tmp, sets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_layout_matches_one_process(runs, name):
+    tmp, _ = runs
+    ref, got = records(tmp / "ref"), records(tmp / name)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for r, g in zip(ref, got):
+        assert abs(r["loss"] - g["loss"]) <= 1e-5, (name, r["loss"], g["loss"])
+        assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
+        assert abs(r["aux_loss"] - g["aux_loss"]) <= 1e-6 and abs(r["kappa_l2"] - g["kappa_l2"]) <= 1e-9
+    assert all(r["grad_norm"] > 0.05 for r in ref)  # clipping was active: the norms decided the updates
+    # κ's α and b of every MoE layer, merged from the stages under the full model's layer numbers
+    # (the routed-token statistics sample the last micro-batch, which depends on the DP split)
+    kappa = [k for k in ref[-1] if k.endswith(("/alpha_abs", "/bias_abs"))]
+    assert len(kappa) == 6 and all(got[-1][k] == pytest.approx(ref[-1][k], rel=1e-6) for k in kappa), name
+
+
+@pytest.mark.slow
+def test_negative_control_zero2_with_stages_fails(runs):
+    """Why pipeline stages refuse ZeRO-2, and that the comparison above can fail: past the check,
+    the same PP2×DP2 run under ZeRO-2 either stops (its gradient hooks miss the schedule's
+    backward passes: a KeyError in DeepSpeed 0.19.8) or leaves the one-process losses."""
+    tmp, sets = runs
+    done = launch(tmp, [{"overrides": sets + LAYOUTS["pp2_dp2"][1] + [f"run.dir={tmp / 'zero2'}", "zero.stage=2"],
+                         "negative": "zero2_pipeline"}], 4, check=False)
+    if done.returncode == 0:
+        ref, got = records(tmp / "ref"), records(tmp / "zero2")
+        assert max(abs(r["loss"] - g["loss"]) for r, g in zip(ref, got)) > 1e-4, got
+    else:
+        assert "KeyError" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_pipeline_resume_is_exact(runs):
+    tmp, sets = runs
+    resumed = tmp / "pp2-resumed"
+    shutil.copytree(tmp / "pp2", resumed)
+    for step in range(2, STEPS + 1):
+        shutil.rmtree(resumed / f"checkpoints/step_{step}")
+    out = launch(tmp, [{"overrides": sets + LAYOUTS["pp2"][1] + [f"run.dir={resumed}"], "log": True}], 2)
+    assert f"resumed from {resumed}/checkpoints/step_1" in out
+    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
+    assert json.loads((resumed / "checkpoints/step_3/meta.json").read_text())["layout"]["pp"] == 2
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_consolidates_to_the_full_model(runs):
+    """The PP2 checkpoint's rank files, consolidated offline, equal the one-process run's weights
+    after the same steps (fp32, same updates), under the full model's layer names."""
+    from megatron_kappa.checkpoint.store import Checkpoints
+    from megatron_kappa.parallel.sharding import consolidate
+    tmp, _ = runs
+    full = {}
+    for run in ("pp2", "ref"):
+        ckpts = Checkpoints(tmp / run)
+        step = ckpts.latest()
+        assert step == STEPS
+        full[run] = consolidate([(f["coords"], f["weights"]) for f in ckpts.rank_files(step)])
+    assert full["pp2"].keys() == full["ref"].keys()
+    assert any(".layers.3." in k for k in full["pp2"])
+    gap = max((full["pp2"][k].float() - full["ref"][k].float()).abs().max().item() for k in full["ref"])
+    assert gap < 1e-5, gap
+
+
+@pytest.mark.slow
+def test_evaluation_of_a_pipeline_checkpoint(runs):
+    """Evaluation loads a PP2 checkpoint as the whole model (consolidated) and gives the logits of
+    the one-process run's checkpoint."""
+    import torch
+
+    from megatron_kappa.evaluation.loading import load_model_for_eval
+    tmp, _ = runs
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
+    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("pp2", "ref")}
+    assert logits["pp2"].shape == (2, 32, 2048)
+    assert (logits["pp2"] - logits["ref"]).abs().max().item() < 1e-4
+
+
+def test_pipeline_refusals():
+    from megatron_kappa.parallel.layout import check_pipeline
+    for setting, message in (("zero.stage=2", "zero.stage: 2 with parallel.pp=2: ZeRO-2"),
+                             ("eval.core_every=10", "eval.core_every"),
+                             ("model.moe.router=softmoe", "softmoe")):
+        with pytest.raises(ConfigError, match=message):
+            check_pipeline(load_config("configs/tiny.yaml", ["parallel.pp=2", setting]))
+    check_pipeline(load_config("configs/tiny.yaml", ["parallel.pp=2"]))
+    with pytest.raises(ConfigError, match="num_layers=4 is not divisible by pp=3"):
+        load_config("configs/tiny.yaml", ["parallel.pp=3"])
+
+
+def test_layer_names_shift_by_the_stage_offset():
+    from megatron_kappa.parallel.sharding import _shift_layers
+    assert _shift_layers("decoder.layers.0.mlp.experts.fc1_weight", 2) == "decoder.layers.2.mlp.experts.fc1_weight"
+    assert _shift_layers("decoder.layers.1.self_attention.linear_qkv.weight", 0) == \
+        "decoder.layers.1.self_attention.linear_qkv.weight"
+    assert _shift_layers("embedding.word_embeddings.weight", 2) == "embedding.word_embeddings.weight"

@@ -1,7 +1,7 @@
 """Trains one step of each case in a plan and records what every rank holds after it: the bytes
 of the model's parameters and of every other live tensor, by storage (rank 0 writes OUT):
 
-    deepspeed --num_gpus N tests/memory_worker.py PLAN.json OUT.json
+    deepspeed --num_gpus N tests/memory_worker.py PLAN.json OUT.json   (or torchrun)
 
 PLAN: a list of {"name", "overrides"} (configs/tiny.yaml). The count after the first optimizer
 step holds the weights, DeepSpeed's gradient buffers and partitions, the fp32 master copy, the
@@ -12,25 +12,31 @@ import sys
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel import groups
 from megatron_kappa.train import loop
 
 
-def live_storages() -> dict:
-    """data_ptr → bytes of every storage a live tensor (not on the meta device) holds."""
+def live_tensors() -> dict:
+    """data_ptr → one live tensor (not on the meta device) of every storage in use."""
     out = {}
     for obj in gc.get_objects():
         try:
             if not isinstance(obj, torch.Tensor) or obj.is_meta:
                 continue
-            storage = obj.untyped_storage()
+            ptr = obj.untyped_storage().data_ptr()
         except (RuntimeError, ReferenceError):
             continue
-        if storage.data_ptr():
-            out[storage.data_ptr()] = max(out.get(storage.data_ptr(), 0), storage.nbytes())
+        if ptr and (ptr not in out or obj.untyped_storage().nbytes() > out[ptr].untyped_storage().nbytes()):
+            out[ptr] = obj
     return out
+
+
+def live_storages() -> dict:
+    """data_ptr → bytes of every storage a live tensor holds."""
+    return {ptr: t.untyped_storage().nbytes() for ptr, t in live_tensors().items()}
 
 
 def census(model, exclude: set) -> dict:
@@ -47,7 +53,10 @@ def main(plan_path, out_path):
     for case in json.load(open(plan_path)):
         counts = {}
         gc.collect()
-        earlier = set(live_storages())  # what an earlier case left behind is not this case's
+        # what an earlier case left behind is not this case's; holding it keeps its addresses from
+        # being reused by this case's storages (exclusion is by address)
+        kept_alive = live_tensors()
+        earlier = set(kept_alive)
 
         def step_and_count(engine, model, *a, **k):
             """The first step, counted twice: inside the optimizer's step, before it updates
@@ -58,6 +67,7 @@ def main(plan_path, out_path):
                 def counted_step(*sa, **sk):
                     gc.collect()
                     counts["at_step"] = census(model, earlier)
+                    counts["stage"] = ps.get_pipeline_model_parallel_rank()
                     return step(*sa, **sk)
                 engine.optimizer.step = counted_step
             out = original(engine, model, *a, **k)
@@ -68,6 +78,7 @@ def main(plan_path, out_path):
             return out
         loop.train_step = step_and_count
         loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)
+        del kept_alive
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, counts)
         results[case["name"]] = every

@@ -142,23 +142,31 @@ def test_command_line(tmp_path):
 MEMORY_SHAPE = ["precision=bf16", "train.steps=1", "data.mock=true", "model.seq_length=32", "train.micro_batch=2",
                 "train.global_batch=4", "log.tensorboard=false", "checkpoint.interval=100", "eval.valid_every=0",
                 "model.hidden_size=256", "model.vocab_size=8192"]
-MEMORY_CASES = {"dp2_zero1": (1, 1, 1), "dp2_zero2": (1, 1, 2), "ep2_zero1": (1, 2, 1), "ep2_zero2": (1, 2, 2),
-                "tp2_zero2": (2, 1, 2)}
+MEMORY_CASES = {  # name: (world, tp, pp, ep, etp, zero stage)
+    "dp2_zero1": (2, 1, 1, 1, 1, 1), "dp2_zero2": (2, 1, 1, 1, 1, 2), "ep2_zero1": (2, 1, 1, 2, 1, 1),
+    "ep2_zero2": (2, 1, 1, 2, 1, 2), "tp2_zero2": (2, 2, 1, 1, 2, 2), "pp2_zero1": (2, 1, 2, 1, 1, 1),
+    "ep2_etp2_zero1": (4, 1, 1, 2, 2, 1), "pp2_ep2_zero1": (4, 1, 2, 2, 1, 1)}
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
-    from test_training import deepspeed_cmd, env, free_port
+    from test_training import env, free_port
     tmp = tmp_path_factory.mktemp("memory")
-    cases = [{"name": name, "overrides": MEMORY_SHAPE + [f"parallel.tp={tp}", f"parallel.ep={ep}", f"zero.stage={z}",
-                                                         f"run.dir={tmp / name}"]}
-             for name, (tp, ep, z) in MEMORY_CASES.items()]
-    (tmp / "plan.json").write_text(json.dumps(cases))
-    done = subprocess.run(deepspeed_cmd(ROOT / "tests/memory_worker.py", str(tmp / "plan.json"), str(tmp / "out.json"),
-                                        port=free_port()), cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return cases, json.loads((tmp / "out.json").read_text())
+    cases, results = [], {}
+    for world in (2, 4):
+        mine = [{"name": name, "world": w, "overrides": MEMORY_SHAPE + [
+            f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}",
+            f"zero.stage={z}", f"run.dir={tmp / name}", f"train.global_batch={2 * world}"]}
+            for name, (w, tp, pp, ep, etp, z) in MEMORY_CASES.items() if w == world]
+        (tmp / f"plan{world}.json").write_text(json.dumps(mine))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={world}", f"--master_port={free_port()}", "tests/memory_worker.py",
+                               str(tmp / f"plan{world}.json"), str(tmp / f"out{world}.json")],
+                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        cases += mine
+        results.update(json.loads((tmp / f"out{world}.json").read_text()))
+    return cases, results
 
 
 @pytest.mark.slow
@@ -168,12 +176,14 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
     planner's gradients + buckets, which count the full bf16 gradients and both buckets as the
     peak inside backward would (not measured here: docs/plan.md)."""
     cases, results = held
+    assert len(cases) == len(MEMORY_CASES)
     for case in cases:
         cfg = load_config("configs/tiny.yaml", case["overrides"])
-        layout = planner.layout_of(cfg, 2)
-        want = planner.state_bytes(planner.stage_params(cfg, layout, 0), cfg, layout)
-        buckets = planner.bucket_bytes(cfg, planner.stage_params(cfg, layout, 0))
+        layout = planner.layout_of(cfg, case["world"])
         for rank in results[case["name"]]:
+            params = planner.stage_params(cfg, layout, rank["stage"])
+            want = planner.state_bytes(params, cfg, layout)
+            buckets = planner.bucket_bytes(cfg, params)
             assert rank["after_step"]["weights"] == want["weights"], case["name"]
             kept = rank["after_step"]["other"]
             assert kept == pytest.approx(want["master"] + want["moments"], rel=0.01), (case["name"], kept, want)

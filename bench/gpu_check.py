@@ -11,8 +11,9 @@ Stages, each a separate process with a time limit, each recorded whether it pass
      after the checkpoint and resumed, against an uninterrupted run (train.deterministic);
   4. evaluation of that checkpoint: CORE on tests/core_bundle and loss / bits per byte;
   5. the benchmarks: bench/kappa_activation.py, bench/model_step.py (the expert variants, then
-     bf16 against fp8) and bench/throughput.py at the paper's moe8 / sandwich28 shapes (tiny
-     shapes with --quick or --cpu).
+     bf16 against fp8), bench/activation_memory.py (the planner's activation estimate against
+     the allocator; GPU only) and bench/throughput.py at the paper's moe8 / sandwich28 shapes
+     (tiny shapes with --quick or --cpu).
 It writes <out>/report.json and <out>/report.md (paste the latter into docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
         ("bench: model bf16 vs fp8", ["bench/model_step.py", "--precisions", "bf16", "fp8"]
          + (["--config", "configs/tiny.yaml", "--reps", "2"] if small else
             ["--config", "configs/moe8.yaml", "--set", "parallel.ep=1", "--micro-batch", "4"])),
+        ("bench: activation memory vs the planner", ["bench/activation_memory.py"]
+         + (["--config", "configs/tiny.yaml"] if small else ["--config", "configs/moe8.yaml", "--micro-batch", "4"])),
         ("bench: throughput moe8", ["bench/throughput.py"]
          + (["--config", "configs/tiny.yaml", "--steps", "2"] if small else
             ["--config", "configs/moe8.yaml", "--micro-batch", "4", "--recompute", "none", "selective"])),

@@ -1,6 +1,6 @@
 """The memory planner's activation estimate against what a forward pass keeps on a GPU.
 
-    python bench/activation_memory.py [--config configs/moe8.yaml] [--micro-batch 4] [--set k=v ...]
+    python bench/activation_memory.py [--config configs/moe8.yaml] [--micro-batch 4] [--set k=v ...] [--json F]
 
 For each recompute mode (none, selective, full): the model of the config (one process, EP 1) is
 built on CUDA, one forward pass runs, and the memory allocated after it, less the memory before
@@ -11,7 +11,9 @@ statistics); exits 0 with a message elsewhere.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -43,9 +45,13 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="configs/moe8.yaml")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
+    rows = []
     if not torch.cuda.is_available():
         print("activation memory: needs CUDA (no allocator statistics on the CPU); nothing measured")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"skipped": "needs CUDA"}))
         return 0
     base = ["data.mock=true", "parallel.ep=1", "parallel.tp=1", f"train.micro_batch={args.micro_batch}", *args.set]
     device = init_distributed(load_config(args.config, base).parallel, 0)
@@ -58,6 +64,10 @@ def main(argv=None) -> int:
         estimate = planner.activation_bytes(cfg, layout, 0, mode, args.micro_batch)
         print(f"{mode:<10} {measured / planner.GIB:>13.3f} {estimate / planner.GIB:>12.3f} "
               f"{estimate / max(measured, 1):>17.3f}")
+        rows.append({"recompute": mode, "measured_bytes": measured, "planner_bytes": estimate,
+                     "planner_over_measured": estimate / max(measured, 1)})
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -59,8 +59,9 @@ def main(plan_path, out_path):
         earlier = set(kept_alive)
 
         def step_and_count(engine, model, *a, **k):
-            """The first step, counted twice: inside the optimizer's step, before it updates
-            (gradients reduced and partitioned, the buckets and the moments allocated), and after."""
+            """The first step, counted three times: as ZeRO's step begins (gradients reduced),
+            as it hands the fp32 partitions and their gradients to the torch optimizer, and after
+            the step (the moments allocated, the gradients freed)."""
             if not counts:
                 step = engine.optimizer.step
 
@@ -70,9 +71,18 @@ def main(plan_path, out_path):
                     counts["stage"] = ps.get_pipeline_model_parallel_rank()
                     return step(*sa, **sk)
                 engine.optimizer.step = counted_step
+                inner = engine.optimizer.optimizer  # the torch optimizer ZeRO steps on its fp32 partitions
+                inner_step = inner.step
+
+                def counted_inner_step(*sa, **sk):
+                    if "in_step" not in counts:
+                        gc.collect()
+                        counts["in_step"] = census(model, earlier)
+                    return inner_step(*sa, **sk)
+                inner.step = counted_inner_step
             out = original(engine, model, *a, **k)
             if "after_step" not in counts:
-                engine.optimizer.step = step
+                engine.optimizer.step, inner.step = step, inner_step
                 gc.collect()
                 counts["after_step"] = census(model, earlier)
             return out

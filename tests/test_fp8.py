@@ -355,7 +355,7 @@ def test_fp8_training_tracks_bf16(world1, tmp_path):
                                                       f"train.init_weights={init}"]), log=lambda *a: None)
         got[precision] = losses(run_dir)
     bf16, f8 = got["bf16"], got["fp8"]
-    assert len(f8) == 20 and bf16[-1] < bf16[0] - 0.5 and f8[-1] < f8[0] - 0.5  # both learn
+    assert len(f8) == 20 and bf16[-1] < bf16[0] - 0.2 and f8[-1] < f8[0] - 0.2  # both learn
     gaps = [abs(a - b) for a, b in zip(bf16, f8)]
     assert max(gaps) < 0.1, gaps
     assert max(gaps) > 1e-4, gaps  # FP8 changed the numbers: it was on the path

@@ -13,12 +13,13 @@ from megatron_kappa.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
-COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "eval.valid_every=0", "model.seq_length=32",
+COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", f"eval.valid_every={STEPS}", "eval.valid_iters=4", "model.seq_length=32",
           "train.micro_batch=2", "train.global_batch=8", "train.grad_clip=0.05", "model.kappa.freeze_fraction=0.0",
           "model.kappa.warmup=1", "model.moe.aux_loss=1e-2", "log.tensorboard=false", "zero.stage=1",
           "checkpoint.interval=100"]
-LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
-           "pp2_dp2": (4, ["parallel.pp=2"])}
+# validation: each DP rank takes every DP-th micro-batch, so DP2 with 2 iterations sees the 4 of DP1
+LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2", "eval.valid_iters=2"]),
+           "pp2_dp2": (4, ["parallel.pp=2", "eval.valid_iters=2"])}
 
 
 def records(run_dir):
@@ -65,6 +66,8 @@ def test_pipeline_layout_matches_one_process(runs, name):
         assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
         assert abs(r["aux_loss"] - g["aux_loss"]) <= 1e-6 and abs(r["kappa_l2"] - g["kappa_l2"]) <= 1e-9
     assert all(r["grad_norm"] > 0.05 for r in ref)  # clipping was active: the norms decided the updates
+    # validation through the stages' forward-only schedule
+    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5, (name, ref[-1], got[-1])
     # κ's α and b of every MoE layer, merged from the stages under the full model's layer numbers
     # (the routed-token statistics sample the last micro-batch, which depends on the DP split)
     kappa = [k for k in ref[-1] if k.endswith(("/alpha_abs", "/bias_abs"))]

@@ -36,10 +36,6 @@ def _stage() -> tuple[int, int]:
     return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
 
 
-def _layer_offset(model) -> int:
-    return layer_offset(model)
-
-
 def _is_glu_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
@@ -78,7 +74,7 @@ def _tp_join(pieces: list[torch.Tensor], name: str, dim: int) -> torch.Tensor:
 def local_shard(full_state: dict, name: str, local: torch.Tensor, model) -> torch.Tensor:
     """This rank's piece of the full tensor that corresponds to local parameter `name`."""
     num_local, ep_rank = _num_local_experts(model), ps.get_expert_model_parallel_rank()
-    key = _shift_layers(_global_name(name, ep_rank, num_local), _layer_offset(model))
+    key = _shift_layers(_global_name(name, ep_rank, num_local), layer_offset(model))
     if key not in full_state:
         raise KeyError(f"full state dict has no '{key}' (for local '{name}')")
     tensor = full_state[key]
@@ -148,10 +144,10 @@ def gather_full(model, tensors: dict | None = None) -> dict:
             pieces = [torch.empty_like(t) for _ in range(ep_size)]
             dist.all_gather(pieces, t, group=ep_group)
             _place_expert_pieces(full, name, pieces, num_local)
-    stage, stages = _stage()
+    stages = ps.get_pipeline_model_parallel_world_size()
     if stages == 1:
         return full
-    offset = _layer_offset(model)
+    offset = layer_offset(model)
     mine = {_shift_layers(n, offset): t.cpu() for n, t in full.items()}
     every = [None] * stages
     dist.all_gather_object(every, mine, group=ps.get_pipeline_model_parallel_group())
@@ -172,7 +168,7 @@ def rank_coords(model) -> dict:
     """Where this rank's tensors sit in the full layout, and which of them it owns (saved with
     checkpoints, so that consolidation needs no process group)."""
     return {
-        "pp": list(_stage()), "layer_offset": _layer_offset(model),
+        "pp": list(_stage()), "layer_offset": layer_offset(model),
         "tp": [ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()],
         "ep": [ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()],
         "etp": [ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()],

@@ -62,21 +62,23 @@ def lm_loss(model, batch, position_ids) -> torch.Tensor:
     """Mean next-token loss over the batch's unmasked tokens (a device scalar). The model computes
     the per-token loss: the chunked one of model.cross_entropy_chunk, or megatron's (build.py)."""
     per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
-    mask = batch["loss_mask"]
-    return (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
+    return pipeline.masked_mean(per_token, batch["loss_mask"])
 
 
 @torch.no_grad()
 def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tensor:
-    if cfg.parallel.pp > 1:
-        return pipeline.validate(engine, valid_ds, cfg, device, position_ids)
-    engine.eval()
+    """The mean loss of this rank's `eval.valid_iters` validation micro-batches, averaged over
+    data-parallel ranks (through the stages' schedule, forward only, with pipeline stages)."""
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb = cfg.train.micro_batch
-    losses = [lm_loss(engine, batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device), position_ids)
-              for i in range(cfg.eval.valid_iters)]
+    batches = [batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device) for i in range(cfg.eval.valid_iters)]
+    engine.eval()
+    if cfg.parallel.pp > 1:
+        loss = pipeline.run_schedule(engine.module, batches, cfg, position_ids, forward_only=True)
+    else:
+        loss = torch.stack([lm_loss(engine, batch, position_ids) for batch in batches]).mean()
     engine.train()
-    return dp_mean(torch.stack(losses).mean())
+    return dp_mean(loss)
 
 
 def grad_accumulation(cfg: Config) -> int:

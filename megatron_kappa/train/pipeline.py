@@ -26,6 +26,7 @@ from megatron_kappa.train.data import batch_at, train_first_sample
 
 
 def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the per-token loss over the unmasked tokens (a device scalar)."""
     return (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
 
 
@@ -69,18 +70,6 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
         (l2 * recipe.l2_scale()).backward()
     engine.step()
     return dp_mean(loss), l2
-
-
-@torch.no_grad()
-def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tensor:
-    """The validation loss through the stages (forward only), averaged over data-parallel ranks."""
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mb = cfg.train.micro_batch
-    batches = [batch_at(valid_ds, (i * dp + dp_rank) * mb, mb, device) for i in range(cfg.eval.valid_iters)]
-    engine.eval()
-    loss = run_schedule(engine.module, batches, cfg, position_ids, forward_only=True)
-    engine.train()
-    return dp_mean(loss)
 
 
 def stage_sum_counts(by: dict, input_embedding: int) -> tuple[dict, int]:

@@ -3,9 +3,9 @@ of the model's parameters and of every other live tensor, by storage (rank 0 wri
 
     deepspeed --num_gpus N tests/memory_worker.py PLAN.json OUT.json   (or torchrun)
 
-PLAN: a list of {"name", "overrides"} (configs/tiny.yaml). The count after the first optimizer
-step holds the weights, DeepSpeed's gradient buffers and partitions, the fp32 master copy, the
-optimizer moments and the buckets; the activations are gone by then."""
+PLAN: a list of {"name", "overrides"} (configs/tiny.yaml). Each case's first step is counted as
+its gradients reach DeepSpeed, as ZeRO's step begins, inside the torch optimizer's step and after
+it (count_first_step); by the time gradients reach DeepSpeed the activations are gone."""
 import gc
 import json
 import sys
@@ -39,12 +39,97 @@ def live_storages() -> dict:
     return {ptr: t.untyped_storage().nbytes() for ptr, t in live_tensors().items()}
 
 
-def census(model, exclude: set) -> dict:
-    """Bytes of the model's parameters, and of every other live storage not in `exclude`."""
-    storages = {ptr: n for ptr, n in live_storages().items() if ptr not in exclude}
+def census(model, exclude: set, zero=None) -> dict:
+    """Bytes of the model's parameters, of every other live storage not in `exclude`, and of the
+    gradient storages among those (`zero`'s: gradient_storages). A gradient that only autograd
+    holds has no Python object for the garbage collector to find: those come from the
+    parameters' .grad."""
+    grads = gradient_storages(zero, model) if zero is not None else {}
+    storages = {ptr: n for ptr, n in (live_storages() | grads).items() if ptr not in exclude}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weights = sum(storages.pop(ptr, 0) for ptr in params)
-    return {"weights": weights, "other": sum(storages.values())}
+    out = {"weights": weights, "other": sum(storages.values())}
+    if zero is not None:
+        out["gradients"] = sum(storages.get(ptr, 0) for ptr in grads)
+    return out
+
+
+def gradient_storages(zero, model) -> dict:
+    """data_ptr → bytes of every storage that holds gradients: the parameters' .grad, DeepSpeed's reduce
+    bucket, its gradient partition (`grads_in_partition`, or by the step the views of it that
+    `averaged_gradients` lists) and the fp32 gradients of its fp32 partitions."""
+    tensors = [p.grad for p in model.parameters()]
+    tensors += [b for bucket in zero.ipg_buckets.values() for b in bucket.buffer]
+    tensors += [zero.grads_in_partition]
+    tensors += [t for grads in zero.averaged_gradients.values() if grads is not None for t in grads]
+    tensors += [p.grad for p in zero.single_partition_of_fp32_groups]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+
+
+def deepspeed_edges(zero) -> int:
+    """Elements of DeepSpeed's gradient partition past this rank's share: the partition holds
+    whole tensors, so the tensors across its edges come in full (the share excludes the last
+    rank's padding). The partition is one buffer; by the step only the views of it that
+    `averaged_gradients` lists keep it."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() // t.element_size()
+                for grads in zero.averaged_gradients.values() if grads is not None for t in grads}
+    share = sum(int(size) - int(pad) for size, pad in zip(zero.partition_size, zero.groups_padding))
+    return sum(storages.values()) - share
+
+
+def count_first_step(engine, model, earlier: set, counts: dict):
+    """Wraps DeepSpeed's ZeRO optimizer so that its first step is counted:
+      backward    as the last gradient of a backward pass reaches DeepSpeed's hook (the larger
+                  count over the micro-batches), with the reduce bucket's bytes;
+      at_step     as ZeRO's step begins (gradients reduced into the partitions), with the
+                  partitions' edges and each group's partition size;
+      in_step     the largest count as the torch optimizer steps each group's fp32 partition;
+    and returns a function that undoes the wrapping."""
+    zero = engine.optimizer
+    originals = {}
+
+    def wrap(owner, name, before):
+        original = originals[(owner, name)] = getattr(owner, name)
+
+        def counted(*a, **k):
+            before()
+            return original(*a, **k)
+        setattr(owner, name, counted)
+
+    hooks = sum(p.requires_grad for group in zero.bit16_groups for p in group)
+    fired = [0]
+
+    def backward(*_):
+        """Before DeepSpeed takes the last gradient of a backward pass: every gradient made."""
+        fired[0] += 1
+        if fired[0] % hooks == 0:
+            gc.collect()
+            now = census(model, earlier, zero)
+            if now["gradients"] > counts.get("backward", {"gradients": -1})["gradients"]:
+                counts["backward"] = now
+                counts["bucket"] = sum(b.untyped_storage().nbytes() for bucket in zero.ipg_buckets.values()
+                                       for b in bucket.buffer)
+
+    def at_step():
+        gc.collect()
+        counts["at_step"] = census(model, earlier, zero)
+        counts["edges"] = deepspeed_edges(zero)
+        counts["groups"] = [int(size) for size in zero.partition_size]
+        counts["stage"] = ps.get_pipeline_model_parallel_rank()
+
+    def in_step():
+        gc.collect()
+        now = census(model, earlier, zero)
+        if now["gradients"] > counts.get("in_step", {"gradients": -1})["gradients"]:
+            counts["in_step"] = now
+    wrap(zero, "process_gradients", backward)  # DeepSpeed's hook on each parameter's gradient
+    wrap(zero, "step", at_step)
+    wrap(zero.optimizer, "step", in_step)  # the torch optimizer, called once per group
+
+    def undo():
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+    return undo
 
 
 def main(plan_path, out_path):
@@ -59,32 +144,12 @@ def main(plan_path, out_path):
         earlier = set(kept_alive)
 
         def step_and_count(engine, model, *a, **k):
-            """The first step, counted three times: as ZeRO's step begins (gradients reduced),
-            as it hands the fp32 partitions and their gradients to the torch optimizer, and after
-            the step (the moments allocated, the gradients freed)."""
-            if not counts:
-                step = engine.optimizer.step
-
-                def counted_step(*sa, **sk):
-                    gc.collect()
-                    counts["at_step"] = census(model, earlier)
-                    counts["stage"] = ps.get_pipeline_model_parallel_rank()
-                    return step(*sa, **sk)
-                engine.optimizer.step = counted_step
-                inner = engine.optimizer.optimizer  # the torch optimizer ZeRO steps on its fp32 partitions
-                inner_step = inner.step
-
-                def counted_inner_step(*sa, **sk):
-                    if "in_step" not in counts:
-                        gc.collect()
-                        counts["in_step"] = census(model, earlier)
-                    return inner_step(*sa, **sk)
-                inner.step = counted_inner_step
+            undo = count_first_step(engine, model, earlier, counts) if not counts else None
             out = original(engine, model, *a, **k)
-            if "after_step" not in counts:
-                engine.optimizer.step, inner.step = step, inner_step
+            if undo is not None:
+                undo()
                 gc.collect()
-                counts["after_step"] = census(model, earlier)
+                counts["after_step"] = census(model, earlier)  # the moments made, the gradients freed
             return out
         loop.train_step = step_and_count
         loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)

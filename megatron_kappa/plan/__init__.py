@@ -18,7 +18,7 @@ from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size
 GIB = 2 ** 30
 KINDS = ("embedding", "output", "attention", "dense_mlp", "shared_experts", "router", "experts", "kappa", "norm")
 EXPERT_KINDS = ("experts", "kappa")  # reduced over the expert-data-parallel group
-BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce and all-gather bucket sizes (elements)
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 HEADROOM = 0.9  # a layout fits when the estimate stays under this share of the GPU's memory
 
 
@@ -116,40 +116,104 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
 
 # --- bytes --------------------------------------------------------------------------------------
 
-def state_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str, float]:
-    """Bytes of weights, gradients, the fp32 master copy and the optimizer moments on one rank,
-    under DeepSpeed's ZeRO-`zero.stage` with this project's settings.
+def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
+    """The largest single parameter tensor of each kind on one rank (elements)."""
+    m, moe, t = cfg.model, cfg.model.moe, layout.tp
+    h = m.hidden_size
+    head_dim = m.head_dim or h // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * h
+    expert_ffn = (moe.ffn_hidden_size or ffn) // layout.etp
+    local_experts = moe.num_experts // layout.ep if moe.num_experts else 0
+    vocab = padded_vocab_size(with_layout(cfg, layout)) // t * h
+    return {"embedding": vocab, "output": vocab,
+            "attention": h * head_dim * (m.num_attention_heads + 2 * groups) // t,  # linear_qkv
+            "dense_mlp": 2 * h * ffn // t,  # linear_fc1 [gate; up]
+            "shared_experts": 2 * h * (moe.shared_ffn_hidden_size or 0) // t,
+            "router": (moe.num_experts or 0) * h,
+            # grouped GEMM keeps every local expert's fc1 in one tensor; megatron's SequentialMLP one per expert
+            "experts": (local_experts if moe.grouped_gemm else 1) * 2 * expert_ffn * h,
+            "kappa": local_experts * expert_ffn if moe.grouped_gemm else expert_ffn,
+            "norm": max(h, head_dim)}
 
-    bf16/fp8: bf16 weights; ZeRO-1 keeps the full bf16 gradients and an fp32 gradient partition,
-    ZeRO-2 only the partitions (bf16 and fp32); the master copy (fp32) and the moments are
-    partitioned over the data-parallel group of each parameter: DP for the dense ones, EDP for
-    the experts. fp32: the same without the bf16 copies (fp32 weights and gradients, no master).
-    Moments: AdamW 2 fp32 per parameter; muon and aurora keep one momentum buffer for the matrices
-    they orthogonalise (attention, MLPs, experts; the router too under aurora) and AdamW's two
-    for the rest."""
+
+def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> list[dict]:
+    """DeepSpeed's parameter groups on one rank, as this project forms them
+    (megatron_kappa.train.optimizer.param_groups, then DeepSpeed's split of the experts into
+    groups of their own when they are reduced over the expert-data-parallel group, i.e. when
+    EP > 1 or ETP != TP): each group's elements, the data-parallel size `d` that partitions it
+    and its largest tensor."""
+    apart = layout.ep > 1 or layout.etp != layout.tp
+    routers_apart = cfg.train.optimizer != "adamw" and cfg.train.router_optimizer != "matrix"
+    members = {"matrix": ["attention", "dense_mlp", "shared_experts"] + ([] if routers_apart else ["router"])
+               + ([] if apart else ["experts"]),
+               "experts": ["experts"] if apart else [], "router": ["router"] if routers_apart else [],
+               "embedding": ["embedding"], "output": ["output"], "norm": ["norm"], "kappa": ["kappa"]}
+    largest = largest_tensors(cfg, layout)
+    out = []
+    for name, kinds in members.items():
+        n = sum(params.get(k, 0) for k in kinds)
+        if n:
+            d = layout.edp if apart and name in ("experts", "kappa") else layout.dp
+            out.append({"name": name, "elements": n, "d": d,
+                        "largest": min(n, max(largest[k] for k in kinds if params.get(k, 0)))})
+    return out
+
+
+def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str, float]:
+    """The gradient memory DeepSpeed's ZeRO-1/2 holds on one rank with this project's settings
+    (contiguous_gradients, reduce_scatter, no overlap_comm: megatron_kappa.parallel.engine), at
+    its two peaks. Each group's gradient partition (its elements / d, in the parameters' dtype)
+    holds whole tensors, so a partition's two edges can add up to two tensors ("edges"; none
+    when d is 1).
+      backward  ZeRO-1: autograd's full gradients, until the boundary moves them through the
+                reduce bucket (DeepSpeed's reduce_gradients). ZeRO-2: the partitions, filled
+                bucket by bucket as backward runs, and the tensor just produced.
+      step      the partitions, and the fp32 gradient of the group being stepped (DeepSpeed
+                steps the groups one at a time: the largest group's partition is the peak).
+    The reduce bucket (`bucket_bytes`) comes on top during backward."""
+    size = 2 if cfg.precision in ("bf16", "fp8") else 4
+    groups = optimizer_groups(params, cfg, layout)
+    partitions = sum(g["elements"] / g["d"] for g in groups)
+    edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in groups)
+    largest_group = max((g["elements"] / g["d"] for g in groups), default=0)
+    step = size * (partitions + edges) + 4 * largest_group
+    if cfg.zero.stage == 1:
+        backward = size * sum(params.values())
+    else:
+        backward = size * (partitions + edges + max((g["largest"] for g in groups), default=0))
+    return {"backward": backward, "step": step, "partitions": size * partitions, "edges": size * edges,
+            "largest_group": largest_group}
+
+
+def state_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str, float]:
+    """Bytes of weights, gradients (the larger of `gradient_bytes`'s two peaks), the fp32 master
+    copy and the optimizer moments on one rank under DeepSpeed's ZeRO-`zero.stage`.
+
+    bf16/fp8: bf16 weights; the master copy (fp32) and the moments are partitioned over the
+    data-parallel group of each parameter: DP for the dense ones, EDP for the experts. fp32: fp32
+    weights and gradients, no master copy. Moments: AdamW 2 fp32 per parameter; muon and aurora
+    keep one momentum buffer for the matrices they orthogonalise (attention, MLPs, experts; the
+    router too under aurora) and AdamW's two for the rest."""
     half = cfg.precision in ("bf16", "fp8")
-    weight = 2 if half else 4
-    out = dict(weights=0.0, gradients=0.0, master=0.0, moments=0.0)
+    grads = gradient_bytes(params, cfg, layout)
+    out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
     matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
         {"router"} if cfg.train.optimizer == "aurora" else set())
     for kind, n in params.items():
         d = layout.edp if kind in EXPERT_KINDS else layout.dp
-        out["weights"] += weight * n
-        if cfg.zero.stage == 1:
-            out["gradients"] += weight * n + (4 * n / d if half else 0)
-        else:
-            out["gradients"] += (weight + (4 if half else 0)) * n / d
+        out["weights"] += (2 if half else 4) * n
         out["master"] += 4 * n / d if half else 0
         moments = 4 if (cfg.train.optimizer != "adamw" and kind in matrices) else 8
         out["moments"] += moments * n / d
     return out
 
 
-def bucket_bytes(cfg: Config, params: dict[str, int]) -> float:
-    """DeepSpeed's reduce bucket and all-gather bucket: up to 5e8 elements each, fewer when the
-    rank has fewer parameters."""
-    elements = min(BUCKET_ELEMENTS, sum(params.values()))
-    return 2 * elements * (2 if cfg.precision in ("bf16", "fp8") else 4)
+def bucket_bytes(cfg: Config) -> float:
+    """DeepSpeed's reduce bucket: `reduce_bucket_size` (5e8) elements in the gradients' dtype,
+    allocated whole at the first gradient of each backward pass and released after it. (The
+    updated weights are all-gathered in place, so there is no all-gather bucket.)"""
+    return REDUCE_BUCKET_ELEMENTS * (2 if cfg.precision in ("bf16", "fp8") else 4)
 
 
 def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, micro_batch: int) -> float:
@@ -206,12 +270,14 @@ def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = 
     params = stage_params(cfg, layout, stage)
     recompute = recompute or cfg.model.recompute
     states = state_bytes(params, cfg, layout)
-    buckets = bucket_bytes(cfg, params)
+    grads = gradient_bytes(params, cfg, layout)
+    buckets = bucket_bytes(cfg)
     activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch)
                    for mode in ("none", "selective", "full")}
     total = sum(states.values()) + buckets + activations[recompute]
     return {"stage": stage, "params": params, "param_count": sum(params.values()),
             "bytes": {**states, "buckets": buckets, "activations": activations[recompute]},
+            "gradient_peaks": {"backward": grads["backward"], "step": grads["step"]},
             "activations_by_recompute": activations, "recompute": recompute, "total_bytes": total}
 
 
@@ -269,7 +335,8 @@ def render(p: dict) -> str:
              f"{w['param_count'] / 1e9:.3f} B parameters",
              "  by kind     " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in w["params"].items() if v)]
     for key, value in w["bytes"].items():
-        lines.append(f"  {key:<12}{value / GIB:>9.2f} GiB")
+        lines.append(f"  {key:<12}{value / GIB:>9.2f} GiB" + ("  (the larger of: backward {:.2f}, step {:.2f})".format(
+            *(v / GIB for v in w["gradient_peaks"].values())) if key == "gradients" else ""))
     lines.append("  activations by recompute: " + ", ".join(
         f"{k} {v / GIB:.2f} GiB" for k, v in w["activations_by_recompute"].items()))
     lines.append(f"  total       {w['total_bytes'] / GIB:>9.2f} GiB of {p['gpu_mem_gib']:g} GiB "

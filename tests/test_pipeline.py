@@ -148,8 +148,15 @@ def test_pipeline_refusals():
 
 
 def test_layer_names_shift_by_the_stage_offset():
-    from megatron_kappa.parallel.sharding import _shift_layers
-    assert _shift_layers("decoder.layers.0.mlp.experts.fc1_weight", 2) == "decoder.layers.2.mlp.experts.fc1_weight"
-    assert _shift_layers("decoder.layers.1.self_attention.linear_qkv.weight", 0) == \
+    from types import SimpleNamespace
+
+    from megatron_kappa.model.layout import global_layer_index, shift_layers
+    assert shift_layers("decoder.layers.0.mlp.experts.fc1_weight", 2) == "decoder.layers.2.mlp.experts.fc1_weight"
+    assert shift_layers("decoder.layers.1.self_attention.linear_qkv.weight", 0) == \
         "decoder.layers.1.self_attention.linear_qkv.weight"
-    assert _shift_layers("embedding.word_embeddings.weight", 2) == "embedding.word_embeddings.weight"
+    assert shift_layers("embedding.word_embeddings.weight", 2) == "embedding.word_embeddings.weight"
+    # only the first `layers.<i>.` is the decoder's (a module could hold layers of its own)
+    assert shift_layers("decoder.layers.1.mlp.layers.0.w", 2) == "decoder.layers.3.mlp.layers.0.w"
+    stage = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=3)]))  # first layer 2
+    assert global_layer_index(stage, "decoder.layers.1.mlp.experts") == 3
+    assert global_layer_index(stage, "module.decoder.layers.0.mlp") == 2

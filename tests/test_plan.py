@@ -125,9 +125,9 @@ def test_verdict_and_search():
 
 def test_bad_layout_is_a_one_line_error():
     cfg = load_config("configs/tiny.yaml")
-    with pytest.raises(ConfigError, match="parallel.ep: 4 experts are not divisible by ep=8"):
+    with pytest.raises(ConfigError, match=r"parallel.ep: model.moe.num_experts=4 is not divisible by ep=8 \(TP1 PP1 EP8 "):
         planner.plan(cfg, Layout(8, 1, 1, 8, 1), 80)
-    with pytest.raises(ConfigError, match="num_layers=4 is not divisible by 8"):
+    with pytest.raises(ConfigError, match=r"num_layers=4 is not divisible by pp=8 .*\(TP1 PP8 "):
         planner.plan(cfg, Layout(8, 1, 8, 1, 1), 80)
 
 

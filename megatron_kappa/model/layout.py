@@ -1,7 +1,9 @@
-"""The model's shape decisions that need no torch: which layers are MoE, the padded vocabulary."""
+"""The model's shape decisions that need no torch: which layers are MoE, the padded vocabulary,
+and where a pipeline stage's layers sit in the full model."""
 from __future__ import annotations
 
 import math
+import re
 
 from megatron_kappa.config import Config
 
@@ -28,6 +30,16 @@ def layer_offset(model) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
+LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")  # the `layers.<i>.` of a parameter or module name
+
+
 def global_layer_index(model, local_name: str) -> int:
     """The global layer index of a `decoder.layers.<i>...` name of this stage's model."""
-    return layer_offset(model) + int(local_name.split("layers.")[1].split(".")[0])
+    return layer_offset(model) + int(LAYER.search(local_name).group(2))
+
+
+def shift_layers(name: str, offset: int) -> str:
+    """A pipeline stage's local `decoder.layers.<i>` name as the full model's (i + offset)."""
+    if not offset:
+        return name
+    return LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}.", name, count=1)

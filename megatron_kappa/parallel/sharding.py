@@ -17,18 +17,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_kappa.model.layout import layer_offset
+from megatron_kappa.model.layout import layer_offset, shift_layers
 from megatron_kappa.model.params import is_expert as _is_expert, is_kappa as _is_kappa
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
-
-
-def _shift_layers(name: str, offset: int) -> str:
-    """A pipeline stage's local `decoder.layers.<i>` name as the full model's (i + offset)."""
-    if not offset:
-        return name
-    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}.", name, count=1)
 
 
 def _stage() -> tuple[int, int]:
@@ -74,7 +66,7 @@ def _tp_join(pieces: list[torch.Tensor], name: str, dim: int) -> torch.Tensor:
 def local_shard(full_state: dict, name: str, local: torch.Tensor, model) -> torch.Tensor:
     """This rank's piece of the full tensor that corresponds to local parameter `name`."""
     num_local, ep_rank = _num_local_experts(model), ps.get_expert_model_parallel_rank()
-    key = _shift_layers(_global_name(name, ep_rank, num_local), layer_offset(model))
+    key = shift_layers(_global_name(name, ep_rank, num_local), layer_offset(model))
     if key not in full_state:
         raise KeyError(f"full state dict has no '{key}' (for local '{name}')")
     tensor = full_state[key]
@@ -148,7 +140,7 @@ def gather_full(model, tensors: dict | None = None) -> dict:
     if stages == 1:
         return full
     offset = layer_offset(model)
-    mine = {_shift_layers(n, offset): t.cpu() for n, t in full.items()}
+    mine = {shift_layers(n, offset): t.cpu() for n, t in full.items()}
     every = [None] * stages
     dist.all_gather_object(every, mine, group=ps.get_pipeline_model_parallel_group())
     device = next(iter(full.values())).device
@@ -218,7 +210,7 @@ def consolidate(ranks: list[tuple[dict, dict]]) -> dict:
     for stage in sorted({_pp(c)[0] for c, _ in ranks}):
         members = [(c, s) for c, s in ranks if _pp(c)[0] == stage]
         offset = members[0][0].get("layer_offset", 0)
-        full.update({_shift_layers(n, offset): t for n, t in _consolidate_stage(members).items()})
+        full.update({shift_layers(n, offset): t for n, t in _consolidate_stage(members).items()})
     return full
 
 

@@ -55,21 +55,19 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 
 def check(cfg: Config, layout: Layout):
-    """One-line errors for a layout the model cannot be split by (the same rules as the trainer)."""
+    """One-line errors for a layout the model cannot be split by: the trainer's own checks of the
+    config under this layout, and of the layout against the world size."""
+    from megatron_kappa.config.checks import validate
     from megatron_kappa.parallel.layout import check_layout
-    m, moe = cfg.model, cfg.model.moe
+    moe = cfg.model.moe
     if moe.router == "softmoe" and any(moe_layer_pattern(cfg)):
         raise ConfigError("plan: model.moe.router: softmoe is not modelled by the planner")
-    check_layout(with_layout(cfg, layout).parallel, layout.world,
-                 moe.num_experts if any(moe_layer_pattern(cfg)) else None)
-    groups = m.num_query_groups or m.num_attention_heads
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    for key, size, by in (("model.num_attention_heads", m.num_attention_heads, layout.tp),
-                          ("model.num_query_groups", groups, layout.tp), ("model.ffn_hidden_size", ffn, layout.tp),
-                          ("model.moe.ffn_hidden_size", moe.ffn_hidden_size or ffn, layout.etp),
-                          ("model.num_layers", m.num_layers, layout.pp)):
-        if size % by:
-            raise ConfigError(f"plan: {key}={size} is not divisible by {by} ({layout.label()})")
+    split = with_layout(cfg, layout)
+    try:
+        validate(split)
+        check_layout(split.parallel, layout.world, moe.num_experts if any(moe_layer_pattern(cfg)) else None)
+    except ConfigError as e:
+        raise ConfigError(f"{e} ({layout.label()})") from None
 
 
 # --- parameters ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import sys
 
 from megatron_kappa.config import ConfigError
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def main(argv=None) -> int:
@@ -33,4 +34,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -9,12 +9,12 @@ to stdout; a malformed bundle prints `error: <file>:<line>: ...` and exits with 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch.distributed as dist
 
 from megatron_kappa.evaluation import core as core_eval
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def parse_args(argv=None):
@@ -69,4 +69,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

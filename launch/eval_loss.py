@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
 from megatron_kappa.evaluation.lm_loss import validation_loss
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def parse_args(argv=None):
@@ -47,4 +47,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

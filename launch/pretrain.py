@@ -17,7 +17,7 @@ import sys
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.train import preemption  # signals only: no heavy imports
-from megatron_kappa.parallel.launch_env import LaunchEnvError, export_environment
+from megatron_kappa.parallel.launch_env import LaunchEnvError, exit_process, export_environment
 from megatron_kappa.preflight import preflight
 
 
@@ -64,4 +64,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

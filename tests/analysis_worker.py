@@ -24,6 +24,7 @@ from megatron_kappa.parallel import sharding  # noqa: E402
 from megatron_kappa.parallel import groups  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.train import analysis  # noqa: E402
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def run_case(case):
@@ -63,3 +64,4 @@ def main(plan_path, out_path):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_process(0)

@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel import groups
 from megatron_kappa.train import loop
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def live_tensors() -> dict:
@@ -165,3 +166,4 @@ def main(plan_path, out_path):
 
 if __name__ == "__main__":
     main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")][:2])
+    exit_process(0)

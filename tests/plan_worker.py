@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.parallel import groups
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def kind(name: str) -> str:
@@ -56,3 +57,4 @@ def main(plan_path, out_path):
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    exit_process(0)

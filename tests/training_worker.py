@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_kappa.parallel import engine, groups  # noqa: E402
 from megatron_kappa.train import loop  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.parallel.launch_env import exit_process
 
 
 def unmarked(original):
@@ -45,3 +46,4 @@ def main(plan_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)

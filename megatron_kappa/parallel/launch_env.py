@@ -17,7 +17,8 @@ batch script does not wait for ranks that were never started.
 
 ``export(found)`` / ``export_environment()`` write the result back as the standard variables so
 that ``torch.distributed`` (``env://``) and DeepSpeed see an ordinary launcher environment.
-``free_port()`` finds a free TCP port (a world of one, tests).
+``free_port()`` finds a free TCP port (a world of one, tests). ``exit_process(code)`` ends a
+command-line process without interpreter shutdown's garbage collection.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass, fields
 from typing import Mapping, MutableMapping, Optional
@@ -263,3 +265,16 @@ def export_environment(environ: Optional[MutableMapping] = None, *, use_scontrol
     env = os.environ if environ is None else environ
     found = from_environment(env, use_scontrol=use_scontrol)
     return None if found is None else export(found, env)
+
+
+def exit_process(code: int | None = 0):
+    """sys.exit(code) without the cyclic garbage collection of interpreter shutdown, which walks the
+    million objects torch, megatron-core and DeepSpeed create at import: 2-3 s at the end of every
+    process on a CPU (`import megatron.core`, then exit: 2.9 s → 0.5 s; bench-free arithmetic,
+    measured with `date` around the process). Frozen objects are still freed by reference count;
+    only objects in reference cycles are left to the operating system. By the time a command line
+    calls this, what it writes is closed (`with` blocks, checkpoints renamed into place, the
+    TensorBoard writer closed by the loop) and atexit handlers such as logging's flush still run."""
+    import gc
+    gc.freeze()
+    sys.exit(code)

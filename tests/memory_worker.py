@@ -55,12 +55,17 @@ def census(model, exclude: set, zero=None) -> dict:
     return out
 
 
+def reduce_buckets(zero) -> list:
+    """DeepSpeed's reduce bucket buffers (allocated at a backward pass's first gradient hook)."""
+    return [b for bucket in zero.ipg_buckets.values() for b in bucket.buffer]
+
+
 def gradient_storages(zero, model) -> dict:
     """data_ptr → bytes of every storage that holds gradients: the parameters' .grad, DeepSpeed's reduce
     bucket, its gradient partition (`grads_in_partition`, or by the step the views of it that
     `averaged_gradients` lists) and the fp32 gradients of its fp32 partitions."""
     tensors = [p.grad for p in model.parameters()]
-    tensors += [b for bucket in zero.ipg_buckets.values() for b in bucket.buffer]
+    tensors += reduce_buckets(zero)
     tensors += [zero.grads_in_partition]
     tensors += [t for grads in zero.averaged_gradients.values() if grads is not None for t in grads]
     tensors += [p.grad for p in zero.single_partition_of_fp32_groups]
@@ -108,8 +113,7 @@ def count_first_step(engine, model, earlier: set, counts: dict):
             now = census(model, earlier, zero)
             if now["gradients"] > counts.get("backward", {"gradients": -1})["gradients"]:
                 counts["backward"] = now
-                counts["bucket"] = sum(b.untyped_storage().nbytes() for bucket in zero.ipg_buckets.values()
-                                       for b in bucket.buffer)
+                counts["bucket"] = sum(b.untyped_storage().nbytes() for b in reduce_buckets(zero))
 
     def at_step():
         gc.collect()

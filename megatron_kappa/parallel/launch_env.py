@@ -22,6 +22,7 @@ command-line process without interpreter shutdown's garbage collection.
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -275,6 +276,5 @@ def exit_process(code: int | None = 0):
     only objects in reference cycles are left to the operating system. By the time a command line
     calls this, what it writes is closed (`with` blocks, checkpoints renamed into place, the
     TensorBoard writer closed by the loop) and atexit handlers such as logging's flush still run."""
-    import gc
     gc.freeze()
     sys.exit(code)

@@ -28,6 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from megatron_kappa import routers
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.train.loop import lm_loss
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     sets = ["data.mock=true", "parallel.ep=1", "parallel.tp=1", *args.set]
-    if load_config(args.config, sets).model.moe.router != "softmoe" and not any("dispatcher" in s for s in args.set):
+    exact_topk = routers.lookup(load_config(args.config, sets).model.moe.router).topk  # what sorted needs
+    if exact_topk and not any("dispatcher" in s for s in args.set):
         sets.insert(3, "model.moe.dispatcher=sorted")  # one device: the dispatcher without host syncs
     if args.layers:
         base = load_config(args.config, sets)

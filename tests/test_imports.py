@@ -15,7 +15,7 @@ PACKAGE = ROOT / "megatron_kappa"
 # the preflight comes last because it checks the inputs of every stage before any of them runs.
 STAGES = [
     ("megatron_kappa.kappa",),
-    ("megatron_kappa.config",),
+    ("megatron_kappa.config", "megatron_kappa.routers"),  # the router kinds: torch-free, read by the config
     ("megatron_kappa.model",),
     ("megatron_kappa.parallel",),
     ("megatron_kappa.summary",),

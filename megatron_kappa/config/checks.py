@@ -5,7 +5,10 @@ megatron_kappa.preflight; both run before any process group or model exists.
 """
 from __future__ import annotations
 
-from megatron_kappa.config.schema import Config, ConfigError, MoEConfig
+from megatron_kappa import routers
+from megatron_kappa.config.schema import Config, ConfigError
+from megatron_kappa.kappa import DEFAULTS as KAPPA
+from megatron_kappa.kappa import inputs as kappa_inputs
 
 
 def validate(cfg: Config):
@@ -16,6 +19,10 @@ def validate(cfg: Config):
         if not ok:
             raise ConfigError(f"config: {key}: {msg}")
 
+    # the registered routers now (megatron_kappa.routers.register may add some at run time)
+    need(moe.router in routers.ROUTERS, "model.moe.router",
+         f"expected one of {routers.names()}, got {moe.router!r}")
+    router = routers.lookup(moe.router)
     for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                        ("model.num_attention_heads", m.num_attention_heads),
                        ("model.vocab_size", m.vocab_size), ("model.seq_length", m.seq_length),
@@ -45,8 +52,8 @@ def validate(cfg: Config):
              f"must be in [1, num_experts={moe.num_experts}], got {moe.topk}")
         need(moe.num_experts % par.ep == 0, "parallel.ep",
              f"model.moe.num_experts={moe.num_experts} is not divisible by ep={par.ep}")
-        if moe.router == "softmoe":
-            _validate_softmoe(moe, need)
+        if router.validate is not None:  # the router's own rules (SoftMoE: model.moe.softmoe)
+            router.validate(moe, need)
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")
@@ -73,8 +80,9 @@ def validate(cfg: Config):
         need(par.ep == 1 and par.tp == 1 and etp == 1, "model.moe.dispatcher",
              f"sorted keeps every expert on one rank: needs parallel.ep, tp and etp of 1 "
              f"(got ep={par.ep}, tp={par.tp}, etp={etp}; use alltoall)")
-        need(moe.capacity_factor is None and moe.router != "softmoe", "model.moe.dispatcher",
-             "sorted needs exactly top-k experts per token: no capacity factor, no softmoe router")
+        need(moe.capacity_factor is None and router.topk, "model.moe.dispatcher",
+             "sorted needs exactly top-k experts per token: no capacity factor, no "
+             f"{' or '.join(routers.names(lambda r: not r.topk))} router")
     if m.layout != "dense" and moe.grouped_gemm:
         align = 4 if cfg.precision == "fp32" else 8  # grouped_mm wants 16-byte strides
         expert_ffn = (moe.ffn_hidden_size or ffn) // etp
@@ -98,8 +106,9 @@ def validate(cfg: Config):
                        ("eval.capacity_factor", cfg.eval.capacity_factor)]:
         need(value is None or value > 0, key, f"must be positive (or null: no token dropping), got {value}")
     if cfg.eval.capacity_factor is not None and m.layout != "dense":
-        need(moe.router != "softmoe" and moe.dispatcher != "sorted", "eval.capacity_factor",
-             "must be null with the softmoe router or the sorted dispatcher (they drop no tokens)")
+        need(router.capacity and moe.dispatcher != "sorted", "eval.capacity_factor",
+             f"must be null with the {' or '.join(routers.names(lambda r: not r.capacity))} router or the "
+             "sorted dispatcher (they drop no tokens)")
     need(cfg.train.tokens_per_param > 0, "train.tokens_per_param",
          f"must be positive, got {cfg.train.tokens_per_param}")
     _validate_muon(cfg, need)
@@ -153,12 +162,17 @@ def _validate_fp8(cfg: Config, need):
 
 
 def _validate_kappa(k, need):
+    # the registered variants now (megatron_kappa.kappa.inputs.register may add some at run time)
+    variants = kappa_inputs.VARIANTS
+    need(k.input in variants, "model.kappa.input", f"expected one of {list(variants)}, got {k.input!r}")
     need(k.U is None or k.U > 1.0, "model.kappa.U", f"must be > 1, got {k.U}")
-    if k.input != "logit":  # the variant fixes them (megatron_kappa.kappa.inputs.VARIANTS)
+    if not variants[k.input].config_scales:  # the variant fixes them
+        free = " or ".join(name for name, v in variants.items() if v.config_scales)
         for key, value in (("logit_scale", k.logit_scale), ("tanh_gain", k.tanh_gain)):
-            need(value == 1.0, f"model.kappa.{key}",
-                 f"must stay 1.0 with model.kappa.input={k.input}, which sets its own (got {value}; "
-                 f"use input logit to choose logit_scale and tanh_gain freely)")
+            default = getattr(KAPPA, key)
+            need(value == default, f"model.kappa.{key}",
+                 f"must stay {default} with model.kappa.input={k.input}, which sets its own (got {value}; "
+                 f"use input {free} to choose logit_scale and tanh_gain freely)")
     need(k.router_grad_scale is None or k.router_grad_scale >= 0, "model.kappa.router_grad_scale",
          f"must not be negative, got {k.router_grad_scale}")
     need(k.u_warmup is None or 0.0 <= k.u_warmup <= 1.0, "model.kappa.u_warmup",
@@ -184,15 +198,3 @@ def _validate_muon(cfg: Config, need):
          f"must be 0 or null with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
          f"orthogonalised update, not the gradient (got {cfg.train.grad_clip})")
 
-
-def _validate_softmoe(moe: MoEConfig, need):
-    sm, E = moe.softmoe, moe.num_experts
-    cap = sm.max_experts or E
-    need(1 <= cap <= E, "model.moe.softmoe.max_experts", f"must be in [1, num_experts={E}], got {cap}")
-    need(0 < moe.active_experts <= cap, "model.moe.softmoe.budget",
-         f"must be in (0, max_experts={cap}], got {moe.active_experts}")
-    need(sm.temperature > 0, "model.moe.softmoe.temperature", f"must be positive, got {sm.temperature}")
-    need(0 <= sm.threshold < 1, "model.moe.softmoe.threshold", f"must be in [0, 1), got {sm.threshold}")
-    need(moe.capacity_factor is None, "model.moe.capacity_factor",
-         "must be null with the softmoe router (it runs a variable number of experts per token; "
-         "model.moe.softmoe.max_experts caps it)")

@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron_kappa import routers
 from megatron_kappa.kappa import DEFAULTS as KAPPA
+from megatron_kappa.kappa import inputs as kappa_inputs
 
 
 class ConfigError(ValueError):
@@ -26,23 +28,21 @@ def _f(default, help: str, **kw):
 @dataclass
 class KappaConfig:
     enabled: bool = _f(True, "κ-SwiGLU experts (false: plain SwiGLU experts, the baseline)")
-    input: Literal["logit", "scaled", "normalized"] = _f(
-        KAPPA.input, "what κ sees of the router logit s: logit (the paper: s), scaled (the authors' code at "
-                     "the paper's date: 0.15·s, tanh gain 2), normalized (their latest code: 6·s / a detached "
-                     "per-expert norm of the router weight); each variant brings its own U, "
-                     "router_grad_scale and u_warmup (null keys; docs/recipe.md)")
-    U: Optional[float] = _f(None, "κ range: κ ∈ (1/U, U) (null: 3; 4 for input normalized)")
+    # input: a name in megatron_kappa.kappa.inputs.VARIANTS, which may grow at run time
+    # (`register`), so it is checked when the config is validated (config/checks.py), not here
+    input: str = _f(KAPPA.input, kappa_inputs.input_help())
+    U: Optional[float] = _f(None, f"κ range: κ ∈ (1/U, U) ({kappa_inputs.null_help('U')})")
     use_alpha: bool = _f(KAPPA.use_alpha, "learn α (false: the paper's κ-SwiGLU₋α ablation)")
     use_bias: bool = _f(KAPPA.use_bias, "learn b (false: the paper's κ-SwiGLU₋b ablation)")
-    logit_scale: float = _f(KAPPA.logit_scale, "multiplies the router logit (input logit only: scaled sets "
-                                               "0.15 itself, and other values are refused with it)")
-    tanh_gain: float = _f(KAPPA.tanh_gain, "gain inside tanh (input logit only: scaled sets 2.0 itself)")
+    logit_scale: float = _f(KAPPA.logit_scale, "multiplies the router logit "
+                                               f"({kappa_inputs.scale_help('logit_scale')})")
+    tanh_gain: float = _f(KAPPA.tanh_gain, f"gain inside tanh ({kappa_inputs.scale_help('tanh_gain')})")
     router_grad_scale: Optional[float] = _f(
         None, "the κ path's gradient into the router logit is multiplied by this (forward unchanged; the "
-              "routing probabilities' gradient is not) (null: 1; 0.1 for inputs scaled and normalized)")
+              f"routing probabilities' gradient is not) ({kappa_inputs.null_help('router_grad_scale')})")
     u_warmup: Optional[float] = _f(
         None, "U ramps linearly from 1 to U over this fraction of the iterations, starting when α, b "
-              "unfreeze (null: 0, U constant; 0.15 for inputs scaled and normalized)")
+              f"unfreeze ({kappa_inputs.null_help('u_warmup', {0.0: 'U constant'})})")
     backend: Literal["auto", "triton", "torch"] = _f(
         KAPPA.backend, "κ-SwiGLU implementation: fused Triton kernels (triton), the row-chunked torch op "
                        "(torch), or auto: Triton for CUDA tensors, torch otherwise; a Triton kernel that "
@@ -109,9 +109,9 @@ class MoEConfig:
         None, "hidden size of a shared expert that every token passes through beside the routed ones "
               "(megatron's moe_shared_expert_intermediate_size: a plain SwiGLU MLP, TP-sharded like a "
               "dense one; null: none)")
-    router: Literal["softmax", "sigmoid", "softmoe"] = _f(
-        "softmax", "softmax top-k with aux loss (paper), sigmoid with an aux-loss-free bias (Trinity), or "
-                   "softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)")
+    # router: a name in megatron_kappa.routers.ROUTERS, which may grow at run time (`register`), so
+    # it is checked when the config is validated (config/checks.py), not here
+    router: str = _f(routers.DEFAULT, routers.router_help())
     aux_loss: float = _f(1e-3, "Switch load-balancing loss weight (softmax and softmoe routers)")
     z_loss: float = _f(1e-5, "router z-loss weight")
     route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448)")
@@ -128,9 +128,9 @@ class MoEConfig:
 
     @property
     def active_experts(self) -> float:
-        """Experts per token: topk, or the SoftMoE budget (its mean over layers)."""
-        budget = self.softmoe.budget
-        return (self.topk if budget is None else budget) if self.router == "softmoe" else self.topk
+        """Experts per token, by the router's rule (megatron_kappa.routers): topk, or the SoftMoE
+        budget (its mean over layers)."""
+        return routers.lookup(self.router).active_experts(self)
 
 
 @dataclass

@@ -21,27 +21,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_kappa.kappa import inputs as _inputs
+
 if TYPE_CHECKING:  # torch is imported where the op runs: the config reads KappaSettings without it
     import torch
 
 BACKENDS = ("auto", "torch", "triton")
+_PAPER = _inputs.VARIANTS[_inputs.DEFAULT]  # the `logit` variant: the paper's values
 
 
 @dataclass(frozen=True)
 class KappaSettings:
-    """The κ-SwiGLU knobs of an expert layer. The one place their defaults are declared
-    (config: model.kappa.*, which takes its defaults from here)."""
+    """The κ-SwiGLU knobs of an expert layer (config: model.kappa.*, which takes its defaults from
+    here). The κ-input defaults are the default variant's (megatron_kappa.kappa.inputs)."""
 
-    U: float = 3.0
+    U: float = _PAPER.U
     use_alpha: bool = True
     use_bias: bool = True
-    logit_scale: float = 1.0
-    tanh_gain: float = 1.0
+    logit_scale: float = _PAPER.logit_scale
+    tanh_gain: float = _PAPER.tanh_gain
     backend: str = "auto"  # one of BACKENDS
-    # What κ sees of the router logit (megatron_kappa.kappa.inputs: logit, scaled, normalized)
-    # and the scale of the κ path's gradient into the router; applied by the router, in torch.
-    input: str = "logit"
-    router_grad_scale: float = 1.0
+    # What κ sees of the router logit (a variant of megatron_kappa.kappa.inputs.VARIANTS) and the
+    # scale of the κ path's gradient into the router; applied by the router, in torch.
+    input: str = _inputs.DEFAULT
+    router_grad_scale: float = _PAPER.router_grad_scale
 
 
 DEFAULTS = KappaSettings()

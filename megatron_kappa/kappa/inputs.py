@@ -1,4 +1,5 @@
-"""What κ sees of the router logit: the three `model.kappa.input` variants and their settings.
+"""What κ sees of the router logit: the `model.kappa.input` variants, each owning its transform
+and its settings, in one registry (`VARIANTS`; `register` adds one at run time).
 
   logit       the paper's text: κ = U^tanh(α·s + b) on the raw router logit s, U = 3, constant.
   scaled      the authors' code at the paper's date (askerlee/kappa-swiglu 14c9b04): s × 0.15 and
@@ -11,17 +12,24 @@ Both authors' variants also ramp U from 1 over 15 % of the iterations after the 
 the κ path's gradient into the router logit by 0.1 (`scale_grad`: forward value unchanged; the
 routing probabilities keep their full gradient). docs/recipe.md has the sources, line by line.
 
+Everything that depends on the variant reads it from here: the router (`kappa_input`), the
+analysis metrics (`Variant.transform`), the config (the allowed values, checked when a config is
+validated, and the help texts of docs/config.md), the settings (`resolve`: U, its ramp, the
+gradient scale, logit_scale / tanh_gain) and `KappaSettings`' defaults (the `logit` entry).
+
 The transform runs in torch on the router's [tokens, experts] logits, before dispatch, so every
-backend of the op (and every dispatcher) gets it unchanged.
+backend of the op (and every dispatcher) gets it unchanged. torch is imported only where a
+transform runs: the config reads this registry without it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-INPUTS = ("logit", "scaled", "normalized")
+if TYPE_CHECKING:
+    import torch
 
 # The normalised variant's constants, as in the authors' code at 02b8de3: the gain 6 ("cosine
 # ~0.15 → ~1"), --kappa-input-logit-norm-exponent 0.5 and top_logit_norm_eps 1e-4.
@@ -30,35 +38,95 @@ NORM_EXPONENT = 0.5
 NORM_EPS = 1e-4
 
 
+def identity(logits: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """κ sees the raw logit (for `scaled` the op multiplies it, by logit_scale and tanh_gain)."""
+    return logits
+
+
+def normalized_logit(logits: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """6 · s / n_e for logits [..., E] of router weight [E, H] (the normaliser detached)."""
+    import torch
+
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 as the authors', fp64 in tests
+    m = torch.linalg.vector_norm(router_weight.detach(), ord=2, dim=-1, dtype=dtype)
+    m = torch.sqrt(m.square() + NORM_EPS)
+    compensation = m.pow(1.0 - NORM_EXPONENT).mean()
+    normaliser = math.sqrt(router_weight.shape[-1]) * m.pow(NORM_EXPONENT) * compensation
+    return NORM_GAIN * logits / normaliser.to(logits.dtype)
+
+
 @dataclass(frozen=True)
 class Variant:
-    """The κ settings a `model.kappa.input` variant brings (null config keys take these)."""
+    """A `model.kappa.input` variant: what κ sees of the router logits, and the κ settings it
+    brings (null config keys take these)."""
+    # (router logits [..., E], router weight [E, H]) → what κ sees, [..., E]; differentiable in
+    # the logits (the router's gradient flows through it, times router_grad_scale)
+    transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     U: float
     logit_scale: float
     tanh_gain: float
     router_grad_scale: float
     u_warmup: float  # fraction of the iterations over which U ramps from 1, after the κ freeze
+    # True: model.kappa.logit_scale / tanh_gain are free and in effect (logit_scale / tanh_gain
+    # here must then be the config's defaults); False: this variant's values are in effect and
+    # the config keys must stay at their defaults (config/checks.py refuses others)
+    config_scales: bool = False
+    help: str = ""  # one line for docs/config.md: "where it is from: what κ sees"
 
 
-VARIANTS = {
-    "logit": Variant(U=3.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=1.0, u_warmup=0.0),
-    "scaled": Variant(U=3.0, logit_scale=0.15, tanh_gain=2.0, router_grad_scale=0.1, u_warmup=0.15),
-    "normalized": Variant(U=4.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=0.1, u_warmup=0.15),
-}
+DEFAULT = "logit"  # the paper's text; KappaSettings' and the config's defaults are this entry's
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register(name: str, variant: Variant) -> Variant:
+    """Add a `model.kappa.input` variant (at import or at run time: a config validated after this
+    accepts `model.kappa.input: <name>`). A name is registered once."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"model.kappa.input: a variant's name must be an identifier, got {name!r}")
+    if not isinstance(variant, Variant) or not callable(variant.transform):
+        raise TypeError(f"model.kappa.input: {name}: expected a Variant with a callable transform, got {variant!r}")
+    if name in VARIANTS and VARIANTS[name] != variant:
+        raise ValueError(f"model.kappa.input: {name} is already registered")
+    default = VARIANTS.get(DEFAULT)
+    if variant.config_scales and default is not None and \
+            (variant.logit_scale, variant.tanh_gain) != (default.logit_scale, default.tanh_gain):
+        raise ValueError(f"model.kappa.input: {name}: with config_scales, logit_scale and tanh_gain are the "
+                         f"config's, whose defaults are {default.logit_scale} and {default.tanh_gain}")
+    VARIANTS[name] = variant
+    return variant
+
+
+register("logit", Variant(identity, U=3.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=1.0,
+                          u_warmup=0.0, config_scales=True, help="the paper: s"))
+register("scaled", Variant(identity, U=3.0, logit_scale=0.15, tanh_gain=2.0, router_grad_scale=0.1,
+                           u_warmup=0.15, help="the authors' code at the paper's date: 0.15·s, tanh gain 2"))
+register("normalized", Variant(normalized_logit, U=4.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=0.1,
+                               u_warmup=0.15, help="the authors' latest code: 6·s / a detached per-expert "
+                                                   "norm of the router weight"))
+
+
+def lookup(name: str) -> Variant:
+    """The registered variant `name` (ValueError naming model.kappa.input otherwise)."""
+    try:
+        return VARIANTS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"model.kappa.input: expected one of {list(VARIANTS)}, got {name!r}") from None
 
 
 def resolve(k) -> Variant:
     """The settings in effect for a `model.kappa` config section: its input variant's values,
     replaced by any key the config sets (null = the variant's). logit_scale / tanh_gain are the
-    variant's own for scaled and normalized (the config checks refuse other values there)."""
-    v = VARIANTS[k.input]
+    config's for a variant with config_scales (logit), the variant's own otherwise (the config
+    checks refuse other values there)."""
+    v = lookup(k.input)
     pick = lambda mine, default: default if mine is None else float(mine)  # noqa: E731
-    own = k.input == "logit"
-    return Variant(U=pick(k.U, v.U),
-                   logit_scale=float(k.logit_scale) if own else v.logit_scale,
-                   tanh_gain=float(k.tanh_gain) if own else v.tanh_gain,
-                   router_grad_scale=pick(k.router_grad_scale, v.router_grad_scale),
-                   u_warmup=pick(k.u_warmup, v.u_warmup))
+    return dataclasses.replace(
+        v, U=pick(k.U, v.U),
+        logit_scale=float(k.logit_scale) if v.config_scales else v.logit_scale,
+        tanh_gain=float(k.tanh_gain) if v.config_scales else v.tanh_gain,
+        router_grad_scale=pick(k.router_grad_scale, v.router_grad_scale),
+        u_warmup=pick(k.u_warmup, v.u_warmup))
 
 
 def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -68,22 +136,50 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.detach() + scale * (x - x.detach())  # (x − x) is exactly 0: the value is x bit for bit
 
 
-def normalized_logit(logits: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """6 · s / n_e for logits [..., E] of router weight [E, H] (the normaliser detached)."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 as the authors', fp64 in tests
-    m = torch.linalg.vector_norm(router_weight.detach(), ord=2, dim=-1, dtype=dtype)
-    m = torch.sqrt(m.square() + NORM_EPS)
-    compensation = m.pow(1.0 - NORM_EXPONENT).mean()
-    normaliser = math.sqrt(router_weight.shape[-1]) * m.pow(NORM_EXPONENT) * compensation
-    return NORM_GAIN * logits / normaliser.to(logits.dtype)
-
-
 def kappa_input(logits: torch.Tensor, router_weight: torch.Tensor, input: str,
                 router_grad_scale: float) -> torch.Tensor:
     """What the experts' κ gets for router logits [..., E]: the variant's transform, then the κ
-    path's gradient scale. ("scaled" multiplies inside the op, by logit_scale and tanh_gain.)"""
-    if input not in INPUTS:
-        raise ValueError(f"model.kappa.input: expected one of {INPUTS}, got {input!r}")
-    if input == "normalized":
-        logits = normalized_logit(logits, router_weight)
-    return scale_grad(logits, router_grad_scale)
+    path's gradient scale."""
+    return scale_grad(lookup(input).transform(logits, router_weight), router_grad_scale)
+
+
+# --- the config's view: docs/config.md's help texts, from the registry -------------------------
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _value(x: float, notes: dict) -> str:
+    return f"{x:g}" + (f", {notes[x]}" if x in notes else "")
+
+
+def input_help() -> str:
+    """model.kappa.input's help: every variant with its one line."""
+    listed = ", ".join(f"{name} ({v.help})" if v.help else name for name, v in VARIANTS.items())
+    return (f"what κ sees of the router logit s: {listed}; each variant brings its own U, "
+            "router_grad_scale and u_warmup (null keys; docs/recipe.md)")
+
+
+def null_help(key: str, notes: dict | None = None) -> str:
+    """"null: <the default variant's value>; <other value> for input(s) <the variants that differ>"
+    for a key a null config value takes from the variant (U, router_grad_scale, u_warmup)."""
+    notes = notes or {}
+    base = getattr(VARIANTS[DEFAULT], key)
+    others: dict[float, list[str]] = {}
+    for name, v in VARIANTS.items():
+        if getattr(v, key) != base:
+            others.setdefault(getattr(v, key), []).append(name)
+    parts = [f"null: {_value(base, notes)}"] + [
+        f"{_value(value, notes)} for input{'s' if len(names) > 1 else ''} {_names(names)}"
+        for value, names in others.items()]
+    return "; ".join(parts)
+
+
+def scale_help(key: str) -> str:
+    """Which inputs take logit_scale / tanh_gain from the config, and what the others set."""
+    base = getattr(VARIANTS[DEFAULT], key)
+    free = [name for name, v in VARIANTS.items() if v.config_scales]
+    fixed = [f"{name} sets {getattr(v, key):g} itself" for name, v in VARIANTS.items()
+             if not v.config_scales and getattr(v, key) != base]
+    return (f"input {_names(free)} only" + (f": {', '.join(fixed)}" if fixed else "")
+            + f"; the other inputs refuse any value but {base:g}")

@@ -19,9 +19,11 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_kappa import routers
 from megatron_kappa.config import Config
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.kappa import inputs as kappa_inputs
@@ -78,21 +80,15 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
             moe_layer_freq=moe_layer_pattern(cfg),
             # "sorted" is ours (SortedMoELayer swaps it in); megatron builds its alltoall first
             moe_token_dispatcher_type="alltoall" if moe.dispatcher == "sorted" else moe.dispatcher,
-            moe_router_score_function=moe.router, moe_router_dtype="fp32",
+            moe_router_dtype="fp32",
             moe_z_loss_coeff=moe.z_loss or None,
             moe_router_topk_scaling_factor=moe.route_scale if moe.route_scale != 1.0 else None,
             moe_expert_capacity_factor=moe.capacity_factor,
             moe_grouped_gemm=moe.grouped_gemm, moe_permute_fusion=False, moe_router_fusion=False,
             moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size,
         )
-        if moe.router == "softmax":
-            kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.aux_loss)
-        elif moe.router == "sigmoid":  # Trinity: aux-loss-free balancing through a non-trained expert bias
-            kwargs.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                          moe_router_enable_expert_bias=True,
-                          moe_router_bias_update_rate=moe.bias_update_rate)
-        else:  # SoftMoE: routing and balancing loss of its own
-            kwargs.update(softmoe.megatron_kwargs(cfg))
+        # the router kind's own: score function, load balancing (megatron_kappa.routers)
+        kwargs.update(routers.lookup(moe.router).megatron(cfg))
     return TransformerConfig(**kwargs)
 
 
@@ -152,12 +148,23 @@ def kappa_settings(cfg: Config) -> KappaSettings:
 
 
 def router_spec(cfg: Config, stock: MoESubmodules):
-    """The router class: κ needs each pair's raw logit handed on with the probabilities."""
-    kappa = dict(kappa=kappa_settings(cfg)) if cfg.model.kappa.enabled else {}
-    if cfg.model.moe.router == "softmoe":
-        router = softmoe.KappaSoftMoERouter if cfg.model.kappa.enabled else softmoe.SoftMoERouter
-        return partial(router, settings=softmoe.softmoe_settings(cfg), **kappa)
-    return partial(KappaRouter, **kappa) if cfg.model.kappa.enabled else stock.router
+    """The router class of `model.moe.router` (its entry in megatron_kappa.routers): κ needs each
+    pair's raw logit handed on with the probabilities."""
+    kappa = kappa_settings(cfg) if cfg.model.kappa.enabled else None
+    return routers.lookup(cfg.model.moe.router).router(cfg, kappa)
+
+
+def topk_router(cfg: Config, kappa: KappaSettings | None):
+    """The router of the top-k kinds (softmax, sigmoid): megatron's TopKRouter (the stock spec's),
+    or KappaRouter, which hands on the logit, for κ experts."""
+    return TopKRouter if kappa is None else partial(KappaRouter, kappa=kappa)
+
+
+def softmoe_router(cfg: Config, kappa: KappaSettings | None):
+    """The SoftMoE router, with the logit channel for κ experts."""
+    if kappa is None:
+        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(cfg))
+    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(cfg), kappa=kappa)
 
 
 def experts_spec(cfg: Config, stock: MoESubmodules, device):
@@ -175,14 +182,24 @@ def experts_spec(cfg: Config, stock: MoESubmodules, device):
 
 
 def moe_layer_spec(cfg: Config, stock: MoESubmodules, device):
-    """The MoE layer: the κ layer swaps in the dispatcher that carries the logit."""
-    layer = KappaMoELayer if cfg.model.kappa.enabled else MoELayer
-    if cfg.model.moe.router == "softmoe":  # a variable number of experts per token
-        layer = partial(SoftMoELayer, carry_logit=cfg.model.kappa.enabled)
-    elif cfg.model.moe.dispatcher == "sorted":  # moves the logit channel like the probabilities
-        layer = SortedMoELayer
+    """The MoE layer of `model.moe.router` (megatron_kappa.routers), with its router and experts."""
+    layer = routers.lookup(cfg.model.moe.router).layer(cfg, cfg.model.kappa.enabled)
     return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg, stock),
                                                    shared_experts=stock.shared_experts))
+
+
+def topk_layer(cfg: Config, kappa: bool):
+    """The MoE layer of the top-k kinds: the sorted dispatcher's (it moves the logit channel like
+    the probabilities), or megatron's, whose dispatcher the κ layer swaps for one that carries the
+    logit."""
+    if cfg.model.moe.dispatcher == "sorted":
+        return SortedMoELayer
+    return KappaMoELayer if kappa else MoELayer
+
+
+def softmoe_layer(cfg: Config, kappa: bool):
+    """The SoftMoE layer: a variable number of experts per token (the logit carried for κ)."""
+    return partial(SoftMoELayer, carry_logit=kappa)
 
 
 def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None) -> TransformerBlockSubmodules:

@@ -5,6 +5,7 @@ Torch-free: the preflight checks a layout before any process group or heavy impo
 """
 from __future__ import annotations
 
+from megatron_kappa import routers
 from megatron_kappa.config import ConfigError, ParallelConfig
 
 
@@ -30,9 +31,9 @@ def check_pipeline(cfg):
         raise ConfigError(f"config: zero.stage: {cfg.zero.stage} with parallel.pp={cfg.parallel.pp}: ZeRO-2 "
                           "reduces gradients inside backward hooks, which the pipeline schedule's backward "
                           "passes bypass (the update comes out silently wrong); use zero.stage 1")
-    if cfg.model.layout != "dense" and cfg.model.moe.router == "softmoe":
-        raise ConfigError("config: model.moe.router: softmoe shares one expert budget over all MoE layers, "
-                          "which pipeline stages split; use parallel.pp 1")
+    refusal = routers.lookup(cfg.model.moe.router).pipeline_refusal
+    if cfg.model.layout != "dense" and refusal:
+        raise ConfigError(f"config: model.moe.router: {cfg.model.moe.router} {refusal}; use parallel.pp 1")
     if cfg.eval.core_every:
         raise ConfigError("config: eval.core_every: the CORE subset during training needs the whole model on "
                           "each rank; with parallel.pp > 1 evaluate the checkpoints afterwards "

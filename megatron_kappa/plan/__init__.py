@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size
 
@@ -60,8 +61,8 @@ def check(cfg: Config, layout: Layout):
     from megatron_kappa.config.checks import validate
     from megatron_kappa.parallel.layout import check_layout
     moe = cfg.model.moe
-    if moe.router == "softmoe" and any(moe_layer_pattern(cfg)):
-        raise ConfigError("plan: model.moe.router: softmoe is not modelled by the planner")
+    if not routers.lookup(moe.router).planned and any(moe_layer_pattern(cfg)):
+        raise ConfigError(f"plan: model.moe.router: {moe.router} is not modelled by the planner")
     split = with_layout(cfg, layout)
     try:
         validate(split)

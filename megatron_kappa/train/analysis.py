@@ -10,7 +10,8 @@ On logging steps only, from what the last forward left behind (no extra pass ove
   kappa/layerL/{alpha_pos_mean,bias_pos_mean}  mean of the positive entries of α, of b
   kappa/layerL/{alpha_s_abs,bias_routed_abs}   mean |α·s| and |b| over the routed pairs' gate
                                          units: the two terms inside κ's tanh (s: the logit as κ
-                                         uses it: times logit_scale, normalised for input normalized)
+                                         uses it: the model.kappa.input variant's transform, times
+                                         logit_scale)
   load/layerL/{min,max,mean,cv}         tokens per expert (after any dropping), over every rank's
                                          last micro-batch; cv = std / mean
   load/layerL/dropped_frac              dropped (token, expert) pairs / top-k · tokens, when
@@ -159,7 +160,8 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
     world = dist.get_world_size(group)
     per_rank = None if values is None else max(1000, values // world)
     gen = torch.Generator().manual_seed(0)
-    scale = kappa_inputs.resolve(cfg.model.kappa).logit_scale  # as κ uses it (input scaled: 0.15)
+    variant = kappa_inputs.resolve(cfg.model.kappa)
+    scale, transform = variant.logit_scale, variant.transform  # as κ uses them (input scaled: 0.15)
     for index, layer in moe_layers(model):
         p = f"layer{index}"
         table = expert_table(layer)
@@ -183,10 +185,11 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
             token_cos = a / x.norm(dim=-1).clamp_min(1e-30)
             gate_bias = table["proj"][expert] * a[:, None]                        # [P, F]
             zero = gate_bias.new_zeros((), dtype=torch.float64)
-            s_kappa = s
-            if cfg.model.kappa.input == "normalized":  # κ sees 6·s / n_e (megatron_kappa.kappa.inputs)
-                w = layer.router.weight
-                s_kappa = s * kappa_inputs.normalized_logit(w.new_ones(w.shape[0], dtype=s.dtype), w)[expert]
+            # s as κ sees it: the input variant's transform (the one the router applies, without
+            # its gradient scale) of the pair's token's logits over every expert, at the pair's expert
+            w = layer.router.weight.detach()
+            logits = x @ w.float().T                                              # [P, E]
+            s_kappa = transform(logits, w).gather(-1, expert[:, None]).squeeze(-1)  # [P]
             alpha_s = (alpha[expert] * (scale * s_kappa)[:, None]).abs().double().sum() if alpha is not None else zero
             bias_abs = bias[expert].abs().double().sum() if bias is not None else zero
             n_tok, n_val = token_cos.numel(), gate_bias.numel()

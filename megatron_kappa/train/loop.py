@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from megatron_kappa import routers
 from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
@@ -31,7 +32,7 @@ from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model, moe_layer_pattern
 from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
-from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, update_expert_bias
+from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.layout import check_pipeline, layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
@@ -39,7 +40,6 @@ from megatron_kappa.summary import count
 from megatron_kappa.train import analysis, muon, optimizer as optim, pipeline, recipe, throughput
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
-from megatron_kappa.train.softmoe_metrics import softmoe_stats
 from megatron_kappa.train.preemption import Preempted, StopAgreement
 
 
@@ -113,7 +113,7 @@ def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
             **kappa_stats(model, device), **analysis.analysis_stats(model, cfg, device),
-            **softmoe_stats(model, device)}
+            **routers.lookup(cfg.model.moe.router).step_metrics(model, device)}  # SoftMoE's budgets
 
 
 def use_deterministic_kernels():
@@ -189,8 +189,9 @@ def run(cfg: Config, log=print) -> dict:
         set_kappa_U(model, kappa_U)
         lrs = recipe.set_learning_rates(optimizer, step, steps, cfg)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
-        if cfg.model.moe.router == "sigmoid":
-            update_expert_bias(model, cfg.model.moe.bias_update_rate)
+        after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
+        if after_step is not None:
+            after_step(model, cfg)
         done = step + 1
         window_steps += 1
         logging = done % cfg.log.interval == 0 or done == steps

@@ -1,0 +1,164 @@
+"""The router registry (megatron_kappa.routers): a router kind added at run time trains through the
+unchanged training loop, and the registry stays torch-free and points at code that exists."""
+import dataclasses
+import importlib
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_kappa import routers
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.model.moe import KappaRouter
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPERATURE = 0.5
+STEPS, MICRO_BATCHES, MOE_LAYERS = 2, 2, 3  # configs/tiny.yaml: 4 layers, the first dense
+TRAIN = [f"train.steps={STEPS}", "log.interval=1", "data.mock=true", "model.seq_length=32",
+         "train.micro_batch=2", f"train.global_batch={2 * MICRO_BATCHES}", "eval.valid_every=0",
+         "checkpoint.interval=100", "log.tensorboard=false"]
+
+
+class TemperedRouter(TopKRouter):
+    """Softmax top-k of logits / T (megatron's TopKRouter otherwise); counts its forwards."""
+    forwards = 0
+
+    def __init__(self, *args, temperature: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.temperature = temperature
+
+    def gating(self, input):
+        return super().gating(input) / self.temperature
+
+    def forward(self, input, padding_mask=None):
+        TemperedRouter.forwards += 1
+        return super().forward(input, padding_mask)
+
+
+class KappaTemperedRouter(KappaRouter, TemperedRouter):
+    """The same, handing on the (tempered) logit to κ experts."""
+
+
+@pytest.fixture
+def softmax_t():
+    """`model.moe.router: softmax_t`, registered for the test: softmax's megatron settings and MoE
+    layer, the tempered router, an after-step hook and a metric that count."""
+    seen = {"after_step": [], "models": []}
+
+    def router(cfg, kappa):
+        if kappa is None:
+            return partial(TemperedRouter, temperature=TEMPERATURE)
+        return partial(KappaTemperedRouter, temperature=TEMPERATURE, kappa=kappa)
+
+    def after_step(model, cfg):
+        seen["after_step"].append(cfg.model.moe.router)
+        seen["models"].append(model)
+
+    softmax = routers.lookup("softmax")
+    TemperedRouter.forwards = 0
+    routers.register("softmax_t", dataclasses.replace(
+        softmax, help="softmax_t: softmax top-k of logits / T", router=router, after_step=after_step,
+        metrics=lambda model, device: {"softmax_t/forwards": TemperedRouter.forwards}))
+    yield seen
+    routers.unregister("softmax_t")
+
+
+def test_a_router_registered_at_run_time_trains(world1, tmp_path, softmax_t):
+    from megatron_kappa.train.loop import run
+    cfg = load_config("configs/tiny.yaml", TRAIN + [f"run.dir={tmp_path}", "model.moe.router=softmax_t"])
+    assert cfg.model.moe.active_experts == cfg.model.moe.topk  # the default rule
+    run(cfg, log=lambda *a: None)
+
+    # its router ran in every MoE layer of every micro-batch, and nothing else routed
+    assert TemperedRouter.forwards == STEPS * MICRO_BATCHES * MOE_LAYERS
+    assert softmax_t["after_step"] == ["softmax_t"] * STEPS
+    model = softmax_t["models"][0]
+    kinds = [type(layer.mlp.router) for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    assert kinds == [KappaTemperedRouter] * MOE_LAYERS
+    assert model.config.moe_router_score_function == "softmax"  # its megatron settings: softmax's
+    assert model.config.moe_aux_loss_coeff == cfg.model.moe.aux_loss
+    router = model.decoder.layers[1].mlp.router
+    x = router.weight.new_ones(3, router.weight.shape[1])
+    assert (router.gating(x) - x @ router.weight.T / TEMPERATURE).abs().max() < 1e-6  # T is in the path
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["softmax_t/forwards"] for r in records] == [MICRO_BATCHES * MOE_LAYERS * (i + 1) for i in range(STEPS)]
+    assert all(r["aux_loss"] > 0 for r in records)  # softmax's balancing loss, from megatron's settings
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_the_sigmoid_routers_after_step_moves_the_expert_bias(world1, tmp_path, hook):
+    """sigmoid's after-step hook, run by the loop: each router's expert bias leaves 0 (it is
+    megatron_kappa.parallel.grads.update_expert_bias). Negative control: without the hook it stays."""
+    sigmoid, models = routers.lookup("sigmoid"), []
+
+    def after_step(model, cfg):
+        models.append(model)
+        if hook:
+            sigmoid.after_step(model, cfg)
+    routers.register("sigmoid_probe", dataclasses.replace(sigmoid, after_step=after_step))
+    try:
+        from megatron_kappa.train.loop import run
+        run(load_config("configs/tiny.yaml", TRAIN + [f"run.dir={tmp_path}", "model.moe.router=sigmoid_probe"]),
+            log=lambda *a: None)
+    finally:
+        routers.unregister("sigmoid_probe")
+    biases = [layer.mlp.router.expert_bias for layer in models[-1].decoder.layers if hasattr(layer.mlp, "router")]
+    assert len(models) == STEPS and len(biases) == MOE_LAYERS
+    assert all((b.abs().sum() > 0) == hook for b in biases), biases
+
+
+def test_an_unregistered_router_is_refused_naming_the_registered_ones(softmax_t):
+    load_config(None, ["model.moe.router=softmax_t"])
+    routers.unregister("softmax_t")
+    with pytest.raises(ConfigError, match=r"model\.moe\.router: expected one of \['softmax', 'sigmoid', "
+                                          r"'softmoe'\], got 'softmax_t'"):
+        load_config(None, ["model.moe.router=softmax_t"])
+    with pytest.raises(ValueError, match="already registered"):
+        routers.register("softmoe", routers.lookup("softmax"))
+
+
+def test_the_callers_queries_follow_the_registry(softmax_t):
+    """A kind that is not top-k and drops no tokens is named in the sorted dispatcher's and
+    eval.capacity_factor's errors, and refused by pipeline stages and the planner when it says so."""
+    from megatron_kappa.parallel.layout import check_pipeline
+    from megatron_kappa.plan import Layout, check
+    routers.unregister("softmax_t")
+    routers.register("softmax_t", dataclasses.replace(routers.lookup("softmax"), help="softmax_t", topk=False,
+                                                      capacity=False, pipeline_refusal="cannot be split",
+                                                      planned=False))
+    for sets, message in [(["model.moe.dispatcher=sorted"], "no softmoe or softmax_t router"),
+                          (["eval.capacity_factor=3.0"], "the softmoe or softmax_t router or the sorted")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config("configs/tiny.yaml", ["model.moe.router=softmax_t", *sets])
+    cfg = load_config("configs/tiny.yaml", ["model.moe.router=softmax_t", "parallel.pp=2"])
+    with pytest.raises(ConfigError, match="model.moe.router: softmax_t cannot be split; use parallel.pp 1"):
+        check_pipeline(cfg)
+    with pytest.raises(ConfigError, match="softmax_t is not modelled by the planner"):
+        check(cfg, Layout(2, pp=2))
+
+
+def test_every_late_reference_resolves():
+    """The built-in routers name their model, parallel and training pieces as strings: each one
+    exists (a moved file fails here, not in a training run)."""
+    refs = {getattr(v, "ref") for v in vars(routers).values() if hasattr(v, "ref")}
+    for router in routers.ROUTERS.values():
+        refs |= {getattr(v, "ref") for v in vars(router).values() if hasattr(v, "ref")}
+    assert len(refs) == 7, refs
+    for ref in sorted(refs):
+        module, _, attr = ref.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), ref
+
+
+def test_the_registry_and_the_config_import_no_torch():
+    code = ("import sys; from megatron_kappa import routers, plan; from megatron_kappa.config import load_config; "
+            "from megatron_kappa.parallel.layout import check_pipeline; "
+            "cfg = load_config(None, ['model.moe.router=softmoe']); check_pipeline(cfg); "
+            "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert "TORCH False 2" in done.stdout, done.stdout + done.stderr

@@ -59,7 +59,7 @@ def unfreeze_step(run_dir: Path, records: list[dict]) -> int | None:
     if not path.is_file():
         return None
     from megatron_kappa.config import load_config
-    from megatron_kappa.train.recipe import kappa_start as first_trained
+    from megatron_kappa.optim.schedule import kappa_start as first_trained
     cfg = load_config(path)
     if not cfg.model.kappa.enabled:
         return None

@@ -2,7 +2,7 @@
 
     python analysis/softmoe.py RUN_DIR [--out PNG]      (default: RUN_DIR/plots/softmoe.png)
 
-From metrics.jsonl (megatron_kappa.train.softmoe_metrics): each MoE layer's learned k_l over
+From metrics.jsonl (megatron_kappa.metrics.softmoe): each MoE layer's learned k_l over
 training with the budget (their mean) dashed; the mean number of experts each layer ran per token;
 and the distribution of experts run per token in the last logged window, per layer.
 """

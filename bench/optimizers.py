@@ -85,7 +85,9 @@ def interleaved_step_ms(rounds: int, warmup: int) -> dict:
     from megatron_kappa.model.build import build_model
     from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.parallel.groups import init_distributed
-    from megatron_kappa.train import muon, optimizer as optim, recipe
+    from megatron_kappa.optim import schedule
+    from megatron_kappa.optim import muon
+    from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.train.loop import lm_loss
 
     device = init_distributed(ParallelConfig(), seed=1)
@@ -97,7 +99,7 @@ def interleaved_step_ms(rounds: int, warmup: int) -> dict:
         model = build_model(cfg, device)
         engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, 1,
                                            lambda groups: optim.build_optimizer(groups, cfg))
-        recipe.set_learning_rates(opt, 10, 300, cfg)
+        schedule.set_learning_rates(opt, 10, 300, cfg)
         engines[method] = engine
         updates[method] = muon.update_fn(cfg) if method != "adamw" else None
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))

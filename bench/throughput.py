@@ -8,7 +8,7 @@ Plain SwiGLU and κ-SwiGLU experts of the same config in one run (and each `--re
 setting): full training steps (forward, backward, AdamW; the model on one device, EP1, the sorted
 dispatcher (no host sync) unless --set says otherwise, no DeepSpeed). Both models are built and
 warmed up, then their steps alternate (bench/interleave.py) and each one's median is taken. FLOPs
-per token as megatron_kappa.train.throughput counts them for the model measured (so a slice is
+per token as megatron_kappa.metrics.throughput counts them for the model measured (so a slice is
 counted as the slice); MFU against the device's bf16 peak (GPU only). Peak memory of one step: on
 CUDA the peak allocated above what was allocated before that variant was built (its weights,
 optimizer state and activations); on the CPU the high-water RSS above the RSS before the step.
@@ -34,7 +34,7 @@ from megatron_kappa.model.build import build_model
 from megatron_kappa.train.loop import lm_loss
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.summary import count
-from megatron_kappa.train import throughput
+from megatron_kappa.metrics import throughput
 from bench.interleave import sync, time_interleaved
 
 

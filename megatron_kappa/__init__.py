@@ -1,3 +1,30 @@
-"""megatron_kappa: κ-SwiGLU Mixture-of-Experts pre-training on megatron-core and DeepSpeed."""
+"""megatron_kappa: κ-SwiGLU Mixture-of-Experts pre-training on megatron-core and DeepSpeed.
+
+Modules:
+  checkpoint/   Checkpoints of a run: `listing` says which exist (no torch), `store` saves and loads
+                them
+  config/       The run configuration: YAML validated against one dataclass schema
+  data/         Data formats shared by data preparation, the preflight, training and evaluation
+  evaluation/   Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss / bits
+                per byte
+  kappa/        κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the router
+                logit
+  metrics/      What a run reports: metrics.jsonl and TensorBoard, κ and router statistics, the
+                paper's analyses per MoE layer, the SoftMoE budgets and the throughput
+  model/        The model: config → megatron-core TransformerConfig and layer specs → GPTModel
+  optim/        The optimizers: the parameter groups, AdamW or Muon/Aurora under DeepSpeed's ZeRO,
+                and every group's learning-rate and weight-decay schedule (`python -m
+                megatron_kappa.optim --config X` lists the groups)
+  parallel/     Parallelism: how the model is spread over processes and how its gradients meet again
+  plan/         The memory planner: what the most-loaded rank of a layout holds, and whether it fits
+  preflight.py  Every check of a run's inputs that can run before process groups and the model exist
+  routers.py    The router kinds (`model.moe.router`), each one entry of one registry (`ROUTERS`;
+                `register` adds one at run time)
+  summary/      Model summary without allocating weights: parameters, active parameters, N_eff,
+                token budget
+  tokenizer.py  The project's tokenizer: a SentencePiece model with the special tokens defined once
+  train/        Training: the loop and what it needs step by step (data, pipeline stages, the κ
+                recipe, stop signals)
+"""
 
 __version__ = "0.1.0"

@@ -174,7 +174,7 @@ register("softmoe", Router(
     megatron=_late("megatron_kappa.model.softmoe:megatron_kwargs"),
     router=_late("megatron_kappa.model.build:softmoe_router"),
     layer=_late("megatron_kappa.model.build:softmoe_layer"),
-    metrics=_late("megatron_kappa.train.softmoe_metrics:softmoe_stats"),
+    metrics=_late("megatron_kappa.metrics.softmoe:softmoe_stats"),
     active_experts=_softmoe_budget, validate=_softmoe_rules, topk=False, capacity=False,
     pipeline_refusal="shares one expert budget over all MoE layers, which pipeline stages split",
     planned=False))

@@ -1,4 +1,4 @@
-"""Naive float64 references for megatron_kappa.train.analysis: loops over experts, gate rows and
+"""Naive float64 references for megatron_kappa.metrics.paper_analyses: loops over experts, gate rows and
 routed (token, expert) pairs, from a full (single-process layout) state dict."""
 import numpy as np
 import torch

@@ -23,7 +23,7 @@ from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.parallel import sharding  # noqa: E402
 from megatron_kappa.parallel import groups  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
-from megatron_kappa.train import analysis  # noqa: E402
+from megatron_kappa.metrics import paper_analyses as analysis  # noqa: E402
 from megatron_kappa.parallel.launch_env import exit_process
 
 

@@ -1,4 +1,4 @@
-"""The paper's analyses as metrics (megatron_kappa.train.analysis) against direct computations:
+"""The paper's analyses as metrics (megatron_kappa.metrics.paper_analyses) against direct computations:
 known geometry (a router vector equal to a gate row gives alignment 1, orthogonal gives 0), a
 naive float64 loop over routed pairs, megatron's capacity rule, and, in tests/analysis_worker.py,
 the same numbers from TP / EP / ETP layouts on 4 processes."""
@@ -16,7 +16,7 @@ import analysis_reference as ref
 import parity
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.train import analysis
+from megatron_kappa.metrics import paper_analyses as analysis
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,6 +23,8 @@ STAGES = [
     ("megatron_kappa.data", "megatron_kappa.tokenizer"),
     ("megatron_kappa.checkpoint",),
     ("megatron_kappa.evaluation",),
+    ("megatron_kappa.optim",),
+    ("megatron_kappa.metrics",),
     ("megatron_kappa.train",),
     ("megatron_kappa.preflight",),
 ]
@@ -65,8 +67,9 @@ def upward_imports(modules: dict[str, str]) -> list[str]:
 
 
 def test_no_module_imports_a_later_stage():
-    # a package's __main__.py is a command line: an entry point, outside the flow like launch/
-    modules = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "__main__.py"}
+    # a package's __main__.py (its command line) is held to its package's stage like any module
+    modules = {module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert {"megatron_kappa.summary.__main__", "megatron_kappa.optim.__main__"} <= set(modules)
     assert len(modules) > 40
     assert upward_imports(modules) == []
 
@@ -75,8 +78,12 @@ def test_the_check_finds_an_upward_import():
     """Negative control: a model module importing the training loop, lazily, is reported."""
     probe = "def f():\n    from megatron_kappa.train.loop import run\n"
     assert upward_imports({"megatron_kappa.model.probe": probe}) == [
-        "megatron_kappa.model.probe (stage 2) imports megatron_kappa.train.loop (stage 9)"]
+        "megatron_kappa.model.probe (stage 2) imports megatron_kappa.train.loop (stage 11)"]
     assert upward_imports({"megatron_kappa.train.probe": probe}) == []
+    # a command line too: summary's used to list the optimizer groups through the training package
+    cli = "def main():\n    from megatron_kappa.train.recipe import KappaFreeze\n"
+    assert upward_imports({"megatron_kappa.summary.__main__": cli}) == [
+        "megatron_kappa.summary.__main__ (stage 4) imports megatron_kappa.train.recipe (stage 11)"]
 
 
 @pytest.mark.parametrize("folder", SCRIPT_DIRS)

@@ -12,6 +12,7 @@ from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.kappa import kappa_swiglu
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.build import kappa_settings
+from megatron_kappa.optim import schedule
 from megatron_kappa.train import recipe
 from moe_reference import authors_normalized, authors_scale_grad
 
@@ -180,20 +181,20 @@ def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
     cfg = load_config(None, ["model.kappa.schedule=authors", "model.hidden_size=3072",
                              "model.num_attention_heads=24", "train.lr_decay_style=wsd", "train.warmup=0",
                              "train.min_lr_ratio=0", "train.lr_wsd_decay_fraction=0.5"])
-    assert [recipe.kappa_start(t, cfg) for t in (1000, 10000, 10001)] == [200, 500, 501]
-    assert recipe.kappa_start(10000, load_config(None, [])) == 1000  # paper: 10 %
+    assert [schedule.kappa_start(t, cfg) for t in (1000, 10000, 10001)] == [200, 500, 501]
+    assert schedule.kappa_start(10000, load_config(None, [])) == 1000  # paper: 10 %
     # width (3072/768)^-0.5 = 0.5; κ peak 0.12; ramp i/1000 from step 500; main multiplier 1 until
     # step 5000, then (10000 − step)/5000; after the warmup the ramp goes 1 → 0.5 over 8500 steps.
     for step, want in ((499, 0.0), (500, 0.0), (1000, 0.12 * 0.5 * 0.5), (1500, 0.06),
                        (5000, 0.06 * (1 - 0.5 * 3500 / 8500)),
                        (7500, 0.06 * 0.5 * (1 - 0.5 * 6000 / 8500)),
                        (9999, 0.06 * (1 / 5000) * (1 - 0.5 * 8499 / 8500))):
-        assert recipe.kappa_lr(step, 10000, cfg) == pytest.approx(want, rel=1e-12, abs=1e-15), step
+        assert schedule.kappa_lr(step, 10000, cfg) == pytest.approx(want, rel=1e-12, abs=1e-15), step
     # Negative control: the paper's schedule at the same steps is different (warmup (i+1)/warmup
     # from step 1000, no width scaling, no main-LR multiplier).
     paper = load_config(None, ["model.hidden_size=3072", "model.num_attention_heads=24"])
-    assert recipe.kappa_lr(1000, 10000, paper) == pytest.approx(0.12 / 1000)
-    assert recipe.kappa_lr(7500, 10000, paper) != pytest.approx(recipe.kappa_lr(7500, 10000, cfg))
+    assert schedule.kappa_lr(1000, 10000, paper) == pytest.approx(0.12 / 1000)
+    assert schedule.kappa_lr(7500, 10000, paper) != pytest.approx(schedule.kappa_lr(7500, 10000, cfg))
 
 
 def test_variant_settings_and_conflicting_keys():

@@ -13,7 +13,7 @@ from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.build import kappa_settings
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.train import analysis
+from megatron_kappa.metrics import paper_analyses as analysis
 
 BUILT_IN = list(kappa_inputs.VARIANTS)
 
@@ -86,7 +86,7 @@ def test_the_registry_copy_is_gone_after_a_test():
 
 @pytest.mark.parametrize("name", BUILT_IN + ["halved"])
 def test_analysis_sees_what_kappa_sees(registry, world1, name):
-    """kappa/layerL/alpha_s_abs (megatron_kappa.train.analysis) against the logits κ received
+    """kappa/layerL/alpha_s_abs (megatron_kappa.metrics.paper_analyses) against the logits κ received
     from the router in the same forward, for every variant (and the toy, registered here)."""
     registry.register("halved", HALVED)
     cfg = load_config("configs/tiny.yaml", [f"model.seq_length={parity.SEQ}", f"model.kappa.input={name}"])

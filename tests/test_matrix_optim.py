@@ -1,4 +1,4 @@
-"""Muon / Aurora (megatron_kappa.train.matrix_optim) against an independent float64 reference.
+"""Muon / Aurora (megatron_kappa.optim.matrix) against an independent float64 reference.
 
 The reference below is written from the sources (KellerJordan/Muon muon.py; the authors'
 nanochat/optim.py aurora_grad_update_fused) as explicit formulas, one 2-D matrix at a time.
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megatron_kappa.train.matrix_optim import (RowBlocks, aurora_polar, matrix_update, newton_schulz,
+from megatron_kappa.optim.matrix import (RowBlocks, aurora_polar, matrix_update, newton_schulz,
                                                orthogonalize)
 
 D = torch.float64
@@ -216,7 +216,7 @@ def test_matrix_update_momentum_and_nesterov():
 
 
 def test_match_rms_adamw_cap():
-    from megatron_kappa.train.matrix_optim import aspect_scale
+    from megatron_kappa.optim.matrix import aspect_scale
     assert aspect_scale(16, 4, "match_rms_adamw") == pytest.approx(0.8)
     assert aspect_scale(100, 64, "match_rms_adamw") == 1.0  # the authors' default cap
     assert aspect_scale(100, 64, "match_rms_adamw", 3.0) == pytest.approx(2.0)

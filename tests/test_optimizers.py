@@ -1,4 +1,4 @@
-"""train.optimizer muon / aurora through DeepSpeed's ZeRO (megatron_kappa.train.muon).
+"""train.optimizer muon / aurora through DeepSpeed's ZeRO (megatron_kappa.optim.muon).
 
 - one ZeRO step of the tiny model against a float64 re-implementation, matrix by matrix;
 - the DeepSpeed symbols the patch replaces still exist (fresh interpreter);
@@ -49,7 +49,7 @@ def test_config_errors(setting, message):
 # ---- the patched DeepSpeed symbols ----------------------------------------------------------
 def missing_in_fresh_process(extra=()) -> list[str]:
     """muon.missing_upstream() in a new interpreter (after install() every name exists)."""
-    code = ("import json, sys; from megatron_kappa.train import muon; "
+    code = ("import json, sys; from megatron_kappa.optim import muon; "
             "muon.PATCHED += [tuple(x) for x in json.loads(sys.argv[1])]; "
             "print(json.dumps(muon.missing_upstream()))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(list(extra))], cwd=ROOT, env=env(),
@@ -65,7 +65,7 @@ def test_patched_symbols_exist_upstream():
 
 def test_install_and_uninstall_restore_deepspeed():
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
-    from megatron_kappa.train import muon
+    from megatron_kappa.optim import muon
     before = original_muon.muon_update, muon_optimizer.muon_update
     fn = muon.update_fn(load_config("configs/tiny.yaml", ["train.optimizer=muon", "train.grad_clip=0"]))
     muon.install(fn)
@@ -79,7 +79,7 @@ def test_install_and_uninstall_restore_deepspeed():
 def test_padded_muon_groups_are_refused():
     """On ZeRO's padded path DeepSpeed does not pass muon_num_heads: the blocks would be lost."""
     from types import SimpleNamespace as NS
-    from megatron_kappa.train import muon
+    from megatron_kappa.optim import muon
 
     class MuonWithAuxAdam:  # only the class name matters to the check
         param_groups = [{"use_muon": True}, {"use_muon": False}]
@@ -126,7 +126,8 @@ def test_zero_step_matches_float64_reference(world1, method, zero):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron_kappa.model.build import build_model
     from megatron_kappa.parallel import engine as ds_engine
-    from megatron_kappa.train import muon, optimizer as optim
+    from megatron_kappa.optim import muon
+    from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.train.loop import lm_loss
     cfg = load_config("configs/tiny.yaml", COMMON + [f"train.optimizer={method}", f"zero.stage={zero}",
                                                      "model.seq_length=16"])
@@ -213,7 +214,7 @@ class TPBlocks:
 
 
 def tp_emulation(t):
-    from megatron_kappa.train import muon
+    from megatron_kappa.optim import muon
     shard_blocks = muon.matrix_blocks
 
     def blocks(name, param, config):
@@ -224,7 +225,7 @@ def tp_emulation(t):
 
 
 # The resume runs use the authors' recipe (their schedules, router on the matrix optimizer, AdamW
-# settings; megatron_kappa.train.schedule), so that it is what resumes exactly.
+# settings; megatron_kappa.optim.schedule), so that it is what resumes exactly.
 RESUME = ["train.steps=6", "checkpoint.interval=2", "train.lr_decay_style=wsd", "train.warmup=0",
           "train.min_lr_ratio=0", "train.wd_decay_style=linear", "train.wd_depth_scaling=true",
           "train.router_optimizer=matrix", "train.adamw_width_scaling=true", "train.lr_output=4e-3",
@@ -235,7 +236,7 @@ RESUME = ["train.steps=6", "checkpoint.interval=2", "train.lr_decay_style=wsd", 
 def runs(init_weights, tmp_path_factory):
     """Single-process references here (TP2's with the TP2 blocks); every 2-process run,
     and the uninterrupted runs of the resume test, in one deepspeed launch."""
-    from megatron_kappa.train import muon
+    from megatron_kappa.optim import muon
     from megatron_kappa.train.loop import run
     tmp = tmp_path_factory.mktemp("runs")
     out, plan = {}, []

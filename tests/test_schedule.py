@@ -1,5 +1,5 @@
 """The main learning-rate and weight-decay schedules, the groups' peak values, the gradient-clip
-default and `summary --optimizer` (megatron_kappa.train.schedule, optimizer, recipe).
+default and `python -m megatron_kappa.optim` (megatron_kappa.optim.schedule, optimizer, recipe).
 
 The reference for the authors' schedules is their code, copied verbatim below from
 askerlee/kappa-swiglu 02b8de3, scripts/base_train.py (get_lr_multiplier, lines 976-988;
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.train import optimizer as optim
-from megatron_kappa.train import recipe, schedule
+from megatron_kappa.optim import optimizer as optim
+from megatron_kappa.optim import schedule
 
 PAPER = ["train.optimizer=aurora", "train.router_optimizer=matrix", "train.lr_non_matrix=0.3",
          "train.lr_embedding=0.3", "train.lr_output=0.004", "train.adamw_width_scaling=true",
@@ -71,7 +71,7 @@ def test_schedules_at_hand_computed_steps():
     assert schedule.lr_multiplier(5, 106, cos) == pytest.approx(1.0)
     assert schedule.lr_multiplier(55, 106, cos) == pytest.approx(0.55)
     assert schedule.lr_multiplier(105, 106, cos) == pytest.approx(0.1)
-    assert recipe.main_lr(55, 2.0, 106, 5, 0.1) == pytest.approx(1.1)
+    assert schedule.main_lr(55, 2.0, 106, 5, 0.1) == pytest.approx(1.1)
 
 
 def test_negative_control_other_schedules_miss_the_authors():
@@ -124,7 +124,7 @@ def test_groups_and_per_step_values(world1, router_optimizer):
     assert by_name["output"] == ["output_layer.weight"]
     assert all(g["eps"] == 1e-10 and g["betas"] == (0.8, 0.95) for g in groups if not g["use_muon"])
     opt = torch.optim.SGD([dict(g, params=[torch.zeros(1)]) for g in groups if g["params"]], lr=0.0)
-    lrs = recipe.set_learning_rates(opt, 75, 100, cfg)
+    lrs = schedule.set_learning_rates(opt, 75, 100, cfg)
     peak, wd = schedule.peak_lrs(cfg), schedule.peak_weight_decays(cfg)
     for g in opt.param_groups:
         if g["kind"] != "kappa":
@@ -141,7 +141,7 @@ def test_adamw_groups_take_the_eps_and_width_scaling(world1):
     model = build_model(cfg, torch.device("cpu"))
     opt = optim.build_optimizer(optim.param_groups(model, cfg), cfg)
     assert all(g["eps"] == 1e-10 for g in opt.param_groups)
-    recipe.set_learning_rates(opt, 5, 50, cfg)  # tiny: the peak after 5 warmup steps
+    schedule.set_learning_rates(opt, 5, 50, cfg)  # tiny: the peak after 5 warmup steps
     lr = {g["kind"]: g["lr"] for g in opt.param_groups}
     assert lr["output"] == pytest.approx(0.004 * 12 ** 0.5) and lr["matrix"] == pytest.approx(3e-3)
     assert lr["embedding"] == pytest.approx(3e-3 * 12 ** 0.5)
@@ -184,10 +184,10 @@ def test_paper_configs_use_the_authors_recipe():
     assert (t.betas, t.adam_eps, t.warmup, t.min_lr_ratio) == ([0.8, 0.95], 1e-10, 0, 0.0)
 
 
-# ---- summary --optimizer ------------------------------------------------------------------------
-def test_summary_lists_the_optimizer_groups(capsys):
-    from megatron_kappa.summary.__main__ import main
-    assert main(["--config", "configs/tiny.yaml", "--optimizer", "--json", "--set", *PAPER,
+# ---- python -m megatron_kappa.optim ------------------------------------------------------------------------
+def test_optim_cli_lists_the_optimizer_groups(capsys):
+    from megatron_kappa.optim.__main__ import main
+    assert main(["--config", "configs/tiny.yaml", "--json", "--set", *PAPER,
                  "train.steps=100"]) == 0
     out = capsys.readouterr().out
     rows = {r["group"]: r for r in json.loads(out[out.index("[\n"):])}
@@ -199,12 +199,12 @@ def test_summary_lists_the_optimizer_groups(capsys):
         assert rows[kind]["lr"] == pytest.approx(peak[kind])
     assert rows["matrix"]["weight_decay"] == pytest.approx(0.45)
     assert rows["output"]["names"] == ["output_layer.weight"] and rows["output"]["eps"] == 1e-10
-    assert rows["kappa"]["lr"] == pytest.approx(max(recipe.kappa_lr(s, 100, cfg) for s in range(100)))
-    from megatron_kappa.model.build import build_model  # summary set up the process group of one
+    assert rows["kappa"]["lr"] == pytest.approx(max(schedule.kappa_lr(s, 100, cfg) for s in range(100)))
+    from megatron_kappa.model.build import build_model  # the CLI set up the process group of one
     model = build_model(cfg, meta=True)
     assert sum(r["tensors"] for r in rows.values()) == len(list(model.parameters()))
     assert sum(r["params"] for r in rows.values()) == sum(p.numel() for p in model.parameters())
     # the table form names every group
-    assert main(["--config", "configs/tiny.yaml", "--optimizer"]) == 0
+    assert main(["--config", "configs/tiny.yaml"]) == 0
     table = capsys.readouterr().out
     assert all(f"\n{g:<11}" in table for g in ("matrix", "embedding", "output", "non_matrix"))

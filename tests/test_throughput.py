@@ -4,7 +4,7 @@ import torch
 
 from megatron_kappa.config import load_config
 from megatron_kappa.summary import summarize
-from megatron_kappa.train import throughput
+from megatron_kappa.metrics import throughput
 
 
 def test_flops_per_token_of_tiny_by_hand(world1):

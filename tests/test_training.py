@@ -13,6 +13,7 @@ import torch
 from compare import max_gap
 from megatron_kappa.config import load_config
 from megatron_kappa.model.layout import moe_layer_pattern
+from megatron_kappa.optim import schedule
 from megatron_kappa.train import recipe
 from megatron_kappa.parallel.groups import current_device
 from weights import save_init_weights
@@ -137,7 +138,7 @@ def test_negative_control_unmarked_experts_break_ep(runs):
 @pytest.mark.slow
 def test_kappa_frozen_at_zero_then_trained(runs):
     recs = records(runs[("ref", True, 1)])
-    start = recipe.unfreeze_step(STEPS, 0.25)  # = 1: step index 0 is frozen
+    start = schedule.unfreeze_step(STEPS, 0.25)  # = 1: step index 0 is frozen
     layers = [k for k in recs[0] if k.endswith("/alpha_abs")]
     assert layers
     for rec in recs:
@@ -150,14 +151,14 @@ def test_kappa_frozen_at_zero_then_trained(runs):
 def test_kappa_lr_schedule_corner_points():
     cfg = load_config(None, ["model.kappa.freeze_fraction=0.1", "model.kappa.warmup=1000"])
     total = 20000
-    start = recipe.unfreeze_step(total, 0.1)
+    start = schedule.unfreeze_step(total, 0.1)
     assert start == 2000
-    assert recipe.kappa_lr(start - 1, total, cfg) == 0.0
-    assert recipe.kappa_lr(start, total, cfg) == pytest.approx(0.12 / 1000)
-    assert recipe.kappa_lr(start + 999, total, cfg) == pytest.approx(0.12)
-    assert recipe.kappa_lr(total - 1, total, cfg) == pytest.approx(0.06)
+    assert schedule.kappa_lr(start - 1, total, cfg) == 0.0
+    assert schedule.kappa_lr(start, total, cfg) == pytest.approx(0.12 / 1000)
+    assert schedule.kappa_lr(start + 999, total, cfg) == pytest.approx(0.12)
+    assert schedule.kappa_lr(total - 1, total, cfg) == pytest.approx(0.06)
     mid = (start + 999 + total - 1) // 2
-    assert recipe.kappa_lr(mid, total, cfg) == pytest.approx(0.09, abs=1e-5)
+    assert schedule.kappa_lr(mid, total, cfg) == pytest.approx(0.09, abs=1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -1,11 +1,15 @@
 """The run configuration: YAML validated against one dataclass schema.
 
-  schema.py     every section, key, default and help text (docs/config.md is generated from it)
-  loading.py    YAML files with `extends:`, `--set key=value` overrides, type checks
-  checks.py     cross-field checks that need nothing but the config
-  reference.py  docs/config.md (`python -m megatron_kappa.config --markdown`)
-
 Checks that need files, the world size or installed packages are in megatron_kappa.preflight.
+
+Modules:
+  __main__.py   `python -m megatron_kappa.config --markdown` prints docs/config.md
+  checks.py     Cross-field checks of a config that need no process group, files or packages
+  loading.py    Reading a config: YAML (with `extends:`), `--set key=value` overrides, type checks
+  reference.py  docs/config.md, generated from the schema (`python -m megatron_kappa.config
+                --markdown`)
+  schema.py     The config schema: one dataclass per YAML section, each value with its default and
+                help text
 """
 from megatron_kappa.config.checks import validate
 from megatron_kappa.config.loading import load_config, parse_overrides, read_yaml

@@ -1,6 +1,12 @@
 """Data formats shared by data preparation, the preflight, training and evaluation.
 
-  indexed.py  Megatron indexed shards (`.bin` + `.idx`): the one reader and writer of the index
-  blend.py    `data.paths` as Megatron-LM's --data-path (prefixes, optionally weighted) and its split
-  bos.py      whether a run's documents start with BOS (data.bos, else the data prep manifests)
+Modules:
+  blend.py    `data.paths` in Megatron-LM's --data-path form, and `data.split` as megatron-core cuts
+              it
+  bos.py      Whether a run's training documents start with BOS: the question CORE must answer the
+              same way as training did (a model trained without BOS scores worse with it, and the
+              other way round)
+  indexed.py  Megatron indexed shards (`<prefix>.bin` + `<prefix>.idx`): the index format, read and
+              written only here (data_prep writes shards with `index_bytes`; the preflight checks
+              them with `read_index`)
 """

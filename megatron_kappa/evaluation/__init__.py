@@ -1,8 +1,16 @@
 """Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss / bits per byte.
 
-bundle.py       CORE bundles: reading, validation, random baselines
-core.py         CORE scoring (nanochat's rules), batched and split over ranks
-lm_loss.py      validation loss and bits per byte on held-out shards
-loading.py      a trained checkpoint as a logits function, in its layout or consolidated
-core_subset.py  the quick CORE subset logged during training
+Modules:
+  bundle.py       CORE evaluation bundles (DCLM's / nanochat's format): reading, validating,
+                  baselines
+  cli.py          What the evaluation command lines (launch/eval_core.py, launch/eval_loss.py)
+                  share: join the launcher's process group, load a checkpoint, split the work over
+                  data-parallel ranks, write the result on rank 0, and leave the group so that every
+                  rank exits cleanly
+  core.py         CORE: DCLM's in-context-learning tasks scored the way nanochat scores them
+                  (docs/core_eval.md)
+  core_subset.py  The quick CORE subset the paper's pipeline logged during training
+                  (`eval.core_every`)
+  lm_loss.py      Validation loss and bits per byte of a causal LM on held-out token documents
+  loading.py      A trained checkpoint as a plain logits function, for evaluation
 """

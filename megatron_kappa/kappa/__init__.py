@@ -15,6 +15,18 @@ Backends, one math:
   "auto"    Triton for CUDA tensors, torch otherwise.
 On the Triton path a kernel that cannot compile or launch on this machine stops with one line
 naming `model.kappa.backend` (set it to "torch" to run without Triton).
+
+Modules:
+  inputs.py        What κ sees of the router logit: the `model.kappa.input` variants, each owning
+                   its transform and its settings, in one registry (`VARIANTS`; `register` adds one
+                   at run time)
+  reference.py     The reference κ-SwiGLU op in plain torch: the CPU path of `kappa_swiglu` and the
+                   tests' oracle
+  triton_guard.py  Fail-safe checks of the κ Triton kernels (megatron_kappa.kappa.triton_op): tile
+                   sizes before a launch, and the one-line error for a kernel that cannot compile or
+                   launch on this machine
+  triton_op.py     Fused Triton kernels for κ-SwiGLU, forward and backward (the "triton" backend of
+                   `kappa_swiglu`)
 """
 from __future__ import annotations
 

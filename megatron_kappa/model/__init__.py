@@ -1,12 +1,27 @@
 """The model: config → megatron-core TransformerConfig and layer specs → GPTModel.
 
-build.py    the model from a config (specs, TransformerConfig, GPTModel)
-layout.py   which layers are MoE, the padded vocabulary (no torch needed)
-moe.py      the router and dispatchers that carry each pair's router logit to the experts
-experts.py  κ-SwiGLU experts (α, b and the activation)
-lapsum.py   the LapSum soft top-k (closed-form threshold and gradients)
-softmoe.py  the SoftMoE router: truncated LapSum routing, learned per-layer budgets
-softmoe_dispatch.py  dispatchers and the MoE layer for a variable number of experts per token
-norms.py    the norms of the layer spec
-params.py   which parameters are experts, κ, routers (one predicate each)
+Modules:
+  attention.py         Core attention through `torch.nn.functional.scaled_dot_product_attention`
+  build.py             Config → megatron-core TransformerConfig + layer specs → GPTModel
+  capacity.py          Expert capacity in training and in evaluation, as the authors run it
+  experts.py           Routed experts: κ-SwiGLU's α, b and activation, megatron's SequentialMLP with
+                       that activation, and grouped-GEMM experts (κ or plain SwiGLU) that replace
+                       the per-expert loop
+  fp8.py               FP8 GEMMs through torchao (`precision: fp8`, `model.fp8`)
+  lapsum.py            LapSum soft top-k: a differentiable relaxation of "pick the k largest of n
+                       scores"
+  layout.py            The model's shape decisions that need no torch: which layers are MoE, the
+                       padded vocabulary, and where a pipeline stage's layers sit in the full model
+  loss.py              The language-model loss, without the [tokens, vocab] logits in fp32 at once
+  moe.py               κ-SwiGLU inside megatron-core's MoE layer, by subclassing (no forks)
+  norms.py             The norms of the layer spec: torch's RMSNorm, usable with sequence
+                       parallelism
+  params.py            Which parameters are which: one predicate per kind, by name
+  softmoe.py           The SoftMoE router (arXiv 2606.17952, reconstructed: docs/softmoe.md): a
+                       truncated LapSum soft top-k whose per-layer mean number of active experts k_l
+                       is learned under a global budget
+  softmoe_dispatch.py  Dispatching a variable number of experts per token (the SoftMoE router's
+                       routing maps)
+  sorted_dispatch.py   A token dispatcher with no host sync, for MoE layers whose experts all live
+                       on this rank
 """

@@ -1,11 +1,19 @@
 """Parallelism: how the model is spread over processes and how its gradients meet again.
 
-groups.py      the device, torch.distributed and megatron's process groups, seeds
-launch_env.py  rank/world/rendezvous from torchrun, deepspeed or Slurm; free ports
-network.py     the interface gloo/NCCL bind on a multi-host job (not loopback)
-failures.py    a collective that failed: which ranks no longer answer
-grads.py       the gradient reductions megatron-core leaves to its caller
-sharding.py    full (single-process) weights <-> any TP/EP/ETP layout
-engine.py      DeepSpeed around the megatron model (mpu adapter, expert wiring, ZeRO config)
-compat.py      every CPU-only patch (megatron-core, torch.compile, DeepSpeed JIT ops)
+Modules:
+  compat.py      Every patch the stack needs to run on the CPU (gloo), in one place, applied only
+                 there
+  engine.py      DeepSpeed around a megatron-core model: the mpu adapter, the expert wiring, the
+                 engine
+  failures.py    A dead or hung rank: which one, said by the ranks that are left
+  grads.py       The gradient reductions megatron-core expects from its caller, written once
+  groups.py      Process groups, the device, and seeds: torch.distributed + megatron's parallel
+                 state
+  launch_env.py  Rank, world size and rendezvous address of this process, from whichever launcher
+                 started it
+  layout.py      A parallel layout (TP, EP, ETP, PP over a world of ranks): whether it can be built,
+                 and the record of it that checkpoints keep (a resume must use the same one)
+  network.py     The network interface gloo and NCCL use when a job spans several hosts
+  sharding.py    Move weights between one full (single-process) state dict and any TP/EP/ETP/PP
+                 layout
 """

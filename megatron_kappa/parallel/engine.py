@@ -7,7 +7,7 @@ silently averages different experts together (tests/test_training.py has that ne
   2. DeepSpeed's expert(-data)-parallel group tables are filled from megatron's groups;
   3. a parameter-free `deepspeed.moe.layer.MoE` marker in the model sets `has_moe_layers`;
   4. optimizer groups are split with `split_params_into_different_moe_groups_for_optimizer`.
-The optimizer itself is built by megatron_kappa.train.optimizer.
+The optimizer itself is built by megatron_kappa.optim.optimizer.
 """
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ the way megatron-core shards them (tests/test_plan.py checks the counts against 
 builds of every rank of a grid of layouts), then bytes for them under DeepSpeed's bf16 ZeRO-1/2
 as this project configures it (megatron_kappa.parallel.engine.ds_config), and an activation
 estimate per recompute mode. docs/plan.md says where each number comes from.
+
+Modules:
+  __main__.py  `python -m megatron_kappa.plan`: the command line of megatron_kappa.plan
 """
 from __future__ import annotations
 
@@ -144,7 +147,7 @@ def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
 
 def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> list[dict]:
     """DeepSpeed's parameter groups on one rank, as this project forms them
-    (megatron_kappa.train.optimizer.param_groups, then DeepSpeed's split of the experts into
+    (megatron_kappa.optim.optimizer.param_groups, then DeepSpeed's split of the experts into
     groups of their own when they are reduced over the expert-data-parallel group, i.e. when
     EP > 1 or ETP != TP): each group's elements, the data-parallel size `d` that partitions it
     and its largest tensor."""

@@ -1,7 +1,7 @@
 """Model summary without allocating weights: parameters, active parameters, N_eff, token budget.
 
     python -m megatron_kappa.summary --config configs/moe8.yaml [--json] [--set key=value ...]
-    python -m megatron_kappa.summary --config configs/moe8.yaml --optimizer   # the parameter groups
+    python -m megatron_kappa.optim --config configs/moe8.yaml      # the optimizer's parameter groups
     python -m megatron_kappa.summary --paper      # the 8 paper configs beside the paper's numbers
 
 (The command line is summary/__main__.py; this module counts.)
@@ -13,6 +13,10 @@ not the input embedding, with the routed experts (κ's α and b included) at sqr
 authors switch that discount off when a model has fewer than num_layers / 5 MoE layers
 (scripts/base_train.py, line 455): the sandwich models are counted in full (train.budget_discount).
 The token budget is train.tokens_per_param (5) × N_eff; steps = budget // tokens per step.
+
+Modules:
+  __main__.py  `python -m megatron_kappa.summary`: the command line of megatron_kappa.summary (the
+               counts, the paper table)
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`python -m megatron_kappa.summary`: the command line of megatron_kappa.summary (the counts, the
-paper table) and `--optimizer`, the training's parameter groups: an entry point, so it may use
-the training stage."""
+paper table). The optimizer's parameter groups are `python -m megatron_kappa.optim`."""
 from __future__ import annotations
 
 import argparse
@@ -8,36 +7,8 @@ import json
 import sys
 
 from megatron_kappa import summary
-from megatron_kappa.config import Config, ConfigError, load_config
-from megatron_kappa.summary import PAPER_CONFIGS, _fmt, count, paper_table, render, summarize
-
-
-def optimizer_groups(cfg: Config) -> list[dict]:
-    """The optimizer's parameter groups of the unsharded model (meta device): tensors, optimizer,
-    peak learning rate, weight decay at step 0 (megatron_kappa.train.optimizer.describe_groups)."""
-    from megatron_kappa.config import ParallelConfig
-    from megatron_kappa.model.build import build_model
-    from megatron_kappa.parallel.groups import init_distributed
-    from megatron_kappa.train.optimizer import describe_groups
-    from megatron_kappa.train.recipe import kappa_lr
-
-    unsharded = Config(**{**cfg.__dict__, "parallel": ParallelConfig()})
-    init_distributed(unsharded.parallel, cfg.train.seed)
-    model = build_model(unsharded, meta=True)
-    total = cfg.train.steps or count(model, cfg)["steps_for_budget"]
-    kappa_peak = max(kappa_lr(step, total, cfg) for step in range(total))
-    return describe_groups(model, cfg, kappa_peak)
-
-
-def render_groups(rows: list[dict]) -> str:
-    lines = [f"{'group':<11}{'optimizer':<10}{'tensors':>8}{'params':>10}{'peak lr':>11}{'wd':>9}  settings"]
-    for r in rows:
-        extra = (f"momentum {r['momentum']}" if "momentum" in r
-                 else f"betas {r['betas']} eps {r['eps']:g}")
-        lines.append(f"{r['group']:<11}{r['optimizer']:<10}{r['tensors']:>8}{_fmt(r['params']):>10}"
-                     f"{r['lr']:>11.4g}{r['weight_decay']:>9.4g}  {extra}")
-        lines += [f"    {name}" for name in r["names"]]
-    return "\n".join(lines)
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.summary import PAPER_CONFIGS, paper_table, render, summarize
 
 
 def main(argv=None) -> int:
@@ -47,8 +18,6 @@ def main(argv=None) -> int:
                     help="the 8 paper configs (configs/moe*.yaml, sandwich*.yaml) beside the paper's numbers")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
-    ap.add_argument("--optimizer", action="store_true",
-                    help="list the optimizer's parameter groups (tensors, optimizer, peak LR, weight decay)")
     args = ap.parse_args(argv)
     if args.paper:
         from pathlib import Path
@@ -63,10 +32,6 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.optimizer:
-        rows = optimizer_groups(cfg)
-        print(json.dumps(rows, indent=2) if args.json else render_groups(rows))
-        return 0
     s = summarize(cfg)
     print(json.dumps(s, indent=2) if args.json else render(s))
     return 0

@@ -1,15 +1,17 @@
-"""Training: the loop and what it needs.
+"""Training: the loop and what it needs step by step (data, pipeline stages, the κ recipe, stop signals).
 
-loop.py        run(cfg): setup → data → steps → metrics/checkpoints (the algorithm)
-recipe.py      the paper's recipe: learning-rate schedules, the κ freeze, the κ L2 penalty
-schedule.py    the main learning-rate and weight-decay schedules, each group's peak values
-optimizer.py   parameter groups and the optimizer built from them
-matrix_optim.py the orthogonalised update of Muon and Aurora (the math)
-muon.py        Muon/Aurora inside DeepSpeed's ZeRO: parameter tags, matrix blocks, the patched update
-data.py        megatron-core datasets, the resumable batch order, batches to the device
-checkpoint.py  atomic checkpoints that store each weight once
-metrics.py     metrics.jsonl, TensorBoard, κ and router statistics
-analysis.py    the paper's analyses per MoE layer (alignment, gate bias, κ/α/b, router load)
-softmoe_metrics.py the SoftMoE router's per-layer budgets and experts run per token
-preemption.py  SIGUSR1/SIGTERM: every rank stops after the same step, checkpoints, exits 75
+Modules:
+  data.py        Training data through megatron-core's datasets: GPTDataset over indexed shards
+                 (weighted blends, train/valid split) or MockGPTDataset, a deterministic batch order
+                 that resumes from a step number alone, and the move of each batch to the device
+                 (pinned, non-blocking)
+  loop.py        The training job: config → model/parallel setup → data → train loop →
+                 checkpoints/metrics → eval
+  pipeline.py    The training step with pipeline stages (`parallel.pp > 1`): megatron-core's 1F1B
+                 schedule over this rank's micro-batches, DeepSpeed's ZeRO-1 for the reduction and
+                 the update
+  preemption.py  Stopping a run cleanly when the scheduler says so: finish the step, checkpoint,
+                 exit 75
+  recipe.py      What the paper's recipe does to κ's α and b during training: the freeze, the U ramp
+                 and the κ L2 penalty
 """

@@ -37,9 +37,12 @@ from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.layout import check_pipeline, layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
-from megatron_kappa.train import analysis, muon, optimizer as optim, pipeline, recipe, throughput
+from megatron_kappa.optim import muon, optimizer as optim, schedule
+from megatron_kappa.metrics import paper_analyses, throughput
+from megatron_kappa.metrics.log import MetricsLog
+from megatron_kappa.metrics.stats import kappa_stats, router_losses
+from megatron_kappa.train import pipeline, recipe
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
-from megatron_kappa.train.metrics import MetricsLog, kappa_stats, router_losses
 from megatron_kappa.train.preemption import Preempted, StopAgreement
 
 
@@ -112,7 +115,7 @@ def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
     return {**router_losses(model.config, grad_accumulation(cfg), device),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-            **kappa_stats(model, device), **analysis.analysis_stats(model, cfg, device),
+            **kappa_stats(model, device), **paper_analyses.analysis_stats(model, cfg, device),
             **routers.lookup(cfg.model.moe.router).step_metrics(model, device)}  # SoftMoE's budgets
 
 
@@ -143,7 +146,7 @@ def run(cfg: Config, log=print) -> dict:
     model = build_model(cfg, device)
     if cfg.precision == "fp8":
         log(fp8.describe(cfg, device))
-    analysis.watch_routers(model)  # the analyses read each router's last input on logging steps
+    paper_analyses.watch_routers(model)  # the analyses read each router's last input on logging steps
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
     start = ckpts.latest() or 0  # a layout change on resume was refused by the preflight
@@ -187,7 +190,7 @@ def run(cfg: Config, log=print) -> dict:
         freeze.begin_step(step, optimizer)
         kappa_U = recipe.kappa_U(step, steps, cfg)  # the authors' U ramp (constant by default)
         set_kappa_U(model, kappa_U)
-        lrs = recipe.set_learning_rates(optimizer, step, steps, cfg)
+        lrs = schedule.set_learning_rates(optimizer, step, steps, cfg)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
         after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
         if after_step is not None:

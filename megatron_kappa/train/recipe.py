@@ -1,8 +1,8 @@
-"""The paper's training recipe: learning-rate schedules, the κ freeze and the κ L2 penalty.
+"""What the paper's recipe does to κ's α and b during training: the freeze, the U ramp and the
+κ L2 penalty.
 
-It acts on the optimizer's parameter groups by their `kind` (matrix, router, embedding, output,
-non_matrix, kappa; built by megatron_kappa.train.optimizer) and on κ's α and b, found by
-megatron_kappa.model.params.is_kappa.
+It acts on κ's α and b (megatron_kappa.model.params.is_kappa) and on the optimizer's `kappa`
+group; the learning rates of every group, κ's included, are megatron_kappa.optim.schedule's.
 """
 from __future__ import annotations
 
@@ -15,82 +15,7 @@ from megatron.core import parallel_state as ps
 from megatron_kappa.config import Config
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.params import is_kappa
-from megatron_kappa.train import schedule
-
-
-def main_lr(step: int, peak: float, total: int, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to min_ratio · peak at the last step
-    (train.lr_decay_style cosine; megatron_kappa.train.schedule has every style)."""
-    return peak * schedule.cosine_multiplier(step, total, warmup, min_ratio)
-
-
-def unfreeze_step(total: int, freeze_fraction: float, min_steps: int = 0) -> int:
-    """First step at which α and b train: floor(fraction · total), at least `min_steps`."""
-    return max(int(min_steps), int(math.floor(freeze_fraction * total)))
-
-
-# model.kappa.schedule "authors" (askerlee/kappa-swiglu, scripts/base_train.py): α, b start after
-# max(--kappa-delay-start-min-iterations 200, ceil(total · --kappa-delay-start-iteration-frac 0.05)).
-AUTHORS_FREEZE = (200, 0.05)
-PAPER_FREEZE = (0, 0.1)
-
-
-def kappa_start(total: int, cfg: Config) -> int:
-    """First step at which α and b train, under model.kappa.schedule (null keys: its values)."""
-    k = cfg.model.kappa
-    min_steps, fraction = AUTHORS_FREEZE if k.schedule == "authors" else PAPER_FREEZE
-    fraction = fraction if k.freeze_fraction is None else k.freeze_fraction
-    min_steps = min_steps if k.freeze_min_steps is None else k.freeze_min_steps
-    if k.schedule == "authors":  # the authors round the fraction up
-        return max(min_steps, math.ceil(total * fraction))
-    return unfreeze_step(total, fraction, min_steps)
-
-
-def kappa_lr(step: int, total: int, cfg: Config) -> float:
-    """κ's learning rate at `step`: 0 while frozen, then by model.kappa.schedule.
-
-    paper: linear warmup to `lr` over `warmup` steps; linear decay to `lr_end` at the last step
-    (0.12 over 1000 iterations, then down to 0.06).
-    authors: lr × (hidden_size/768)^-½ × the main LR multiplier × a ramp that goes 0 → 1 over
-    `warmup` steps, then linearly to lr_end/lr at the end (base_train.py get_linear_lr_scale and
-    the κ group's base_lr · lrm · kappa_bias_lr_scale), so it reaches 0 with the main LR's decay.
-    """
-    k = cfg.model.kappa
-    start = kappa_start(total, cfg)
-    if step < start:
-        return 0.0
-    if k.schedule == "authors":
-        if k.lr == 0:
-            return 0.0
-        width = (cfg.model.hidden_size / schedule.REFERENCE_WIDTH) ** -0.5
-        ramp = authors_kappa_ramp(step, total, start, k.warmup, k.lr_end / k.lr)
-        return k.lr * width * schedule.lr_multiplier(step, total, cfg) * ramp
-    i = step - start
-    if i < k.warmup:
-        return k.lr * (i + 1) / k.warmup
-    decay_start, last = start + k.warmup - 1, total - 1
-    if last <= decay_start:
-        return k.lr
-    return k.lr + (k.lr_end - k.lr) * (step - decay_start) / (last - decay_start)
-
-
-def authors_kappa_ramp(step: int, total: int, start: int, warmup: int, end_scale: float) -> float:
-    """The authors' get_linear_lr_scale with max_scale 1, line for line: 0 before `start`, then
-    (step − start) / warmup, then linearly from 1 towards end_scale over the remaining steps."""
-    total = max(0, total)
-    start = min(max(0, start), total)
-    warmup = min(max(0, warmup), max(0, total - start))
-    step = min(max(step, 0), total)
-    if step < start:
-        return 0.0
-    i = step - start
-    if warmup > 0 and i < warmup:
-        return i / warmup
-    remaining = total - start - warmup
-    if remaining <= 0:
-        return 1.0
-    progress = min(max(i - warmup, 0), remaining) / remaining
-    return 1.0 + (end_scale - 1.0) * progress
+from megatron_kappa.optim.schedule import kappa_start
 
 
 def kappa_U(step: int, total: int, cfg: Config) -> float:
@@ -105,17 +30,6 @@ def kappa_U(step: int, total: int, cfg: Config) -> float:
     ramp = math.ceil(max(total, 0) * min(v.u_warmup, 1.0))
     progress = min(max(step - delay, 0), ramp) / ramp
     return 1.0 + (v.U - 1.0) * progress
-
-
-def set_learning_rates(optimizer, step: int, total: int, cfg: Config) -> dict:
-    """Every group's learning rate and weight decay at `step` (megatron_kappa.train.schedule;
-    κ: kappa_lr). Returns the learning rates by kind."""
-    lrs, wds = schedule.main_values(step, total, cfg)
-    lrs["kappa"] = kappa_lr(step, total, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = lrs[group["kind"]]
-        group["weight_decay"] = wds[group["kind"]]
-    return lrs
 
 
 def l2_scale() -> float:
@@ -156,7 +70,7 @@ def global_kappa_l2(local: torch.Tensor) -> torch.Tensor:
 
 
 class KappaFreeze:
-    """Holds α, b at exactly 0 until `unfreeze_step`, with no optimizer-state drift.
+    """Holds α, b at exactly 0 until `kappa_start`, with no optimizer-state drift.
 
     While frozen, a gradient hook zeroes their gradients (so clipping never sees them) and their
     learning rate is 0; at the unfreeze step their optimizer state is dropped, so AdamW starts

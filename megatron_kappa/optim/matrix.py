@@ -1,5 +1,5 @@
 """The orthogonalised matrix update of Muon and of the κ-SwiGLU authors' "Aurora" (the math only;
-megatron_kappa.train.muon runs it inside DeepSpeed's ZeRO).
+megatron_kappa.optim.muon runs it inside DeepSpeed's ZeRO).
 
 Both run SGD momentum in the Nesterov (EMA) form of KellerJordan/Muon and of the authors'
 nanochat/optim.py (askerlee/kappa-swiglu @ 02b8de3), per matrix G = ∂L/∂W with buffer M:

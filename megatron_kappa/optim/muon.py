@@ -40,7 +40,9 @@ import torch
 
 from megatron_kappa.config import Config
 from megatron_kappa.model.params import is_embedding_or_output, is_kappa, is_router
-from megatron_kappa.train.matrix_optim import RowBlocks, as_blocks, matrix_update
+from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind
+from megatron_kappa.optim.matrix import RowBlocks, as_blocks, matrix_update
+from megatron_kappa.optim.schedule import peak_weight_decays
 
 # (module, attribute) replaced by install().
 PATCHED = [("deepspeed.runtime.zero.muon.original_muon", "muon_update"),
@@ -81,8 +83,6 @@ def param_groups(model, cfg: Config) -> list[dict]:
     """The groups of MuonWithAuxAdam, every parameter tagged (`use_muon`, `muon_num_heads`):
     megatron's names do not follow DeepSpeed's "embed"/"lm_head" convention, so nothing is
     left to DeepSpeed's guess."""
-    from megatron_kappa.train.optimizer import ADAMW_KINDS, adamw_groups, adamw_kind  # imports this module
-    from megatron_kappa.train.schedule import peak_weight_decays
     groups = {kind: [] for kind in ("matrix", "router", *ADAMW_KINDS, "kappa")}
     routers = cfg.train.router_optimizer == "matrix"
     for name, p in model.named_parameters():

@@ -1,7 +1,7 @@
 """The optimizer: the paper's parameter groups and the optimizer built from them.
 
 Groups (each carries `kind`, which survives DeepSpeed's expert split of the groups and is what
-megatron_kappa.train.recipe schedules by; megatron_kappa.train.schedule has each kind's peak):
+megatron_kappa.train.recipe schedules by; megatron_kappa.optim.schedule has each kind's peak):
   matrix      2-D weights inside the transformer blocks: attention, MLPs, experts, and the
               routers (under adamw, or with train.router_optimizer matrix)
   router      muon/aurora with train.router_optimizer adamw: the routers on AdamW (train.lr)
@@ -10,7 +10,7 @@ megatron_kappa.train.recipe schedules by; megatron_kappa.train.schedule has each
   non_matrix  norms and other 1-D parameters (AdamW, train.lr_non_matrix)
   kappa       κ's α and b (own schedule, L2 penalty in the loss, no weight decay)
 With muon or aurora the matrix group takes the orthogonalised update and everything else AdamW,
-in one DeepSpeed MuonWithAuxAdam (megatron_kappa.train.muon).
+in one DeepSpeed MuonWithAuxAdam (megatron_kappa.optim.muon).
 """
 from __future__ import annotations
 
@@ -18,22 +18,8 @@ import torch
 
 from megatron_kappa.config import Config
 from megatron_kappa.model.params import is_embedding_or_output, is_kappa
-from megatron_kappa.train import muon, schedule
-
-ADAMW_KINDS = ("embedding", "output", "non_matrix")
-
-
-def adamw_kind(name: str) -> str:
-    """The group of a parameter that AdamW trains outside the matrices, routers and κ."""
-    if is_embedding_or_output(name):
-        return "output" if name.startswith("output_layer") else "embedding"
-    return "non_matrix"
-
-
-def adamw_groups(by_kind: dict) -> list[dict]:
-    """The embedding, output, non-matrix and κ groups: no weight decay, learning rates set per step."""
-    return [dict(name=kind, kind=kind, params=by_kind[kind], weight_decay=0.0)
-            for kind in (*ADAMW_KINDS, "kappa")]
+from megatron_kappa.optim import muon, schedule
+from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind
 
 
 def param_groups(model, cfg: Config) -> list[dict]:
@@ -63,9 +49,9 @@ def build_optimizer(param_groups: list[dict], cfg: Config) -> torch.optim.Optimi
 
 
 def describe_groups(model, cfg: Config, kappa_peak: float) -> list[dict]:
-    """Each parameter group as `python -m megatron_kappa.summary --optimizer` lists it: which
+    """Each parameter group as `python -m megatron_kappa.optim` lists it: which
     tensors (names with layer numbers collapsed to *), the optimizer, the peak learning rate and
-    the weight decay at step 0 (the schedules in megatron_kappa.train.schedule scale both)."""
+    the weight decay at step 0 (the schedules in megatron_kappa.optim.schedule scale both)."""
     import re
     names = {id(p): name for name, p in model.named_parameters()}
     peaks = {**schedule.peak_lrs(cfg), "kappa": kappa_peak}

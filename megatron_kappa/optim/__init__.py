@@ -1,0 +1,17 @@
+"""The optimizers: the parameter groups, AdamW or Muon/Aurora under DeepSpeed's ZeRO, and every
+group's learning-rate and weight-decay schedule (`python -m megatron_kappa.optim --config X`
+lists the groups).
+
+Modules:
+  __main__.py   `python -m megatron_kappa.optim --config X`: the optimizer's parameter groups of a
+                config (which tensors, the optimizer, the peak learning rate, the weight decay at
+                step 0), on the meta device
+  groups.py     The AdamW parameter groups beside the matrices: embedding, output, non-matrix and κ
+  matrix.py     The orthogonalised matrix update of Muon and of the κ-SwiGLU authors' "Aurora" (the
+                math only; megatron_kappa.optim.muon runs it inside DeepSpeed's ZeRO)
+  muon.py       Muon and Aurora under DeepSpeed's ZeRO-1/2: which parameters, which matrices, the
+                optimizer, and the one library patch they need (docs/optimizer.md)
+  optimizer.py  The optimizer: the paper's parameter groups and the optimizer built from them
+  schedule.py   The learning-rate and weight-decay schedules of every optimizer group, and their
+                peak values
+"""

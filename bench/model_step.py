@@ -27,7 +27,8 @@ import torch
 
 from megatron_kappa.config import load_config
 from megatron_kappa.model import fp8
-from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.model.build import build_model
+from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
 from bench.interleave import sync, time_interleaved
 
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     base = load_config(args.config, ["data.mock=true", *args.set])
-    if not any(moe_layer_pattern(base)):
+    if not model_layout(base).has_moe:
         raise SystemExit("error: the config has no MoE layer")
     if args.precisions:  # (activation, experts, precision); the baseline: the first precision
         variants = [(act, "grouped", p) for p in args.precisions for act in ("plain", "kappa")]

@@ -21,7 +21,7 @@ from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import read_index
 from megatron_kappa.parallel import launch_env
-from megatron_kappa.parallel.layout import check_layout, check_pipeline, layout_record
+from megatron_kappa.parallel.layout import check_layout, layout_record
 
 # --- layout -------------------------------------------------------------------------------------
 
@@ -32,11 +32,9 @@ def world_size() -> int:
 
 
 def check_parallel(cfg: Config, world: int):
-    from megatron_kappa.model.layout import moe_layer_pattern
+    from megatron_kappa.model.layout import model_layout
 
-    num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
-    check_layout(cfg.parallel, world, num_experts)
-    check_pipeline(cfg)
+    check_layout(cfg.parallel, world, model_layout(cfg).experts)
     dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     per_step = cfg.train.micro_batch * dp
     if cfg.train.global_batch % per_step:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.model.build import build_model
+from megatron_kappa.model.layout import model_layout, moe_layer_pattern
 from megatron_kappa.summary import summarize
 from megatron_kappa.summary.__main__ import main as summary_main
 from megatron_kappa.parallel.groups import current_device
@@ -20,6 +21,25 @@ def test_layouts():
     assert moe_layer_pattern(cfg("moe", 5, **{"model.first_dense": 2})) == [0, 0, 1, 1, 1]
     assert moe_layer_pattern(cfg("sandwich", 6)) == [0, 0, 1, 1, 0, 0]
     assert moe_layer_pattern(cfg("sandwich", 7)) == [0, 0, 1, 1, 0, 0, 0]
+
+
+def test_model_layout_is_derived_once_for_every_reader():
+    """model_layout: the MoE layers, each pipeline stage's layers and the padded vocabulary, against
+    hand values (sandwich of 6 layers on 2 stages; vocabulary 2048 → a multiple of 128 × TP)."""
+    layout = model_layout(load_config(None, ["model.layout=sandwich", "model.num_layers=6", "parallel.pp=2",
+                                             "model.vocab_size=2000", "parallel.tp=2",
+                                             "model.num_attention_heads=4"]))
+    assert layout.moe_layers == (0, 0, 1, 1, 0, 0) and layout.num_moe_layers == 2 and layout.has_moe
+    assert [layout.stage_layers(s) for s in (0, 1)] == [(0, 3), (3, 6)]
+    assert [layout.stage_moe_layers(s) for s in (0, 1)] == [(0, 0, 1), (1, 0, 0)]
+    assert layout.padded_vocab == 2048 and layout.experts == 8
+    dense = model_layout(load_config(None, ["model.layout=dense", "model.vocab_size=2049"]))
+    assert not dense.has_moe and dense.experts is None and dense.padded_vocab == 2176
+    # the builder takes its stages from it: each stage's layers are the layout's, numbered globally
+    from megatron_kappa.model.build import layer_specs
+    cfg = load_config("configs/tiny.yaml", ["parallel.pp=2"])
+    specs = [layer_specs(cfg, "cpu", stage, model_layout(cfg)).layer_specs for stage in (0, 1)]
+    assert [len(s) for s in specs] == [2, 2]
 
 
 @pytest.mark.parametrize("sets,message", [

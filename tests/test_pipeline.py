@@ -136,13 +136,13 @@ def test_evaluation_of_a_pipeline_checkpoint(runs):
 
 
 def test_pipeline_refusals():
-    from megatron_kappa.parallel.layout import check_pipeline
     for setting, message in (("zero.stage=2", "zero.stage: 2 with parallel.pp=2: ZeRO-2"),
                              ("eval.core_every=10", "eval.core_every"),
                              ("model.moe.router=softmoe", "softmoe")):
         with pytest.raises(ConfigError, match=message):
-            check_pipeline(load_config("configs/tiny.yaml", ["parallel.pp=2", setting]))
-    check_pipeline(load_config("configs/tiny.yaml", ["parallel.pp=2"]))
+            load_config("configs/tiny.yaml", ["parallel.pp=2", setting])
+        load_config("configs/tiny.yaml", ["parallel.pp=1", setting])  # each is fine without stages
+    load_config("configs/tiny.yaml", ["parallel.pp=2"])
     with pytest.raises(ConfigError, match="num_layers=4 is not divisible by pp=3"):
         load_config("configs/tiny.yaml", ["parallel.pp=3"])
 

@@ -125,7 +125,6 @@ def test_an_unregistered_router_is_refused_naming_the_registered_ones(softmax_t)
 def test_the_callers_queries_follow_the_registry(softmax_t):
     """A kind that is not top-k and drops no tokens is named in the sorted dispatcher's and
     eval.capacity_factor's errors, and refused by pipeline stages and the planner when it says so."""
-    from megatron_kappa.parallel.layout import check_pipeline
     from megatron_kappa.plan import Layout, check
     routers.unregister("softmax_t")
     routers.register("softmax_t", dataclasses.replace(routers.lookup("softmax"), help="softmax_t", topk=False,
@@ -135,11 +134,11 @@ def test_the_callers_queries_follow_the_registry(softmax_t):
                           (["eval.capacity_factor=3.0"], "the softmoe or softmax_t router or the sorted")]:
         with pytest.raises(ConfigError, match=message):
             load_config("configs/tiny.yaml", ["model.moe.router=softmax_t", *sets])
-    cfg = load_config("configs/tiny.yaml", ["model.moe.router=softmax_t", "parallel.pp=2"])
     with pytest.raises(ConfigError, match="model.moe.router: softmax_t cannot be split; use parallel.pp 1"):
-        check_pipeline(cfg)
+        load_config("configs/tiny.yaml", ["model.moe.router=softmax_t", "parallel.pp=2"])
+    cfg = load_config("configs/tiny.yaml", ["model.moe.router=softmax_t"])
     with pytest.raises(ConfigError, match="softmax_t is not modelled by the planner"):
-        check(cfg, Layout(2, pp=2))
+        check(cfg, Layout(2))
 
 
 def test_every_late_reference_resolves():
@@ -156,8 +155,8 @@ def test_every_late_reference_resolves():
 
 def test_the_registry_and_the_config_import_no_torch():
     code = ("import sys; from megatron_kappa import routers, plan; from megatron_kappa.config import load_config; "
-            "from megatron_kappa.parallel.layout import check_pipeline; "
-            "cfg = load_config(None, ['model.moe.router=softmoe']); check_pipeline(cfg); "
+            "from megatron_kappa.parallel.layout import check_layout; "
+            "cfg = load_config(None, ['model.moe.router=softmoe']); check_layout(cfg.parallel, 1); "
             "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})

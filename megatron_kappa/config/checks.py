@@ -94,6 +94,8 @@ def validate(cfg: Config):
          "ZeRO-3 is not supported: DeepSpeed refuses ZeRO-3 with expert parallelism; use 1 or 2"
          if cfg.zero.stage == 3 else f"expected 1 or 2, got {cfg.zero.stage} (checkpoints of expert "
          "weights need ZeRO's per-rank fp32 partitions)")
+    if par.pp > 1:
+        _validate_pipeline(cfg, router, need)
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
     need(len(cfg.train.betas) == 2, "train.betas", f"expected two numbers, got {cfg.train.betas}")
@@ -198,3 +200,15 @@ def _validate_muon(cfg: Config, need):
          f"must be 0 or null with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
          f"orthogonalised update, not the gradient (got {cfg.train.grad_clip})")
 
+
+def _validate_pipeline(cfg: Config, router, need):
+    """What pipeline stages (parallel.pp > 1) cannot be combined with."""
+    pp = cfg.parallel.pp
+    need(cfg.zero.stage == 1, "zero.stage",
+         f"{cfg.zero.stage} with parallel.pp={pp}: ZeRO-2 reduces gradients inside backward hooks, which the "
+         "pipeline schedule's backward passes bypass (the update comes out silently wrong); use zero.stage 1")
+    need(cfg.model.layout == "dense" or not router.pipeline_refusal, "model.moe.router",
+         f"{cfg.model.moe.router} {router.pipeline_refusal}; use parallel.pp 1")
+    need(not cfg.eval.core_every, "eval.core_every",
+         "the CORE subset during training needs the whole model on each rank; with parallel.pp > 1 "
+         "evaluate the checkpoints afterwards (launch/eval_core.py consolidates them)")

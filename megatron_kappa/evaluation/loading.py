@@ -17,7 +17,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_kappa.config import ConfigError, ParallelConfig, load_config
-from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.model.build import build_model
+from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict, load_local_state, local_state
 from megatron_kappa.checkpoint.store import Checkpoints
@@ -78,11 +79,10 @@ def load_model_for_eval(run_dir: str | Path):
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     # pipeline stages: evaluation runs the whole model per rank, from the consolidated weights
     same_layout = world == trained["world"] and trained.get("pp", 1) == 1
-    par = cfg.parallel if same_layout else ParallelConfig()
-    num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
-    device = init_distributed(par, cfg.train.seed, num_experts)
-    cfg.parallel = par
-    model = build_model(cfg, device)
+    cfg.parallel = cfg.parallel if same_layout else ParallelConfig()
+    layout = model_layout(cfg)
+    device = init_distributed(cfg.parallel, cfg.train.seed, layout.experts)
+    model = build_model(cfg, device, layout=layout)
     if same_layout:
         files = ckpts.rank_files(step)
         state = local_state([(f["coords"], f["weights"]) for f in files], files[dist.get_rank()]["coords"])

@@ -24,14 +24,14 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, ModelConfig
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel
-from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size  # noqa: F401 (re-exported)
+from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
 from megatron_kappa.model import fp8, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
@@ -39,20 +39,23 @@ from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 
 
-def recompute_settings(cfg: Config, has_moe: bool) -> dict:
+def recompute_settings(m: ModelConfig, has_moe: bool) -> dict:
     """megatron's activation-recomputation settings for `model.recompute`."""
-    if cfg.model.recompute == "full":  # every layer's input kept, each layer recomputed in backward
+    if m.recompute == "full":  # every layer's input kept, each layer recomputed in backward
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if cfg.model.recompute == "selective":
-        modules = ["core_attn"] + (["moe_act"] if has_moe and cfg.model.moe.grouped_gemm else [])
+    if m.recompute == "selective":
+        modules = ["core_attn"] + (["moe_act"] if has_moe and m.moe.grouped_gemm else [])
         return dict(recompute_granularity="selective", recompute_modules=modules)
     return {}
 
 
-def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> TransformerConfig:
-    """megatron's TransformerConfig for `cfg`, with weights created on `device`."""
+def transformer_config(cfg: Config, device: torch.device | str = "cpu",
+                       layout: ModelLayout | None = None) -> TransformerConfig:
+    """megatron's TransformerConfig for `cfg` (of model layout `layout`: model_layout(cfg) when not
+    given), with weights created on `device`."""
     m, moe, par = cfg.model, cfg.model.moe, cfg.parallel
-    has_moe = any(moe_layer_pattern(cfg))
+    layout = layout or model_layout(cfg)
+    has_moe = layout.has_moe
     dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     kwargs = dict(
@@ -71,13 +74,13 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu") -> Trans
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         # precision fp8 runs its GEMMs through torchao (model/fp8.py); megatron's own fp8 flag would
         # need Transformer Engine and stays off
-        **recompute_settings(cfg, has_moe),
+        **recompute_settings(m, has_moe),
     )
     if has_moe:
         kwargs.update(
             num_moe_experts=moe.num_experts, moe_router_topk=moe.topk,
             moe_ffn_hidden_size=moe.ffn_hidden_size or ffn,
-            moe_layer_freq=moe_layer_pattern(cfg),
+            moe_layer_freq=list(layout.moe_layers),
             # "sorted" is ours (SortedMoELayer swaps it in); megatron builds its alltoall first
             moe_token_dispatcher_type="alltoall" if moe.dispatcher == "sorted" else moe.dispatcher,
             moe_router_dtype="fp32",
@@ -202,44 +205,42 @@ def softmoe_layer(cfg: Config, kappa: bool):
     return partial(SoftMoELayer, carry_logit=kappa)
 
 
-def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None) -> TransformerBlockSubmodules:
+def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
+                layout: ModelLayout | None = None) -> TransformerBlockSubmodules:
     """Local (plain torch) specs per layer for a model on `device` (of one pipeline stage, when
     given); the MoE layers' router, experts and layer class come from router_spec, experts_spec
     and moe_layer_spec."""
+    layout = layout or model_layout(cfg)
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
     dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True)
     moe = None
-    if any(moe_layer_pattern(cfg)):
+    if layout.has_moe:
         moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg, device, dense=False)
         stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
         mlp = moe_layer_spec(cfg, stock, device)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
-    layers = [moe if is_moe else dense for is_moe in moe_layer_pattern(cfg)]
+    layers = [moe if is_moe else dense for is_moe in layout.moe_layers]
     if pipeline_stage is not None:  # this stage's layers only (megatron numbers them from its offset)
-        start, stop = stage_layers(cfg, pipeline_stage)
+        start, stop = layout.stage_layers(pipeline_stage)
         layers = layers[start:stop]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
 
 
-def stage_layers(cfg: Config, stage: int) -> tuple[int, int]:
-    """The [start, stop) layer numbers of a pipeline stage: an even split, as megatron makes it
-    without a custom pipeline layout."""
-    per = cfg.model.num_layers // cfg.parallel.pp
-    return stage * per, (stage + 1) * per
-
-
-def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False) -> GPTModel:
+def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False,
+                layout: ModelLayout | None = None) -> GPTModel:
     """The GPT model of `cfg` on this rank, on `device` (the caller's: the trainer passes the one
     megatron_kappa.parallel.groups.init_distributed chose); megatron's parallel state must exist.
 
     meta=True builds shapes only (no memory, no initialisation), for counting parameters.
+    layout: model_layout(cfg), when the caller has it already.
     """
     if device is None:
         if not meta:
             raise TypeError("build_model: give the device (the one init_distributed returned)")
         device = "cpu"
-    tconfig = transformer_config(cfg, device)
+    layout = layout or model_layout(cfg)  # derived once, handed to every part of the build
+    tconfig = transformer_config(cfg, device, layout)
     if meta:
         tconfig.perform_initialization = False
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -250,9 +251,9 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
         if stages != cfg.parallel.pp:
             raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
         model = model_class(
-            config=tconfig, transformer_layer_spec=layer_specs(cfg, device, stage if stages > 1 else None),
+            config=tconfig, transformer_layer_spec=layer_specs(cfg, device, stage if stages > 1 else None, layout),
             pre_process=stage == 0, post_process=stage == stages - 1,
-            vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.seq_length,
+            vocab_size=layout.padded_vocab, max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
         )

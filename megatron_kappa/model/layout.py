@@ -1,11 +1,54 @@
 """The model's shape decisions that need no torch: which layers are MoE, the padded vocabulary,
-and where a pipeline stage's layers sit in the full model."""
+and where a pipeline stage's layers sit in the full model.
+
+`model_layout(cfg)` derives them once, as a ModelLayout that the builder, the trainer, the
+preflight, evaluation, the summary and the planner are handed instead of each deriving them again.
+"""
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 from megatron_kappa.config import Config
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What a config decides about the model's shape."""
+    moe_layers: tuple[int, ...]  # 1 for an MoE layer, 0 for a dense one, per layer
+    num_experts: int  # routed experts of each MoE layer (model.moe.num_experts)
+    padded_vocab: int  # the vocabulary padded to a multiple of 128 × TP
+    pp: int  # pipeline stages; each holds num_layers / pp consecutive layers
+
+    @property
+    def has_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def experts(self) -> int | None:
+        """The routed experts per MoE layer, or None for a model without MoE layers (what the
+        layout checks divide by)."""
+        return self.num_experts if self.has_moe else None
+
+    def stage_layers(self, stage: int) -> tuple[int, int]:
+        """The [start, stop) layer numbers of a pipeline stage: an even split, as megatron makes it
+        without a custom pipeline layout."""
+        per = len(self.moe_layers) // self.pp
+        return stage * per, (stage + 1) * per
+
+    def stage_moe_layers(self, stage: int) -> tuple[int, ...]:
+        start, stop = self.stage_layers(stage)
+        return self.moe_layers[start:stop]
+
+
+def model_layout(cfg: Config) -> ModelLayout:
+    return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg)), num_experts=cfg.model.moe.num_experts,
+                       padded_vocab=padded_vocab_size(cfg), pp=cfg.parallel.pp)
 
 
 def moe_layer_pattern(cfg: Config) -> list[int]:

@@ -5,7 +5,6 @@ Torch-free: the preflight checks a layout before any process group or heavy impo
 """
 from __future__ import annotations
 
-from megatron_kappa import routers
 from megatron_kappa.config import ConfigError, ParallelConfig
 
 
@@ -21,23 +20,6 @@ def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None
                           f"processes, or lower parallel.ep)")
     if num_experts is not None and num_experts % par.ep:
         raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
-
-
-def check_pipeline(cfg):
-    """What pipeline stages (parallel.pp > 1) cannot be combined with, as one-line errors."""
-    if cfg.parallel.pp == 1:
-        return
-    if cfg.zero.stage != 1:
-        raise ConfigError(f"config: zero.stage: {cfg.zero.stage} with parallel.pp={cfg.parallel.pp}: ZeRO-2 "
-                          "reduces gradients inside backward hooks, which the pipeline schedule's backward "
-                          "passes bypass (the update comes out silently wrong); use zero.stage 1")
-    refusal = routers.lookup(cfg.model.moe.router).pipeline_refusal
-    if cfg.model.layout != "dense" and refusal:
-        raise ConfigError(f"config: model.moe.router: {cfg.model.moe.router} {refusal}; use parallel.pp 1")
-    if cfg.eval.core_every:
-        raise ConfigError("config: eval.core_every: the CORE subset during training needs the whole model on "
-                          "each rank; with parallel.pp > 1 evaluate the checkpoints afterwards "
-                          "(launch/eval_core.py consolidates them)")
 
 
 def layout_record(par: ParallelConfig, world: int) -> dict:

@@ -17,7 +17,7 @@ import dataclasses
 
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.model.layout import moe_layer_pattern, padded_vocab_size
+from megatron_kappa.model.layout import ModelLayout, model_layout
 
 GIB = 2 ** 30
 KINDS = ("embedding", "output", "attention", "dense_mlp", "shared_experts", "router", "experts", "kappa", "norm")
@@ -58,18 +58,23 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     return dataclasses.replace(cfg, parallel=par)
 
 
+def model_shape(cfg: Config, layout: Layout) -> ModelLayout:
+    """The model's layout (MoE layers, stages, the vocabulary padded for this TP) under `layout`."""
+    return model_layout(with_layout(cfg, layout))
+
+
 def check(cfg: Config, layout: Layout):
     """One-line errors for a layout the model cannot be split by: the trainer's own checks of the
     config under this layout, and of the layout against the world size."""
     from megatron_kappa.config.checks import validate
     from megatron_kappa.parallel.layout import check_layout
-    moe = cfg.model.moe
-    if not routers.lookup(moe.router).planned and any(moe_layer_pattern(cfg)):
+    moe, shape = cfg.model.moe, model_layout(cfg)
+    if not routers.lookup(moe.router).planned and shape.has_moe:
         raise ConfigError(f"plan: model.moe.router: {moe.router} is not modelled by the planner")
     split = with_layout(cfg, layout)
     try:
         validate(split)
-        check_layout(split.parallel, layout.world, moe.num_experts if any(moe_layer_pattern(cfg)) else None)
+        check_layout(split.parallel, layout.world, shape.experts)
     except ConfigError as e:
         raise ConfigError(f"{e} ({layout.label()})") from None
 
@@ -102,12 +107,12 @@ def layer_params(cfg: Config, layout: Layout, is_moe: bool) -> dict[str, int]:
 
 def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
     """Every parameter one rank of pipeline stage `stage` holds, by kind."""
-    per = cfg.model.num_layers // layout.pp
+    shape = model_shape(cfg, layout)
     total = dict.fromkeys(KINDS, 0)
-    for is_moe in moe_layer_pattern(cfg)[stage * per:(stage + 1) * per]:
+    for is_moe in shape.stage_moe_layers(stage):
         for kind, n in layer_params(cfg, layout, is_moe).items():
             total[kind] += n
-    vocab = padded_vocab_size(with_layout(cfg, layout)) // layout.tp * cfg.model.hidden_size
+    vocab = shape.padded_vocab // layout.tp * cfg.model.hidden_size
     if stage == 0:
         total["embedding"] += vocab
     if stage == layout.pp - 1:
@@ -133,7 +138,7 @@ def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
     ffn = m.ffn_hidden_size or 4 * h
     expert_ffn = (moe.ffn_hidden_size or ffn) // layout.etp
     local_experts = moe.num_experts // layout.ep if moe.num_experts else 0
-    vocab = padded_vocab_size(with_layout(cfg, layout)) // t * h
+    vocab = model_shape(cfg, layout).padded_vocab // t * h
     return {"embedding": vocab, "output": vocab,
             "attention": h * head_dim * (m.num_attention_heads + 2 * groups) // t,  # linear_qkv
             "dense_mlp": 2 * h * ffn // t,  # linear_fc1 [gate; up]
@@ -251,8 +256,9 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     shared = 3 * tokens * (moe.shared_ffn_hidden_size or 0) / t
+    shape = model_shape(cfg, layout)
     layers = []
-    for is_moe in moe_layer_pattern(cfg)[stage * per:(stage + 1) * per]:
+    for is_moe in shape.stage_moe_layers(stage):
         if is_moe:
             mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + shared
             dropped = rows * expert_ffn + core  # moe_act, core_attn
@@ -267,7 +273,7 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
         kept = sum(layers)
     if stage == layout.pp - 1:
         chunk = min(m.cross_entropy_chunk or tokens, tokens)
-        kept += chunk * padded_vocab_size(with_layout(cfg, layout)) / t * 4 / size
+        kept += chunk * shape.padded_vocab / t * 4 / size
     in_flight = min(layout.pp - stage, max(1, cfg.train.global_batch // (micro_batch * layout.dp)))
     return kept * size * in_flight
 
@@ -310,7 +316,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(cfg: Config, world: int, gpus_per_node: int):
     """Every layout of `world` ranks the model can be split by, TP within a node."""
-    has_moe = any(moe_layer_pattern(cfg))
+    has_moe = model_layout(cfg).has_moe
     experts = cfg.model.moe.num_experts if has_moe else 1
     for tp in (d for d in _divisors(world) if d <= gpus_per_node):
         for pp in _divisors(world // tp):

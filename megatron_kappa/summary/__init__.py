@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from megatron_kappa.config import Config
-from megatron_kappa.model.layout import moe_layer_pattern
+from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.params import is_embedding_or_output, is_expert, is_router
 
 
@@ -41,10 +41,10 @@ def _category(name: str) -> str:
     return "norm"
 
 
-def uses_discount(cfg: Config) -> bool:
+def uses_discount(cfg: Config, layout: ModelLayout) -> bool:
     """Whether N_eff counts the routed experts at sqrt(k / E): train.budget_discount, or when it is
     null the authors' rule: only with at least num_layers / 5 MoE layers (scripts/base_train.py, line 455)."""
-    moe_layers = sum(moe_layer_pattern(cfg))
+    moe_layers = layout.num_moe_layers
     if not moe_layers:
         return False
     if cfg.train.budget_discount is not None:
@@ -72,9 +72,10 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
         by, input_embedding = combine(by, input_embedding)
     total = sum(by.values())
     k, E = cfg.model.moe.active_experts, cfg.model.moe.num_experts  # SoftMoE: the budget
-    has_moe = any(moe_layer_pattern(cfg))
+    layout = model_layout(cfg)
+    has_moe = layout.has_moe
     ratio = k / E if has_moe else 1.0
-    discount = uses_discount(cfg)
+    discount = uses_discount(cfg, layout)
     neff = n_eff(by, input_embedding, ratio, discount)
     tokens = int(cfg.train.tokens_per_param * neff)  # the authors' int(ratio × params)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
@@ -88,7 +89,7 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
         "tokens_per_step": tokens_per_step,
         "input_embedding": input_embedding,
         "by_category": by,
-        "layout": ["moe" if m else "dense" for m in moe_layer_pattern(cfg)],
+        "layout": ["moe" if m else "dense" for m in layout.moe_layers],
         "experts": E if has_moe else 0, "topk": k if has_moe else 0,
         "kappa": cfg.model.kappa.enabled and has_moe,
     }
@@ -103,13 +104,15 @@ def summarize(cfg: Config) -> dict:
     # The summary describes the whole model: build it unsharded, as one rank would hold it.
     unsharded = Config(**{**cfg.__dict__, "parallel": ParallelConfig()})
     init_distributed(unsharded.parallel, cfg.train.seed)
-    s = count(build_model(unsharded, meta=True), cfg)
-    if any(moe_layer_pattern(cfg)):
+    layout = model_layout(unsharded)
+    s = count(build_model(unsharded, meta=True, layout=layout), cfg)
+    if layout.has_moe:
         # The reference is counted with the target's discount decision, as the authors do.
-        ref = reference_d12(unsharded)
-        by_ref = count(build_model(ref, meta=True), ref)
+        ref = reference_d12(unsharded, layout)
+        ref_layout = model_layout(ref)
+        by_ref = count(build_model(ref, meta=True, layout=ref_layout), ref)
         ref_neff = n_eff(by_ref["by_category"], by_ref["input_embedding"],
-                         cfg.model.moe.active_experts / cfg.model.moe.num_experts if sum(moe_layer_pattern(ref)) else 1.0,
+                         cfg.model.moe.active_experts / cfg.model.moe.num_experts if ref_layout.has_moe else 1.0,
                          s["expert_discount"])
         tokens = auto_batch_tokens(s["token_budget"], ref_neff, cfg.train.tokens_per_param)
         s["auto_batch_tokens"] = tokens
@@ -125,13 +128,13 @@ B_REF_TOKENS = 2 ** 19
 BATCH_EXPONENT = 0.383
 
 
-def reference_d12(cfg: Config) -> Config:
+def reference_d12(cfg: Config, layout: ModelLayout) -> Config:
     """The authors' depth-12 reference: width ceil(12·96/128)·128 = 1152, head dim 128, hidden
     4·d, and the same --moe-start-layer / --num-moe-layers: layout moe (all layers from
     first_dense on) stays so; a sandwich (two MoE layers from the middle of `cfg`) keeps those of
     its MoE layers that fall below layer 12, so Sandwich-28L's layers 13, 14 leave a dense model."""
     import dataclasses
-    pattern = moe_layer_pattern(cfg)
+    pattern = layout.moe_layers
     moe_below = max(0, 12 - cfg.model.first_dense) if cfg.model.layout == "moe" else sum(pattern[:12])
     d = math.ceil(12 * 96 / 128) * 128
     layout = {"layout": "moe", "first_dense": 12 - moe_below} if moe_below else {"layout": "dense"}

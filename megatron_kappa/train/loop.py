@@ -29,12 +29,13 @@ from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_stat
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
-from megatron_kappa.model.build import build_model, moe_layer_pattern
+from megatron_kappa.model.build import build_model
+from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
-from megatron_kappa.parallel.layout import check_pipeline, layout_record
+from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
 from megatron_kappa.summary import count
 from megatron_kappa.optim import muon, optimizer as optim, schedule
@@ -132,9 +133,8 @@ def run(cfg: Config, log=print) -> dict:
         use_deterministic_kernels()
     cfg.data.bos = documents_start_with_bos(cfg)  # recorded in config.yaml: CORE follows it
     # --- model and parallel setup
-    num_experts = cfg.model.moe.num_experts if any(moe_layer_pattern(cfg)) else None
-    check_pipeline(cfg)
-    device = init_distributed(cfg.parallel, cfg.train.seed, num_experts)
+    layout = model_layout(cfg)  # which layers are MoE, the stages' layers, the padded vocabulary
+    device = init_distributed(cfg.parallel, cfg.train.seed, layout.experts)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
     run_dir = Path(cfg.run.dir)
@@ -143,7 +143,7 @@ def run(cfg: Config, log=print) -> dict:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     dist.barrier()
 
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, layout=layout)
     if cfg.precision == "fp8":
         log(fp8.describe(cfg, device))
     paper_analyses.watch_routers(model)  # the analyses read each router's last input on logging steps

@@ -1,8 +1,6 @@
 """Bad inputs a new user would try: each is a one-line error from the preflight, before any
 process group exists, with nothing written."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +10,7 @@ from data_prep.shards import ShardWriter
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.data.blend import split_ranges
 from megatron_kappa.preflight import preflight
+from bare_python import run_bare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,8 +121,7 @@ def test_paper_config_on_one_process_fails_before_heavy_imports(tmp_path):
             "'data.mock=true']); "
             "heavy = [m for m in ('megatron.core', 'deepspeed', 'torch.distributed') if m in sys.modules]; "
             "print('RC', rc, 'HEAVY', heavy)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    done = run_bare(code)
     assert "RC 2 HEAVY []" in done.stdout, done.stdout + done.stderr
     assert "parallel.ep" in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
     assert not (tmp_path / "run").exists()

@@ -3,8 +3,6 @@ unchanged training loop, and the registry stays torch-free and points at code th
 import dataclasses
 import importlib
 import json
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_kappa import routers
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.moe import KappaRouter
+from bare_python import run_bare
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.5
@@ -158,6 +157,5 @@ def test_the_registry_and_the_config_import_no_torch():
             "from megatron_kappa.parallel.layout import check_layout; "
             "cfg = load_config(None, ['model.moe.router=softmoe']); check_layout(cfg.parallel, 1); "
             "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    done = run_bare(code)
     assert "TORCH False 2" in done.stdout, done.stdout + done.stderr

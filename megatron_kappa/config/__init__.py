@@ -12,7 +12,7 @@ Modules:
                 help text
 """
 from megatron_kappa.config.checks import validate
-from megatron_kappa.config.loading import load_config, parse_overrides, read_yaml
+from megatron_kappa.config.loading import load_config, load_config_for_cli, parse_overrides, read_yaml
 from megatron_kappa.config.reference import markdown_reference
 from megatron_kappa.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig,
                                           EvalConfig, KappaConfig, LogConfig, ModelConfig,
@@ -21,5 +21,5 @@ from megatron_kappa.config.schema import (CheckpointConfig, Config, ConfigError,
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "KappaConfig",
            "LogConfig", "ModelConfig", "MoEConfig", "MuonConfig", "ParallelConfig", "RunConfig",
-           "SoftMoEConfig", "TrainConfig", "ZeroConfig", "load_config", "markdown_reference",
-           "parse_overrides", "read_yaml", "to_dict", "validate"]
+           "SoftMoEConfig", "TrainConfig", "ZeroConfig", "load_config", "load_config_for_cli",
+           "markdown_reference", "parse_overrides", "read_yaml", "to_dict", "validate"]

@@ -7,6 +7,8 @@ values are the base, this file's values are merged over them key by key, then th
 """
 from __future__ import annotations
 
+import sys
+
 import dataclasses
 import types
 import typing
@@ -131,3 +133,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = _build(Config, data)
     validate(cfg)
     return cfg
+
+
+def load_config_for_cli(path: str | Path | None, overrides: list[str] = ()) -> Config | None:
+    """load_config for a command line: a bad config prints `error: <one line>` on stderr and gives
+    None (the command exits with status 2)."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from megatron_kappa.config import Config, ConfigError, ParallelConfig, load_config
+from megatron_kappa.config import Config, ParallelConfig, load_config_for_cli
 from megatron_kappa.summary import _fmt, count
 
 
@@ -42,10 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = load_config_for_cli(args.config, args.set)
+    if cfg is None:
         return 2
     rows = optimizer_groups(cfg)
     print(json.dumps(rows, indent=2) if args.json else render_groups(rows))

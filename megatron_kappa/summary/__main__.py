@@ -7,7 +7,7 @@ import json
 import sys
 
 from megatron_kappa import summary
-from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.config import load_config, load_config_for_cli
 from megatron_kappa.summary import PAPER_CONFIGS, paper_table, render, summarize
 
 
@@ -27,10 +27,8 @@ def main(argv=None) -> int:
         return 0
     if not args.config:
         ap.error("give --config FILE or --paper")
-    try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = load_config_for_cli(args.config, args.set)
+    if cfg is None:
         return 2
     s = summarize(cfg)
     print(json.dumps(s, indent=2) if args.json else render(s))

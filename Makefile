@@ -23,11 +23,14 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
-# Everything: the unit tests on two pytest workers, then the tests marked `slow` (multi-process
-# launches, the Slurm clusters, end-to-end training) one at a time, the 20 slowest listed.
+# Everything: the unit tests on two pytest workers; then the tests marked `slow` (multi-process
+# launches, end-to-end training) on two workers a file each, as their launches leave a core idle
+# (imports, launchers, one-process references); then those also marked `serial` (the Slurm
+# clusters, the two hosts, wall-clock timeouts) one at a time. The 20 slowest are listed.
 test: venv
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
-	$(PY) -m pytest -q -m slow --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow and not serial" --durations=20 tests
+	$(PY) -m pytest -q -m "slow and serial" --durations=20 tests
 
 # The unit tests of every package: no multi-process launches, no end-to-end training runs (those
 # are marked `slow`), spread over two pytest workers.

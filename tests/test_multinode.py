@@ -19,7 +19,7 @@ import pytest
 from compare import max_gap
 from megatron_kappa.config import load_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two hosts; a lost host is named by timing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,6 +14,8 @@ from megatron_kappa.config import load_config
 from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.train import preemption
 
+pytestmark = pytest.mark.serial  # hung and dead ranks are named after wall-clock timeouts
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ["data.mock=true", "log.interval=1", "checkpoint.interval=100", "eval.valid_every=0",
             "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import slurm_cluster  # noqa: E402
 
+pytestmark = pytest.mark.serial  # the session's Slurm cluster (and a second one)
+
 
 # ---- host lists ----------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import pytest
 from compare import max_gap
 from megatron_kappa.config import load_config
 
-pytestmark = pytest.mark.slow  # every test runs jobs on the Slurm cluster
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # every test runs jobs on the Slurm cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

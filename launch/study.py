@@ -59,6 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--seeds", default="24,26,28", help="comma-separated training seeds (paper: 24,26,28)")
     ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run")
+    ap.add_argument("--kappa-set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                    help="config overrides for the κ variants only, after --set (the paper-time code's κ "
+                         "arm: model.moe.aux_loss=5e-4; docs/recipe.md)")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
     ap.add_argument("--nproc", type=int, default=None,
                     help="processes per run (default: the visible GPUs, else 1); slurm: set by --sbatch-args")
@@ -98,6 +101,11 @@ class Run:
         self.valid, self.core = self.dir / "valid.json", self.dir / "core.json"
 
 
+def variant_sets(args, variant: str) -> list[str]:
+    """The overrides of a variant's runs: --set, then --kappa-set for the κ variants."""
+    return [*args.set, *(args.kappa_set if VARIANTS[variant] != VARIANTS["swiglu"] else [])]
+
+
 def plan(args) -> tuple[list[Run], dict]:
     """Check every input before anything runs; returns the runs and the evaluation inputs."""
     variants = _split(args.variants, "variants")
@@ -106,7 +114,7 @@ def plan(args) -> tuple[list[Run], dict]:
         raise StudyError(f"--variants: unknown {unknown} (expected some of {list(VARIANTS)})")
     seeds = _split(args.seeds, "seeds", int)
     study = Path(args.dir)
-    runs = [Run(study, v, s, args.set) for v in variants for s in seeds]
+    runs = [Run(study, v, s, variant_sets(args, v)) for v in variants for s in seeds]
     from megatron_kappa.data.blend import parse_blend
     from megatron_kappa.preflight import check_data, check_tokenizer, preflight
     nproc = args.nproc or _visible_gpus() or 1
@@ -140,7 +148,8 @@ def plan(args) -> tuple[list[Run], dict]:
             load_bundle(bundle)
         except BundleError as e:
             raise StudyError(f"--core-bundle: {e}") from None
-    spec = {"config": str(Path(args.config).resolve()), "set": args.set, "variants": variants, "seeds": seeds,
+    spec = {"config": str(Path(args.config).resolve()), "set": args.set, "kappa_set": args.kappa_set,
+            "variants": variants, "seeds": seeds,
             "title": f"{Path(args.config).name}: {len(variants)} variants × {len(seeds)} seeds"}
     _check_same_study(study, spec)
     return runs, {"valid": valid, "bundle": bundle, "nproc": nproc, "spec": spec}
@@ -151,9 +160,9 @@ def _check_same_study(study: Path, spec: dict):
     path = study / "study.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        for key in ("config", "set"):
-            if old[key] != spec[key]:
-                raise StudyError(f"--dir {study}: made with {key} {old[key]!r}, now {spec[key]!r}; "
+        for key in ("config", "set", "kappa_set"):
+            if old.get(key, []) != spec[key]:
+                raise StudyError(f"--dir {study}: made with {key} {old.get(key, [])!r}, now {spec[key]!r}; "
                                  "use another --dir for another study")
     study.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, json.dumps(spec, indent=1) + "\n")

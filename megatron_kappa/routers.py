@@ -128,7 +128,7 @@ _topk_layer = _late("megatron_kappa.model.build:topk_layer")
 
 def _softmax_megatron(cfg) -> dict:
     return dict(moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
-                moe_aux_loss_coeff=cfg.model.moe.aux_loss)
+                moe_aux_loss_coeff=cfg.model.moe.aux_loss_weight)
 
 
 def _sigmoid_megatron(cfg) -> dict:

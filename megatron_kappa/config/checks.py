@@ -54,6 +54,16 @@ def validate(cfg: Config):
              f"model.moe.num_experts={moe.num_experts} is not divisible by ep={par.ep}")
         if router.validate is not None:  # the router's own rules (SoftMoE: model.moe.softmoe)
             router.validate(moe, need)
+        authors_losses = [key for key, value, default in (
+            ("aux_loss_form", moe.aux_loss_form, "megatron"), ("aux_loss_warmup_steps", moe.aux_loss_warmup_steps, 0),
+            ("z_loss_form", moe.z_loss_form, "megatron"), ("z_loss_input_grad_scale", moe.z_loss_input_grad_scale, 1.0))
+            if value != default]
+        need(router.topk or not authors_losses, f"model.moe.{authors_losses[0] if authors_losses else ''}",
+             f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
+    for key, value in [("model.moe.aux_loss_warmup_scale", moe.aux_loss_warmup_scale),
+                       ("model.moe.aux_loss_warmup_steps", moe.aux_loss_warmup_steps),
+                       ("model.moe.z_loss_input_grad_scale", moe.z_loss_input_grad_scale)]:
+        need(value >= 0, key, f"must not be negative, got {value}")
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")

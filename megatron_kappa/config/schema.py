@@ -114,6 +114,23 @@ class MoEConfig:
     router: str = _f(routers.DEFAULT, routers.router_help())
     aux_loss: float = _f(1e-3, "Switch load-balancing loss weight (softmax and softmoe routers)")
     z_loss: float = _f(1e-5, "router z-loss weight")
+    aux_loss_form: Literal["megatron", "authors"] = _f(
+        "megatron", "megatron: megatron-core's Switch loss E·Σ_e P_e·f_e with f_e the share of the top-k "
+                    "assignments (Σf = 1); authors: f_e per token (Σf = topk), i.e. topk × megatron's (the "
+                    "authors' compute_aux_loss; docs/recipe.md); top-k routers")
+    aux_loss_warmup_scale: float = _f(
+        1.0, "the aux-loss weight starts at this multiple of aux_loss and moves linearly to aux_loss over "
+             "aux_loss_warmup_steps (authors: 2.0 over 500)")
+    aux_loss_warmup_steps: int = _f(0, "steps of the aux-loss weight's anneal (0: aux_loss throughout)")
+    z_loss_form: Literal["megatron", "authors"] = _f(
+        "megatron", "megatron: mean over tokens of lse(l)²; authors: of lse(l − l̄)² + l̄², l̄ the token's mean "
+                    "logit over the experts (the authors' compute_z_loss); top-k routers")
+    z_loss_input_grad_scale: float = _f(
+        1.0, "the z-loss gradient into the router's input (the hidden state) × this, the router weight's "
+             "kept (authors: 0.1); top-k routers")
+    router_dtype: Literal["fp32", "params"] = _f(
+        "fp32", "the router's logits in fp32, or in the parameters' dtype (bf16 under precision bf16, as the "
+                "authors' code runs its router)")
     route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448)")
     bias_update_rate: float = _f(1e-3, "expert-bias update rate (sigmoid router)")
     dispatcher: Literal["alltoall", "allgather", "sorted"] = _f(
@@ -125,6 +142,11 @@ class MoEConfig:
                                   "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
                                   "the expert ffn size / etp to be multiples of 4 (fp32) or 8 (bf16)")
     softmoe: SoftMoEConfig = field(default_factory=SoftMoEConfig)
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """aux_loss as megatron-core's coefficient: × topk for aux_loss_form authors."""
+        return self.aux_loss * (self.topk if self.aux_loss_form == "authors" else 1)
 
     @property
     def active_experts(self) -> float:

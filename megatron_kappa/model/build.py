@@ -32,7 +32,7 @@ from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.model.moe import KappaMoELayer, KappaRouter
+from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
 from megatron_kappa.model import fp8, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
@@ -83,7 +83,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
             moe_layer_freq=list(layout.moe_layers),
             # "sorted" is ours (SortedMoELayer swaps it in); megatron builds its alltoall first
             moe_token_dispatcher_type="alltoall" if moe.dispatcher == "sorted" else moe.dispatcher,
-            moe_router_dtype="fp32",
+            moe_router_dtype="fp32" if moe.router_dtype == "fp32" else None,  # None: the params' dtype
             moe_z_loss_coeff=moe.z_loss or None,
             moe_router_topk_scaling_factor=moe.route_scale if moe.route_scale != 1.0 else None,
             moe_expert_capacity_factor=moe.capacity_factor,
@@ -159,8 +159,13 @@ def router_spec(cfg: Config, stock: MoESubmodules):
 
 def topk_router(cfg: Config, kappa: KappaSettings | None):
     """The router of the top-k kinds (softmax, sigmoid): megatron's TopKRouter (the stock spec's),
-    or KappaRouter, which hands on the logit, for κ experts."""
-    return TopKRouter if kappa is None else partial(KappaRouter, kappa=kappa)
+    ZLossRouter for the authors' z-loss, or KappaRouter, which also hands on the logit, for κ
+    experts."""
+    moe = cfg.model.moe
+    z_loss = ZLoss(moe.z_loss_form, moe.z_loss_input_grad_scale)
+    if kappa is not None:
+        return partial(KappaRouter, kappa=kappa, z_loss=z_loss)
+    return TopKRouter if z_loss == ZLoss() else partial(ZLossRouter, z_loss=z_loss)
 
 
 def softmoe_router(cfg: Config, kappa: KappaSettings | None):

@@ -4,6 +4,8 @@ The expert needs each (token, expert) pair's raw router logit s_e(x). megatron-c
 per-pair tensor from the router to the experts: the routing probabilities. We widen it to two
 channels, [..., 2] = (prob, logit) ("two-channel probs"; docs/kappa.md):
 
+  ZLossRouter        TopKRouter with the authors' z-loss (de-meaned, the mean penalised) and its
+                     gradient into the router input scaled (model.moe.z_loss_form / _input_grad_scale).
   KappaRouter        returns probs [T, E, 2]; loss hooks (aux, z-loss) see the usual [T, E] probs.
   Kappa*Dispatcher   permute/gather the logit column exactly like the prob column; every later op
                      (all-to-all, TP gather, sort by expert) splits only dim 0, so [N, 2] rides along.
@@ -13,9 +15,12 @@ The experts that consume [N, 2] live in megatron_kappa.model.experts.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, permute
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection, permute
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
@@ -23,10 +28,60 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings
-from megatron_kappa.kappa.inputs import kappa_input
+from megatron_kappa.kappa.inputs import kappa_input, scale_grad
 
 
-class KappaRouter(TopKRouter):
+@dataclass(frozen=True)
+class ZLoss:
+    """The router z-loss as model.moe.z_loss_form / z_loss_input_grad_scale set it."""
+    form: str = "megatron"  # megatron: lse(l)²; authors: lse(l − l̄)² + l̄²
+    input_grad_scale: float = 1.0  # × the z-loss gradient into the router's input
+
+
+def z_loss_value(logits: torch.Tensor, form: str) -> torch.Tensor:
+    """The mean over tokens of the z-loss of logits [T, E] (fp32 at least): megatron-core's
+    lse(l)², or the authors' lse(l − l̄)² + l̄² (askerlee/kappa-swiglu 14c9b04 nanochat/gpt.py
+    compute_z_loss, 289-313: ST-MoE's loss of the de-meaned logits, plus the mean logit squared)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if form == "megatron":
+        return torch.logsumexp(logits, dim=-1).square().mean()
+    mean = logits.mean(dim=-1, keepdim=True)
+    return (torch.logsumexp(logits - mean, dim=-1).square() + mean.squeeze(-1).square()).mean()
+
+
+class ZLossRouter(TopKRouter):
+    """TopKRouter whose z-loss takes `z_loss.form` and sends `z_loss.input_grad_scale` of its
+    gradient into the router's input (the authors scale it by 0.1 through a second matmul that
+    reuses the router weight: 14c9b04 gpt.py 520-530; the weight's gradient is whole). The routing
+    and the aux loss are megatron-core's."""
+
+    def __init__(self, *args, z_loss: ZLoss = ZLoss(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.z_loss = z_loss
+
+    def gating(self, input):
+        if self.z_loss != ZLoss():
+            self._gating_input = input  # for the z-loss's own logits, read within the same forward
+        return super().gating(input)
+
+    def apply_z_loss(self, logits, padding_mask=None):
+        coeff = self.config.moe_z_loss_coeff
+        if self.z_loss == ZLoss() or not (coeff and self.training and torch.is_grad_enabled()):
+            return super().apply_z_loss(logits, padding_mask=padding_mask)
+        if padding_mask is not None or self.calculate_per_token_loss or self.is_mtp_layer:
+            raise NotImplementedError("model.moe.z_loss_form authors: no padding masks, per-token loss or MTP layers")
+        x = scale_grad(self._gating_input, self.z_loss.input_grad_scale)
+        self._gating_input = None
+        z_logits = super().gating(x).reshape(logits.shape)  # the same values; the input gradient scaled
+        coeff = coeff / self.tp_cp_group.size()  # each TP/CP rank's local tokens: averaged, as megatron's
+        z_loss = z_loss_value(z_logits, self.z_loss.form) * coeff
+        logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
+        get_moe_metrics_tracker().record("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers,
+                                         avg_group=self.tp_dp_cp_group)
+        return logits
+
+
+class KappaRouter(ZLossRouter):
     """TopKRouter that also hands on, for every (token, expert), what κ sees of the gating logit:
     the raw logit, or its `model.kappa.input` transform, with the κ path's gradient scaled
     (megatron_kappa.kappa.inputs; the probabilities' gradient is untouched)."""

@@ -185,11 +185,14 @@ def run(cfg: Config, log=print) -> dict:
         from megatron_kappa.evaluation.core_subset import CoreSubset
         core = CoreSubset(cfg, engine, device)
     stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
+    aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     record, window_start, window_steps = {}, time.perf_counter(), 0
     for step in range(start, steps):
         freeze.begin_step(step, optimizer)
         kappa_U = recipe.kappa_U(step, steps, cfg)  # the authors' U ramp (constant by default)
         set_kappa_U(model, kappa_U)
+        if cfg.model.moe.aux_loss_warmup_steps:  # the authors' aux-loss anneal
+            recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg))
         lrs = schedule.set_learning_rates(optimizer, step, steps, cfg)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
         after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias

@@ -69,6 +69,23 @@ def global_kappa_l2(local: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def aux_loss_scale(step: int, cfg: Config) -> float:
+    """The aux-loss weight at `step` as a multiple of model.moe.aux_loss: aux_loss_warmup_scale, then
+    linearly to 1 over aux_loss_warmup_steps (the authors' get_annealed_loss_weight: 2 → 1 over 500
+    steps; 14c9b04 scripts/base_train.py 947-952, called at 1384-1389)."""
+    moe = cfg.model.moe
+    if moe.aux_loss_warmup_steps <= 0:
+        return 1.0
+    done = min(max(step, 0), moe.aux_loss_warmup_steps) / moe.aux_loss_warmup_steps
+    return moe.aux_loss_warmup_scale + (1.0 - moe.aux_loss_warmup_scale) * done
+
+
+def set_aux_loss_weight(model, weight: float):
+    """megatron-core's routers read config.moe_aux_loss_coeff at every forward, from the one
+    TransformerConfig the whole model shares."""
+    model.config.moe_aux_loss_coeff = weight
+
+
 class KappaFreeze:
     """Holds α, b at exactly 0 until `kappa_start`, with no optimizer-state drift.
 

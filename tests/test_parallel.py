@@ -36,6 +36,12 @@ def cases():
         for kappa in (True, False):
             out.append((f"{layout}-{'kappa' if kappa else 'swiglu'}-softmax-alltoall-sequential", layout,
                         dict(kappa=kappa, router="softmax", dispatcher="alltoall", grouped=False), None))
+    # the authors' router losses (configs/base/paper.yaml): the de-meaned z-loss with its input
+    # gradient × 0.1 over the sequence-parallel shards, and the aux loss counted per token
+    authors = ("model.moe.z_loss_form=authors", "model.moe.z_loss_input_grad_scale=0.1",
+               "model.moe.aux_loss_form=authors")
+    out.append(("tp2ep2_etp2-kappa-softmax-alltoall-authors_losses", "tp2ep2_etp2",
+                dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=authors), None))
     # precision fp8 (bf16 weights, FP8 GEMMs with megatron's TP/SP communication around them):
     # the shards' FP8 scales differ from one process's, so closeness, not equality; the negative
     # control drops the sequence-parallel gather's gradient reduce-scatter in the FP8 linears

@@ -214,3 +214,63 @@ def test_variant_settings_and_conflicting_keys():
                       (("input=probs",), "model.kappa.input")]:
         with pytest.raises((ConfigError, ValueError), match=key):
             kcfg(*sets)
+
+
+def test_variants_bring_their_kappa_learning_rates_and_l2_alpha(world1):
+    """normalized (02b8de3): κ LR 0.3 → 0.15 (--kappa-bias-lr-scale 1.0, final 0.5, × the embedding
+    rate 0.3) and λ_α 1e-2; logit and scaled: the paper's / 14c9b04's 0.12 → 0.06 and 2e-2; a key
+    set explicitly wins. The schedule and the penalty read them."""
+    from megatron_kappa.kappa import inputs
+    for name, want in (("logit", (0.12, 0.06, 2e-2)), ("scaled", (0.12, 0.06, 2e-2)),
+                       ("normalized", (0.3, 0.15, 1e-2))):
+        v = inputs.resolve(kcfg(f"input={name}").model.kappa)
+        assert (v.lr, v.lr_end, v.l2_alpha) == want, name
+    v = inputs.resolve(kcfg("input=normalized", "lr=0.5", "lr_end=0.1", "l2_alpha=0.03").model.kappa)
+    assert (v.lr, v.lr_end, v.l2_alpha) == (0.5, 0.1, 0.03)
+    # the paper schedule's peak after the warmup is the variant's lr; at the last step its lr_end
+    cfg = kcfg("input=normalized", "freeze_fraction=0.1", "warmup=10")
+    assert schedule.kappa_lr(10 + 9, 100, cfg) == pytest.approx(0.3)
+    assert schedule.kappa_lr(99, 100, cfg) == pytest.approx(0.15)
+    # the penalty: λ_α 1e-2 under normalized equals an explicit l2_alpha=0.01 with input logit
+    from megatron_kappa.model.build import build_model
+    sets = ["model.kappa.l2_reduction=sum", "model.kappa.l2_bias=0"]
+    model = build_model(load_config("configs/tiny.yaml", sets), "cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(0))
+    penalty = lambda *s: recipe.kappa_l2(model, load_config("configs/tiny.yaml", [*sets, *s]), torch.device("cpu"))  # noqa: E731
+    assert penalty("model.kappa.input=normalized").item() == pytest.approx(
+        penalty("model.kappa.l2_alpha=0.01").item(), rel=1e-12)
+    assert penalty("model.kappa.input=normalized").item() == pytest.approx(  # negative control: 2e-2
+        0.5 * penalty().item(), rel=1e-12)
+
+
+def test_kappa_lr_batch_scaling():
+    """model.kappa.batch_lr_scaling: κ's rate × √(tokens per step / 2¹⁹) under both schedules, as the
+    authors' κ group takes the batch-scaled embedding rate as its base (02b8de3 scripts/base_train.py
+    939 → nanochat/gpt.py 2812)."""
+    for schedule_name in ("paper", "authors"):
+        base = [f"model.kappa.schedule={schedule_name}", "train.global_batch=32", "model.seq_length=4096"]
+        plain = load_config(None, [*base, "model.kappa.freeze_fraction=0.1"])
+        scaled = load_config(None, [*base, "model.kappa.freeze_fraction=0.1", "model.kappa.batch_lr_scaling=true"])
+        factor = (32 * 4096 / 2 ** 19) ** 0.5  # 2^17 tokens: 0.5
+        for step in (50, 500, 3000, 9999):
+            assert schedule.kappa_lr(step, 10000, scaled) == pytest.approx(factor * schedule.kappa_lr(step, 10000, plain),
+                                                                       rel=1e-12), (schedule_name, step)
+        assert schedule.kappa_lr(3000, 10000, plain) > 0
+
+
+def test_paper_configs_train_kappa_as_the_paper_time_code():
+    """configs/base/paper.yaml: κ input scaled, the authors' schedule, the LR batch-scaled (14c9b04);
+    the paper's prose stays reachable by keys."""
+    cfg = load_config("configs/moe8.yaml", [])
+    k = cfg.model.kappa
+    assert (k.input, k.schedule, k.batch_lr_scaling, k.lr, k.lr_end) == ("scaled", "authors", True, None, None)
+    s = kappa_settings(cfg)
+    assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale) == (3.0, 0.15, 2.0, 0.1)
+    # moe8: 128 × 2048 tokens per step, width 768: the κ peak is 0.12 × √(2^18 / 2^19)
+    total = 10000
+    peak = max(schedule.kappa_lr(step, total, cfg) for step in range(0, total, 7))
+    assert peak == pytest.approx(0.12 * 0.5 ** 0.5, rel=1e-3)
+    prose = load_config("configs/moe8.yaml", ["model.kappa.input=logit", "model.kappa.schedule=paper",
+                                              "model.kappa.batch_lr_scaling=false"])
+    assert max(schedule.kappa_lr(step, total, prose) for step in range(total)) == pytest.approx(0.12)

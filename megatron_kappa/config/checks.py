@@ -193,7 +193,9 @@ def _validate_kappa(k, need):
          f"must be in [0, 1), got {k.freeze_fraction}")
     need(k.freeze_min_steps is None or k.freeze_min_steps >= 0, "model.kappa.freeze_min_steps",
          f"must not be negative, got {k.freeze_min_steps}")
-    need(k.lr >= 0 and k.lr_end >= 0, "model.kappa.lr", f"lr and lr_end must not be negative, got {k.lr}, {k.lr_end}")
+    for key in ("lr", "lr_end", "l2_alpha"):
+        value = getattr(k, key)
+        need(value is None or value >= 0, f"model.kappa.{key}", f"must not be negative, got {value}")
 
 
 def _validate_muon(cfg: Config, need):

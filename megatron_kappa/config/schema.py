@@ -55,12 +55,16 @@ class KappaConfig:
                                                 "(null: 0.1 paper, 0.05 authors)")
     freeze_min_steps: Optional[int] = _f(None, "α, b held at 0 for at least this many steps (null: 0 paper, "
                                                "200 authors)")
-    lr: float = _f(0.12, "κ learning-rate peak, reached after `warmup` iterations past unfreezing "
-                         "(authors: before their width scaling and main-LR multiplier)")
-    lr_end: float = _f(0.06, "κ learning rate at the last iteration (linear decay; authors: likewise, "
-                             "before the main-LR multiplier)")
+    lr: Optional[float] = _f(None, "κ learning-rate peak, reached after `warmup` iterations past unfreezing "
+                                   "(authors: before their width scaling and main-LR multiplier) "
+                                   f"({kappa_inputs.null_help('lr')})")
+    lr_end: Optional[float] = _f(None, "κ learning rate at the last iteration (linear decay; authors: likewise, "
+                                       f"before the main-LR multiplier) ({kappa_inputs.null_help('lr_end')})")
     warmup: int = _f(1000, "κ learning-rate warmup iterations after unfreezing")
-    l2_alpha: float = _f(2e-2, "L2 penalty weight λ_α of α² (paper §3.4 and the authors' code: 2e-2)")
+    batch_lr_scaling: bool = _f(False, "κ's learning rate × √(tokens per step / 2¹⁹), as the authors' κ group "
+                                       "takes the batch-scaled embedding rate as its base")
+    l2_alpha: Optional[float] = _f(None, "L2 penalty weight λ_α of α² (paper §3.4 and the authors' code at the "
+                                         f"paper's date: 2e-2) ({kappa_inputs.null_help('l2_alpha')})")
     l2_bias: float = _f(1e-2, "L2 penalty weight λ_b of b² (paper §3.4 and the authors' code: 1e-2)")
     l2_reduction: Literal["mean", "sum"] = _f(
         "mean", "per MoE layer λ_α·mean(α²) + λ_b·mean(b²) over the layer's [E, F] entries, summed over "

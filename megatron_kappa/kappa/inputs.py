@@ -10,12 +10,16 @@ and its settings, in one registry (`VARIANTS`; `register` adds one at run time).
               detached (no gradient reaches the router weight through n_e); U = 4.
 Both authors' variants also ramp U from 1 over 15 % of the iterations after the κ freeze, and scale
 the κ path's gradient into the router logit by 0.1 (`scale_grad`: forward value unchanged; the
-routing probabilities keep their full gradient). docs/recipe.md has the sources, line by line.
+routing probabilities keep their full gradient). normalized also brings 02b8de3's κ learning
+rates (0.3 → 0.15: --kappa-bias-lr-scale 1.0 / final 0.5 × the embedding rate 0.3) and λ_α 1e-2
+(--kappa-scale-l2-loss-weight-scale 1); logit and scaled keep the paper's and 14c9b04's (0.12 →
+0.06, λ_α 2e-2). docs/recipe.md has the sources, line by line.
 
 Everything that depends on the variant reads it from here: the router (`kappa_input`), the
 analysis metrics (`Variant.transform`), the config (the allowed values, checked when a config is
 validated, and the help texts of docs/config.md), the settings (`resolve`: U, its ramp, the
-gradient scale, logit_scale / tanh_gain) and `KappaSettings`' defaults (the `logit` entry).
+gradient scale, logit_scale / tanh_gain, κ's learning rates and λ_α) and `KappaSettings`'
+defaults (the `logit` entry).
 
 The transform runs in torch on the router's [tokens, experts] logits, before dispatch, so every
 backend of the op (and every dispatcher) gets it unchanged. torch is imported only where a
@@ -67,6 +71,11 @@ class Variant:
     tanh_gain: float
     router_grad_scale: float
     u_warmup: float  # fraction of the iterations over which U ramps from 1, after the κ freeze
+    # κ's learning rate (peak, end) and the L2 weight of α that the variant's code trained with
+    # (model.kappa.lr, lr_end, l2_alpha when null): the paper's and 14c9b04's, or 02b8de3's
+    lr: float = 0.12
+    lr_end: float = 0.06
+    l2_alpha: float = 2e-2
     # True: model.kappa.logit_scale / tanh_gain are free and in effect (logit_scale / tanh_gain
     # here must then be the config's defaults); False: this variant's values are in effect and
     # the config keys must stay at their defaults (config/checks.py refuses others)
@@ -102,8 +111,9 @@ register("logit", Variant(identity, U=3.0, logit_scale=1.0, tanh_gain=1.0, route
 register("scaled", Variant(identity, U=3.0, logit_scale=0.15, tanh_gain=2.0, router_grad_scale=0.1,
                            u_warmup=0.15, help="the authors' code at the paper's date: 0.15·s, tanh gain 2"))
 register("normalized", Variant(normalized_logit, U=4.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=0.1,
-                               u_warmup=0.15, help="the authors' latest code: 6·s / a detached per-expert "
-                                                   "norm of the router weight"))
+                               u_warmup=0.15, lr=0.3, lr_end=0.15, l2_alpha=1e-2,
+                               help="the authors' latest code: 6·s / a detached per-expert norm of the router "
+                                    "weight"))
 
 
 def lookup(name: str) -> Variant:
@@ -126,7 +136,8 @@ def resolve(k) -> Variant:
         logit_scale=float(k.logit_scale) if v.config_scales else v.logit_scale,
         tanh_gain=float(k.tanh_gain) if v.config_scales else v.tanh_gain,
         router_grad_scale=pick(k.router_grad_scale, v.router_grad_scale),
-        u_warmup=pick(k.u_warmup, v.u_warmup))
+        u_warmup=pick(k.u_warmup, v.u_warmup), lr=pick(k.lr, v.lr), lr_end=pick(k.lr_end, v.lr_end),
+        l2_alpha=pick(k.l2_alpha, v.l2_alpha))
 
 
 def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:

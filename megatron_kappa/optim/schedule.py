@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from megatron_kappa.config import Config
+from megatron_kappa.kappa import inputs as kappa_inputs
 
 REFERENCE_BATCH_TOKENS = 2 ** 19  # base_train.py: reference_batch_size
 REFERENCE_WIDTH = 768  # gpt.py setup_optimizer: dmodel_lr_scale = (model_dim / 768) ** -0.5
@@ -61,10 +62,13 @@ def wd_multiplier(step: int, total: int, cfg: Config) -> float:
     return 1.0 - step / total if cfg.train.wd_decay_style == "linear" else 1.0
 
 
-def batch_scale(cfg: Config) -> float:
-    if not cfg.train.batch_lr_scaling:
-        return 1.0
+def batch_tokens_scale(cfg: Config) -> float:
+    """√(tokens per step / 2¹⁹): the authors' batch_lr_scale."""
     return math.sqrt(cfg.train.global_batch * cfg.model.seq_length / REFERENCE_BATCH_TOKENS)
+
+
+def batch_scale(cfg: Config) -> float:
+    return batch_tokens_scale(cfg) if cfg.train.batch_lr_scaling else 1.0
 
 
 def width_scale(cfg: Config) -> float:
@@ -144,24 +148,32 @@ def kappa_lr(step: int, total: int, cfg: Config) -> float:
     authors: lr × (hidden_size/768)^-½ × the main LR multiplier × a ramp that goes 0 → 1 over
     `warmup` steps, then linearly to lr_end/lr at the end (base_train.py get_linear_lr_scale and
     the κ group's base_lr · lrm · kappa_bias_lr_scale), so it reaches 0 with the main LR's decay.
+    lr and lr_end are the input variant's when null (megatron_kappa.kappa.inputs); with
+    model.kappa.batch_lr_scaling both schedules are × √(tokens per step / 2¹⁹).
     """
     k = cfg.model.kappa
+    v = kappa_inputs.resolve(k)
     start = kappa_start(total, cfg)
     if step < start:
         return 0.0
+    return _kappa_lr(step, total, start, v.lr, v.lr_end, cfg) * (batch_tokens_scale(cfg) if k.batch_lr_scaling else 1.0)
+
+
+def _kappa_lr(step: int, total: int, start: int, lr: float, lr_end: float, cfg: Config) -> float:
+    k = cfg.model.kappa
     if k.schedule == "authors":
-        if k.lr == 0:
+        if lr == 0:
             return 0.0
         width = (cfg.model.hidden_size / REFERENCE_WIDTH) ** -0.5
-        ramp = authors_kappa_ramp(step, total, start, k.warmup, k.lr_end / k.lr)
-        return k.lr * width * lr_multiplier(step, total, cfg) * ramp
+        ramp = authors_kappa_ramp(step, total, start, k.warmup, lr_end / lr)
+        return lr * width * lr_multiplier(step, total, cfg) * ramp
     i = step - start
     if i < k.warmup:
-        return k.lr * (i + 1) / k.warmup
+        return lr * (i + 1) / k.warmup
     decay_start, last = start + k.warmup - 1, total - 1
     if last <= decay_start:
-        return k.lr
-    return k.lr + (k.lr_end - k.lr) * (step - decay_start) / (last - decay_start)
+        return lr
+    return lr + (lr_end - lr) * (step - decay_start) / (last - decay_start)
 
 
 def authors_kappa_ramp(step: int, total: int, start: int, warmup: int, end_scale: float) -> float:

@@ -48,11 +48,12 @@ def kappa_l2(model, cfg: Config, device: torch.device) -> torch.Tensor:
     hundreds of thousands that is ~10⁵× stronger per entry and holds κ at 1 (docs/recipe.md).
     """
     k = cfg.model.kappa
+    l2_alpha = kappa_inputs.resolve(k).l2_alpha  # the input variant's when null
     shards = cfg.parallel.ep * cfg.parallel.expert_tp if k.l2_reduction == "mean" else None
     total = torch.zeros((), device=device)
     for name, p in model.named_parameters():
         if is_kappa(name):
-            weight = k.l2_alpha if name.endswith("kappa_alpha") else k.l2_bias
+            weight = l2_alpha if name.endswith("kappa_alpha") else k.l2_bias
             squares = p.float().pow(2).sum()
             if shards is not None:
                 squares = squares / (p.numel() * shards)

@@ -42,6 +42,11 @@ def cases():
                "model.moe.aux_loss_form=authors")
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-authors_losses", "tp2ep2_etp2",
                 dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=authors), None))
+    # parts of the authors' nanochat block: parameter-free norms (sequence-parallel, no gains to
+    # reduce), their epsilon, the logit softcap on each rank's vocabulary slice
+    nanochat = ("model.norm_gains=false", "model.norm_eps=1.1920929e-07", "model.logit_softcap=15")
+    out.append(("tp2ep2_etp2-kappa-softmax-alltoall-nanochat_parts", "tp2ep2_etp2",
+                dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=nanochat), None))
     # precision fp8 (bf16 weights, FP8 GEMMs with megatron's TP/SP communication around them):
     # the shards' FP8 scales differ from one process's, so closeness, not equality; the negative
     # control drops the sequence-parallel gather's gradient reduce-scatter in the FP8 linears

@@ -60,6 +60,9 @@ def validate(cfg: Config):
             if value != default]
         need(router.topk or not authors_losses, f"model.moe.{authors_losses[0] if authors_losses else ''}",
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
+    need(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")
+    need(m.logit_softcap is None or m.logit_softcap > 0, "model.logit_softcap",
+         f"must be positive (or null: no cap), got {m.logit_softcap}")
     for key, value in [("model.moe.aux_loss_warmup_scale", moe.aux_loss_warmup_scale),
                        ("model.moe.aux_loss_warmup_steps", moe.aux_loss_warmup_steps),
                        ("model.moe.z_loss_input_grad_scale", moe.z_loss_input_grad_scale)]:

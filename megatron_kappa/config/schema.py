@@ -174,6 +174,13 @@ class ModelConfig:
                "sandwich: only the middle two layers MoE")
     first_dense: int = _f(2, "dense layers before the MoE layers (layout: moe)")
     qk_layernorm: bool = _f(True, "RMSNorm on queries and keys")
+    norm_gains: bool = _f(True, "learnable RMSNorm gains (false: parameter-free RMSNorm everywhere, as the "
+                                "authors' nanochat block: 14c9b04 nanochat/gpt.py 315-317)")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon (the authors' F.rms_norm default: the fp32 machine epsilon, "
+                               "1.1920929e-07)")
+    logit_softcap: Optional[float] = _f(
+        None, "logits → c·tanh(logits / c) before the loss and in evaluation (the authors' nanochat block: 15, "
+              "14c9b04 nanochat/gpt.py 2447; null: none)")
     rotary_base: int = _f(10000, "RoPE base")
     init_std: float = _f(0.02, "weight init standard deviation")
     cross_entropy_chunk: int = _f(4096, "tokens per chunk of the loss (megatron_kappa.model.loss): the "

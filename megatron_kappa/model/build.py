@@ -30,7 +30,7 @@ from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
-from megatron_kappa.model.loss import ChunkedLossGPTModel
+from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
 from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
 from megatron_kappa.model import fp8, softmoe
@@ -61,7 +61,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
     kwargs = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, kv_channels=m.head_dim, ffn_hidden_size=ffn,
-        normalization="RMSNorm", qk_layernorm=m.qk_layernorm, add_bias_linear=False,
+        normalization="RMSNorm", qk_layernorm=m.qk_layernorm, layernorm_epsilon=m.norm_eps, add_bias_linear=False,
         gated_linear_unit=True, activation_func=F.silu, init_method_std=m.init_std,
         hidden_dropout=0.0, attention_dropout=0.0,
         # Fused paths are GPU-only or would bypass the κ activation.
@@ -121,18 +121,24 @@ def fp8_linears(submodules, settings: fp8.FP8Settings | None, **names):
     return dataclasses.replace(submodules, **swaps)
 
 
+def norm_spec(cfg: Config):
+    """Every RMSNorm of the model: with learnable gains (megatron's) or without (model.norm_gains)."""
+    return SPTorchNorm if cfg.model.norm_gains else partial(SPTorchNorm, gains=False)
+
+
 def _adapt_layer_spec(spec, cfg: Config, device, dense: bool):
     """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm, the core
     attention of `model.attention`, and FP8 linears where `precision: fp8` asks for them."""
     sub = spec.submodules
     attn = sub.self_attention
-    qk = {name: SPTorchNorm for name in ("q_layernorm", "k_layernorm")
+    norm = norm_spec(cfg)
+    qk = {name: norm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
     if core_attention(cfg) is not None:
         qk["core_attention"] = core_attention(cfg)
     attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
                            linear_qkv="column", linear_proj="row")
-    sub = dataclasses.replace(sub, input_layernorm=SPTorchNorm, pre_mlp_layernorm=SPTorchNorm,
+    sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
                               self_attention=dataclasses.replace(attn, submodules=attn_sub))
     if dense:  # megatron's local spec: partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
         mlp = sub.mlp
@@ -229,7 +235,7 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     if pipeline_stage is not None:  # this stage's layers only (megatron numbers them from its offset)
         start, stop = layout.stage_layers(pipeline_stage)
         layers = layers[start:stop]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg))
 
 
 def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False,
@@ -262,6 +268,8 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
         )
+    if cfg.model.logit_softcap and model.post_process:
+        softcap_logits(model.output_layer, cfg.model.logit_softcap)
     softmoe.link_budgets(model)  # the SoftMoE layers share one budget (no-op without them)
     if cfg.eval.capacity_factor is not None:  # the authors train at 1.0 and evaluate at 3.0
         install_capacity_switch(model, cfg.model.moe.capacity_factor, cfg.eval.capacity_factor)

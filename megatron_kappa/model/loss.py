@@ -72,6 +72,17 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, chunk: int) 
     return loss.view(labels.shape)
 
 
+def softcap_logits(output_layer: torch.nn.Module, cap: float):
+    """The output layer's logits become cap · tanh(logits / cap) (model.logit_softcap; the authors'
+    nanochat block caps at 15: askerlee/kappa-swiglu 14c9b04 nanochat/gpt.py 2447, 143-166) for
+    every reader: megatron's loss, the chunked loss and evaluation. A forward hook, so the layer
+    and its parameter names stay megatron's; elementwise, so each TP rank caps its vocabulary slice."""
+    def hook(module, inputs, output):
+        logits, bias = output
+        return torch.tanh(logits / cap) * cap, bias
+    output_layer.register_forward_hook(hook)
+
+
 class ChunkedLossGPTModel(GPTModel):
     """megatron-core's GPTModel with the chunked loss (model.cross_entropy_chunk) in place of
     `vocab_parallel_cross_entropy`. It takes the output layer's [s, b, V/TP] logits where they are

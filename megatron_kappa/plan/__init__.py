@@ -90,7 +90,7 @@ def layer_params(cfg: Config, layout: Layout, is_moe: bool) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     out["attention"] = h * head_dim * (m.num_attention_heads + 2 * groups) // t  # linear_qkv
     out["attention"] += h * head_dim * m.num_attention_heads // t  # linear_proj
-    out["norm"] = 2 * h + (2 * head_dim if m.qk_layernorm else 0)  # input, pre-MLP (and q, k) norms
+    out["norm"] = (2 * h + (2 * head_dim if m.qk_layernorm else 0)) * m.norm_gains  # input, pre-MLP (q, k) gains
     ffn = m.ffn_hidden_size or 4 * h
     if not is_moe:
         out["dense_mlp"] = 3 * h * ffn // t  # fc1 [gate; up] and fc2
@@ -117,7 +117,7 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
         total["embedding"] += vocab
     if stage == layout.pp - 1:
         total["output"] += vocab
-        total["norm"] += cfg.model.hidden_size  # the final norm
+        total["norm"] += cfg.model.hidden_size * cfg.model.norm_gains  # the final norm's gain
     return total
 
 

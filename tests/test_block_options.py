@@ -1,0 +1,100 @@
+"""Parts of the authors' nanochat block as keys of their own (issue 33): the logit softcap
+(model.logit_softcap), parameter-free RMSNorm (model.norm_gains: false) and its epsilon
+(model.norm_eps), against float64 re-computations from the formulas, with negative controls."""
+import math
+
+import pytest
+import torch
+
+from megatron_kappa import plan as planner
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.model.build import build_model
+
+SETS = ["model.kappa.enabled=true", "model.seq_length=16"]
+
+
+def tokens(b=2, s=16, vocab=2048, seed=3):
+    return torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def forward(model, batch, labels=False):
+    inputs, position = batch[:, :-1], torch.arange(batch.shape[1] - 1).expand(batch.shape[0], -1)
+    return model(inputs, position, None, labels=batch[:, 1:] if labels else None)
+
+
+def twins(world1, *sets):
+    """The tiny model without and with `sets`, from the same weights."""
+    torch.manual_seed(0)
+    plain = build_model(load_config("configs/tiny.yaml", SETS), "cpu").eval()
+    other = build_model(load_config("configs/tiny.yaml", [*SETS, *sets]), "cpu").eval()
+    missing, unexpected = other.load_state_dict(plain.state_dict(), strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")]
+    return plain, other, unexpected
+
+
+def test_softcap_logits_and_loss_against_float64(world1):
+    plain, capped, _ = twins(world1, "model.logit_softcap=15")
+    with torch.no_grad():
+        for p in plain.output_layer.parameters():  # logits of tens, where the cap bends them
+            p.mul_(400)
+        capped.output_layer.load_state_dict(plain.output_layer.state_dict())
+    batch = tokens()
+    with torch.no_grad():
+        raw, got = forward(plain, batch).double(), forward(capped, batch).double()
+        want = 15 * torch.tanh(raw / 15)
+        assert raw.abs().max() > 30  # the cap matters here
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        loss = forward(capped, batch, labels=True).double()  # the chunked loss (model.cross_entropy_chunk)
+        labels = batch[:, 1:]
+        ref = torch.logsumexp(want, -1) - want.gather(-1, labels[..., None]).squeeze(-1)
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        # negative control: without the cap the loss is another
+        uncapped = forward(plain, batch, labels=True).double()
+        assert (uncapped - ref).abs().max() > 1.0
+
+
+def test_parameter_free_norms_against_float64(world1):
+    plain, bare, unexpected = twins(world1, "model.norm_gains=false")
+    gains = [k for k in plain.state_dict() if "layernorm" in k or k.startswith("decoder.final_layernorm")]
+    assert gains and sorted(unexpected) == sorted(gains)  # every gain is gone, nothing else
+    assert not any("layernorm" in name for name, _ in bare.named_parameters())
+    # the planner counts what is built
+    cfg = load_config("configs/tiny.yaml", [*SETS, "model.norm_gains=false"])
+    counted = sum(planner.stage_params(cfg, planner.Layout(1), 0).values())
+    assert counted == sum(p.numel() for p in bare.parameters())
+    batch = tokens()
+    with torch.no_grad():
+        # the gains start at 1: the same function; a gain ≠ 1 (negative control) is another
+        torch.testing.assert_close(forward(bare, batch), forward(plain, batch), rtol=0, atol=0)
+        plain.decoder.final_layernorm.weight.mul_(1.5)
+        assert (forward(bare, batch) - forward(plain, batch)).abs().max() > 1e-3
+    # each norm is x / sqrt(mean(x²) + eps), eps from model.norm_eps
+    norm = bare.decoder.final_layernorm
+    x = torch.randn(5, norm.normalized_shape[0], dtype=torch.float64) * 1e-3
+    cfg_eps = load_config("configs/tiny.yaml", [*SETS, "model.norm_gains=false", "model.norm_eps=1.1920929e-07"])
+    small = build_model(cfg_eps, "cpu").decoder.final_layernorm
+    for module, eps in ((norm, 1e-5), (small, 1.1920929e-07)):
+        assert module.eps == eps
+        ref = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+        torch.testing.assert_close(module(x.float()).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_trains_with_the_block_options(world1, tmp_path):
+    """Two steps through the trainer (DeepSpeed's engine, one process) with both options on: no
+    norm parameters left for the non-matrix group, the cap in the loss."""
+    from megatron_kappa.train.loop import run
+    cfg = load_config("configs/tiny.yaml", [*SETS, "model.norm_gains=false", "model.logit_softcap=15",
+                                            "data.mock=true", "train.steps=2", "log.interval=1",
+                                            "checkpoint.interval=100", "eval.valid_every=0",
+                                            "train.micro_batch=2", "train.global_batch=2", "log.tensorboard=false",
+                                            f"run.dir={tmp_path}"])
+    record = run(cfg, log=lambda *a: None)
+    assert record["step"] == 2 and math.isfinite(record["loss"])
+    assert (tmp_path / "checkpoints/step_2").is_dir()
+
+
+@pytest.mark.parametrize("setting,message", [("model.logit_softcap=0", "model.logit_softcap: must be positive"),
+                                             ("model.norm_eps=0", "model.norm_eps: must be positive")])
+def test_block_option_errors(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny.yaml", [setting])

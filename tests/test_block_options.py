@@ -98,3 +98,23 @@ def test_a_run_trains_with_the_block_options(world1, tmp_path):
 def test_block_option_errors(setting, message):
     with pytest.raises(ConfigError, match=message):
         load_config("configs/tiny.yaml", [setting])
+
+
+def test_parameter_free_qk_norm_commutes_with_rope():
+    """The authors norm q and k after RoPE (14c9b04 nanochat/gpt.py 382-384), megatron before it.
+    RoPE rotates pairs of a head's channels, which keeps the head vector's mean square, so a norm
+    without gains gives the same q and k either way: model.norm_gains false is the authors'
+    attention. Checked in float64 with megatron's own RoPE (its rotate-half convention; the
+    authors' −θ sign is a relabelling of the same rotation); negative control: with per-channel
+    gains (megatron's learnable ones) the order matters."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    s, b, heads, d = 12, 2, 3, 16
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.outer(torch.arange(s, dtype=torch.float64), inv_freq)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron's [s, 1, 1, d] layout
+    q = torch.randn(s, b, heads, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 3
+    rms = lambda x, gain=1.0: x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1.1920929e-07) * gain  # noqa: E731
+    rope = lambda x: _apply_rotary_pos_emb_bshd(x, freqs)  # noqa: E731
+    torch.testing.assert_close(rms(rope(q)), rope(rms(q)), rtol=1e-12, atol=1e-12)
+    gain = torch.linspace(0.5, 1.5, d, dtype=torch.float64)
+    assert (rms(rope(q), gain) - rope(rms(q, gain))).abs().max() > 1e-2

@@ -1,6 +1,7 @@
 """Parts of the authors' nanochat block as keys of their own (issue 33): the logit softcap
 (model.logit_softcap), parameter-free RMSNorm (model.norm_gains: false) and its epsilon
-(model.norm_eps), against float64 re-computations from the formulas, with negative controls."""
+(model.norm_eps), the initialisation (model.init: nanochat), against float64 re-computations from
+the formulas, with negative controls."""
 import math
 
 import pytest
@@ -84,6 +85,7 @@ def test_a_run_trains_with_the_block_options(world1, tmp_path):
     norm parameters left for the non-matrix group, the cap in the loss."""
     from megatron_kappa.train.loop import run
     cfg = load_config("configs/tiny.yaml", [*SETS, "model.norm_gains=false", "model.logit_softcap=15",
+                                            "model.init=nanochat",
                                             "data.mock=true", "train.steps=2", "log.interval=1",
                                             "checkpoint.interval=100", "eval.valid_every=0",
                                             "train.micro_batch=2", "train.global_batch=2", "log.tensorboard=false",
@@ -118,3 +120,39 @@ def test_parameter_free_qk_norm_commutes_with_rope():
     torch.testing.assert_close(rms(rope(q)), rope(rms(q)), rtol=1e-12, atol=1e-12)
     gain = torch.linspace(0.5, 1.5, d, dtype=torch.float64)
     assert (rms(rope(q), gain) - rope(rms(q, gain))).abs().max() > 1e-2
+
+
+def test_nanochat_init_against_its_definition(world1):
+    """model.init nanochat: the matrices U(±√3/√d) (std 1/√d), output projections exactly 0, the
+    embedding N(0, 1), the output layer N(0, 0.001); negative control: megatron's init."""
+    cfg = load_config("configs/tiny.yaml", [*SETS, "model.init=nanochat"])
+    d = cfg.model.hidden_size
+    torch.manual_seed(0)
+    model = build_model(cfg, "cpu")
+    params = dict(model.named_parameters())
+    bound = math.sqrt(3) / math.sqrt(d)
+    matrices = [n for n in params if n.endswith(("linear_qkv.weight", "linear_fc1.weight", "fc1_weight",
+                                                  "router.weight"))]
+    outputs = [n for n in params if n.endswith(("linear_proj.weight", "linear_fc2.weight", "fc2_weight"))]
+    assert matrices and outputs and any("experts" in n for n in outputs)
+    for name in matrices:
+        w = params[name].detach().double()
+        assert w.abs().max() <= bound and w.std().item() == pytest.approx(1 / math.sqrt(d), rel=0.15), name
+        if w.numel() > 10000:  # enough samples for a tight standard deviation
+            assert w.std().item() == pytest.approx(1 / math.sqrt(d), rel=0.03), name
+    assert all(torch.count_nonzero(params[n]) == 0 for n in outputs)
+    assert params["embedding.word_embeddings.weight"].std().item() == pytest.approx(1.0, rel=0.02)
+    assert params["output_layer.weight"].std().item() == pytest.approx(0.001, rel=0.02)
+    torch.manual_seed(0)
+    stock = dict(build_model(load_config("configs/tiny.yaml", SETS), "cpu").named_parameters())
+    assert all(torch.count_nonzero(stock[n]) > 0 for n in outputs)
+    assert stock["embedding.word_embeddings.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_nanochat_output_layer_is_the_same_in_every_tp_layout():
+    from megatron_kappa.model.init import output_layer_rows
+    full = output_layer_rows(1024, 8, 1, 0, seed=7)
+    for tp in (2, 4, 8):
+        torch.testing.assert_close(torch.cat([output_layer_rows(1024, 8, tp, r, seed=7) for r in range(tp)]), full,
+                                   rtol=0, atol=0)
+    assert not torch.equal(output_layer_rows(1024, 8, 1, 0, seed=8), full)  # negative control: another seed

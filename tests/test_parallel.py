@@ -43,8 +43,10 @@ def cases():
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-authors_losses", "tp2ep2_etp2",
                 dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=authors), None))
     # parts of the authors' nanochat block: parameter-free norms (sequence-parallel, no gains to
-    # reduce), their epsilon, the logit softcap on each rank's vocabulary slice
-    nanochat = ("model.norm_gains=false", "model.norm_eps=1.1920929e-07", "model.logit_softcap=15")
+    # reduce), their epsilon, the logit softcap on each rank's vocabulary slice, the init (its
+    # output-layer rows drawn per TP rank; the weights are then the reference's)
+    nanochat = ("model.norm_gains=false", "model.norm_eps=1.1920929e-07", "model.logit_softcap=15",
+                "model.init=nanochat")
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-nanochat_parts", "tp2ep2_etp2",
                 dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=nanochat), None))
     # precision fp8 (bf16 weights, FP8 GEMMs with megatron's TP/SP communication around them):

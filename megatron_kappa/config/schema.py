@@ -182,7 +182,12 @@ class ModelConfig:
         None, "logits → c·tanh(logits / c) before the loss and in evaluation (the authors' nanochat block: 15, "
               "14c9b04 nanochat/gpt.py 2447; null: none)")
     rotary_base: int = _f(10000, "RoPE base")
-    init_std: float = _f(0.02, "weight init standard deviation")
+    init_std: float = _f(0.02, "weight init standard deviation (init megatron)")
+    init: Literal["megatron", "nanochat"] = _f(
+        "megatron", "megatron: normal(0, init_std), the output projections scaled by depth; nanochat (the authors' "
+                    "block, 14c9b04 nanochat/gpt.py 2030-2120): the matrices U(±√3/√hidden_size), the attention "
+                    "and MLP/expert output projections 0, the embedding N(0, 1), the output layer N(0, 0.001); the "
+                    "router, which the authors leave uninitialised, as the matrices")
     cross_entropy_chunk: int = _f(4096, "tokens per chunk of the loss (megatron_kappa.model.loss): the "
                                         "fp32 softmax exists for one chunk at a time; 0: megatron-core's "
                                         "vocab_parallel_cross_entropy (fp32 logits of the whole micro-batch)")

@@ -8,6 +8,11 @@ Modules:
                        that activation, and grouped-GEMM experts (κ or plain SwiGLU) that replace
                        the per-expert loop
   fp8.py               FP8 GEMMs through torchao (`precision: fp8`, `model.fp8`)
+  init.py              The authors' initialisation (model.init: nanochat; askerlee/kappa-swiglu
+                       14c9b04 nanochat/gpt.py 2030-2120): megatron-core's init hooks take the
+                       matrices (uniform, standard deviation 1/√d), the output projections (zero)
+                       and the embedding (N(0, 1)); the output layer, which megatron initialises
+                       with the matrices' method, is drawn again at N(0, 0.001) here
   lapsum.py            LapSum soft top-k: a differentiable relaxation of "pick the k largest of n
                        scores"
   layout.py            The model's shape decisions that need no torch: which layers are MoE, the

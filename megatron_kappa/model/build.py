@@ -33,7 +33,7 @@ from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
 from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
-from megatron_kappa.model import fp8, softmoe
+from megatron_kappa.model import fp8, init, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
@@ -75,6 +75,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         # precision fp8 runs its GEMMs through torchao (model/fp8.py); megatron's own fp8 flag would
         # need Transformer Engine and stays off
         **recompute_settings(m, has_moe),
+        **(init.megatron_init_methods(m.hidden_size) if m.init == "nanochat" else {}),
     )
     if has_moe:
         kwargs.update(
@@ -268,6 +269,8 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
         )
+    if cfg.model.init == "nanochat" and model.post_process and not meta:
+        init.init_output_layer(model, cfg.train.seed)
     if cfg.model.logit_softcap and model.post_process:
         softcap_logits(model.output_layer, cfg.model.logit_softcap)
     softmoe.link_budgets(model)  # the SoftMoE layers share one budget (no-op without them)

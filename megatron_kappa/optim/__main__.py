@@ -3,11 +3,10 @@ tensors, the optimizer, the peak learning rate, the weight decay at step 0), on 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from megatron_kappa.config import Config, ParallelConfig, load_config_for_cli
-from megatron_kappa.summary import _fmt, count
+from megatron_kappa.summary import _fmt, count, show
 
 
 def optimizer_groups(cfg: Config) -> list[dict]:
@@ -43,11 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
     cfg = load_config_for_cli(args.config, args.set)
-    if cfg is None:
-        return 2
-    rows = optimizer_groups(cfg)
-    print(json.dumps(rows, indent=2) if args.json else render_groups(rows))
-    return 0
+    return 2 if cfg is None else show(optimizer_groups(cfg), args.json, render_groups)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,13 @@ def auto_batch_tokens(budget_tokens: int, reference_n_eff: float, tokens_per_par
     return 2 ** round(math.log2(B_REF_TOKENS * ratio ** BATCH_EXPONENT))
 
 
+def show(value, as_json: bool, render) -> int:
+    """A command line's result on stdout: JSON, or `render(value)`; exit status 0."""
+    import json
+    print(json.dumps(value, indent=2) if as_json else render(value))
+    return 0
+
+
 def _fmt(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= size:

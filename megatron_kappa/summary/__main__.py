@@ -3,12 +3,11 @@ paper table). The optimizer's parameter groups are `python -m megatron_kappa.opt
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from megatron_kappa import summary
 from megatron_kappa.config import load_config, load_config_for_cli
-from megatron_kappa.summary import PAPER_CONFIGS, paper_table, render, summarize
+from megatron_kappa.summary import PAPER_CONFIGS, paper_table, render, show, summarize
 
 
 def main(argv=None) -> int:
@@ -23,16 +22,11 @@ def main(argv=None) -> int:
         from pathlib import Path
         folder = Path(__file__).resolve().parents[2] / "configs"
         rows = {n: summarize(load_config(folder / f"{n}.yaml", args.set)) for n in PAPER_CONFIGS}
-        print(json.dumps(rows, indent=2) if args.json else paper_table(rows))
-        return 0
+        return show(rows, args.json, paper_table)
     if not args.config:
         ap.error("give --config FILE or --paper")
     cfg = load_config_for_cli(args.config, args.set)
-    if cfg is None:
-        return 2
-    s = summarize(cfg)
-    print(json.dumps(s, indent=2) if args.json else render(s))
-    return 0
+    return 2 if cfg is None else show(summarize(cfg), args.json, render)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import importlib.util
 import os
 import struct
 
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import Config, ConfigError, ModelConfig
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir
@@ -42,8 +42,8 @@ def check_parallel(cfg: Config, world: int):
                           f"micro_batch × data-parallel size = {cfg.train.micro_batch} × {dp}")
 
 
-def check_attention(cfg: Config):
-    if cfg.model.attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+def check_attention(m: ModelConfig):
+    if m.attention == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError("config: model.attention: te needs Transformer Engine, which is not installed "
                           "here (use sdpa)")
 
@@ -167,7 +167,7 @@ def preflight(cfg: Config, world: int | None = None):
     world = world_size() if world is None else world
     check_parallel(cfg, world)
     check_precision(cfg)
-    check_attention(cfg)
+    check_attention(cfg.model)
     if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
     check_data(cfg)

@@ -112,9 +112,9 @@ def test_aux_loss_counts_topk_assignments_per_token():
 
 def test_aux_loss_weight_anneals_from_twice():
     cfg = cfg_of("model.moe.aux_loss_warmup_scale=2.0", "model.moe.aux_loss_warmup_steps=500")
-    assert [recipe.aux_loss_scale(s, cfg) for s in (0, 100, 250, 500, 501, 10000)] == \
+    assert [recipe.aux_loss_scale(s, cfg.model.moe) for s in (0, 100, 250, 500, 501, 10000)] == \
         pytest.approx([2.0, 1.8, 1.5, 1.0, 1.0, 1.0])
-    assert recipe.aux_loss_scale(0, cfg_of()) == 1.0  # the default: constant
+    assert recipe.aux_loss_scale(0, cfg_of().model.moe) == 1.0  # the default: constant
 
 
 def test_the_anneal_reaches_every_router_and_training_uses_it(world1, tmp_path):

@@ -6,7 +6,7 @@ megatron_kappa.preflight; both run before any process group or model exists.
 from __future__ import annotations
 
 from megatron_kappa import routers
-from megatron_kappa.config.schema import Config, ConfigError
+from megatron_kappa.config.schema import Config, ConfigError, TrainConfig
 from megatron_kappa.kappa import DEFAULTS as KAPPA
 from megatron_kappa.kappa import inputs as kappa_inputs
 
@@ -126,7 +126,7 @@ def validate(cfg: Config):
              "sorted dispatcher (they drop no tokens)")
     need(cfg.train.tokens_per_param > 0, "train.tokens_per_param",
          f"must be positive, got {cfg.train.tokens_per_param}")
-    _validate_muon(cfg, need)
+    _validate_muon(cfg.train, need)
     if cfg.precision == "fp8":
         _validate_fp8(cfg, need)
 
@@ -201,8 +201,8 @@ def _validate_kappa(k, need):
         need(value is None or value >= 0, f"model.kappa.{key}", f"must not be negative, got {value}")
 
 
-def _validate_muon(cfg: Config, need):
-    mu = cfg.train.muon
+def _validate_muon(t: TrainConfig, need):
+    mu = t.muon
     for key, value in [("lr", mu.lr), ("weight_decay", mu.weight_decay), ("aurora_exponent", mu.aurora_exponent)]:
         need(value >= 0, f"train.muon.{key}", f"must not be negative, got {value}")
     need(0 <= mu.momentum < 1, "train.muon.momentum", f"must be in [0, 1), got {mu.momentum}")
@@ -211,9 +211,9 @@ def _validate_muon(cfg: Config, need):
     need(mu.max_scale is None or mu.max_scale > 0, "train.muon.max_scale", f"must be positive, got {mu.max_scale}")
     # DeepSpeed's ZeRO replaces each gradient by its orthogonalised update before it computes the
     # norm and clips, so a clip would rescale the update itself (the authors do not clip).
-    need(cfg.train.optimizer == "adamw" or cfg.train.clip == 0, "train.grad_clip",
-         f"must be 0 or null with train.optimizer={cfg.train.optimizer}: DeepSpeed's ZeRO would clip the "
-         f"orthogonalised update, not the gradient (got {cfg.train.grad_clip})")
+    need(t.optimizer == "adamw" or t.clip == 0, "train.grad_clip",
+         f"must be 0 or null with train.optimizer={t.optimizer}: DeepSpeed's ZeRO would clip the "
+         f"orthogonalised update, not the gradient (got {t.grad_clip})")
 
 
 def _validate_pipeline(cfg: Config, router, need):

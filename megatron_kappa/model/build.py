@@ -96,11 +96,11 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
     return TransformerConfig(**kwargs)
 
 
-def core_attention(cfg: Config):
+def core_attention(m: ModelConfig):
     """The core-attention submodule of `model.attention`."""
-    if cfg.model.attention == "sdpa":
+    if m.attention == "sdpa":
         return SDPAttention
-    if cfg.model.attention == "te":  # imported only when asked for: TE needs CUDA (the preflight checks)
+    if m.attention == "te":  # imported only when asked for: TE needs CUDA (the preflight checks)
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
         return TEDotProductAttention
     return None  # megatron's local DotProductAttention, as the local spec has it
@@ -122,9 +122,9 @@ def fp8_linears(submodules, settings: fp8.FP8Settings | None, **names):
     return dataclasses.replace(submodules, **swaps)
 
 
-def norm_spec(cfg: Config):
+def norm_spec(m: ModelConfig):
     """Every RMSNorm of the model: with learnable gains (megatron's) or without (model.norm_gains)."""
-    return SPTorchNorm if cfg.model.norm_gains else partial(SPTorchNorm, gains=False)
+    return SPTorchNorm if m.norm_gains else partial(SPTorchNorm, gains=False)
 
 
 def _adapt_layer_spec(spec, cfg: Config, device, dense: bool):
@@ -132,11 +132,11 @@ def _adapt_layer_spec(spec, cfg: Config, device, dense: bool):
     attention of `model.attention`, and FP8 linears where `precision: fp8` asks for them."""
     sub = spec.submodules
     attn = sub.self_attention
-    norm = norm_spec(cfg)
+    norm = norm_spec(cfg.model)
     qk = {name: norm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
-    if core_attention(cfg) is not None:
-        qk["core_attention"] = core_attention(cfg)
+    if core_attention(cfg.model) is not None:
+        qk["core_attention"] = core_attention(cfg.model)
     attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
                            linear_qkv="column", linear_proj="row")
     sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
@@ -236,7 +236,7 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     if pipeline_stage is not None:  # this stage's layers only (megatron numbers them from its offset)
         start, stop = layout.stage_layers(pipeline_stage)
         layers = layers[start:stop]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg.model))
 
 
 def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False,

@@ -123,10 +123,10 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
 
 # --- bytes --------------------------------------------------------------------------------------
 
-def value_bytes(cfg: Config) -> int:
-    """Bytes of one weight, gradient or activation value: 2 in bf16 (and fp8, whose weights stay
-    bf16), 4 in fp32."""
-    return 2 if cfg.precision in ("bf16", "fp8") else 4
+def value_bytes(precision: str) -> int:
+    """Bytes of one weight, gradient or activation value in `precision`: 2 in bf16 (and fp8, whose
+    weights stay bf16), 4 in fp32."""
+    return 2 if precision in ("bf16", "fp8") else 4
 
 
 def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
@@ -185,7 +185,7 @@ def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[
       step      the partitions, and the fp32 gradient of the group being stepped (DeepSpeed
                 steps the groups one at a time: the largest group's partition is the peak).
     The reduce bucket (`bucket_bytes`) comes on top during backward."""
-    size = value_bytes(cfg)
+    size = value_bytes(cfg.precision)
     groups = optimizer_groups(params, cfg, layout)
     partitions = sum(g["elements"] / g["d"] for g in groups)
     edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in groups)
@@ -208,14 +208,14 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str
     weights and gradients, no master copy. Moments: AdamW 2 fp32 per parameter; muon and aurora
     keep one momentum buffer for the matrices they orthogonalise (attention, MLPs, experts; the
     router too under aurora) and AdamW's two for the rest."""
-    half = value_bytes(cfg) == 2
+    half = value_bytes(cfg.precision) == 2
     grads = gradient_bytes(params, cfg, layout)
     out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
     matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
         {"router"} if cfg.train.optimizer == "aurora" else set())
     for kind, n in params.items():
         d = layout.edp if kind in EXPERT_KINDS else layout.dp
-        out["weights"] += value_bytes(cfg) * n
+        out["weights"] += value_bytes(cfg.precision) * n
         out["master"] += 4 * n / d if half else 0
         moments = 4 if (cfg.train.optimizer != "adamw" and kind in matrices) else 8
         out["moments"] += moments * n / d
@@ -226,7 +226,7 @@ def bucket_bytes(cfg: Config) -> float:
     """DeepSpeed's reduce bucket: `reduce_bucket_size` (5e8) elements in the gradients' dtype,
     allocated whole at the first gradient of each backward pass and released after it. (The
     updated weights are all-gathered in place, so there is no all-gather bucket.)"""
-    return REDUCE_BUCKET_ELEMENTS * value_bytes(cfg)
+    return REDUCE_BUCKET_ELEMENTS * value_bytes(cfg.precision)
 
 
 def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, micro_batch: int) -> float:
@@ -249,7 +249,7 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     head_dim = m.head_dim or h // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * h
-    size = value_bytes(cfg)
+    size = value_bytes(cfg.precision)
     per = m.num_layers // layout.pp
     core = tokens * head_dim * m.num_attention_heads / t
     attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core

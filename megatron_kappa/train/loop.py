@@ -192,7 +192,7 @@ def run(cfg: Config, log=print) -> dict:
         kappa_U = recipe.kappa_U(step, steps, cfg)  # the authors' U ramp (constant by default)
         set_kappa_U(model, kappa_U)
         if cfg.model.moe.aux_loss_warmup_steps:  # the authors' aux-loss anneal
-            recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg))
+            recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg.model.moe))
         lrs = schedule.set_learning_rates(optimizer, step, steps, cfg)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
         after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias

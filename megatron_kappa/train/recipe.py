@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, MoEConfig
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.params import is_kappa
 from megatron_kappa.optim.schedule import kappa_start
@@ -70,11 +70,10 @@ def global_kappa_l2(local: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def aux_loss_scale(step: int, cfg: Config) -> float:
+def aux_loss_scale(step: int, moe: MoEConfig) -> float:
     """The aux-loss weight at `step` as a multiple of model.moe.aux_loss: aux_loss_warmup_scale, then
     linearly to 1 over aux_loss_warmup_steps (the authors' get_annealed_loss_weight: 2 → 1 over 500
     steps; 14c9b04 scripts/base_train.py 947-952, called at 1384-1389)."""
-    moe = cfg.model.moe
     if moe.aux_loss_warmup_steps <= 0:
         return 1.0
     done = min(max(step, 0), moe.aux_loss_warmup_steps) / moe.aux_loss_warmup_steps

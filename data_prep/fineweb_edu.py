@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -254,8 +255,12 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
     pool = None
     try:
         if args.workers > 1:
-            pool = mp.get_context("spawn").Pool(args.workers, work.init, init_args)
-            submit = lambda unit: pool.apply_async(work.process, (unit,))  # noqa: E731
+            # concurrent.futures, not multiprocessing.Pool: Pool.terminate() after a worker's error
+            # can hang for good (its task thread blocked writing to a pipe no worker reads any more);
+            # shutdown(cancel_futures=True) drops the queued units and lets the running ones end.
+            pool = ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
+                                       initializer=work.init, initargs=init_args)
+            submit = lambda unit: pool.submit(work.process, unit)  # noqa: E731
         else:
             work.init(*init_args)
             submit = lambda unit: _Done(work.process(unit))  # noqa: E731
@@ -270,7 +275,7 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
             if not window:
                 break
             u, pending = window.popleft()
-            res = pending.get()
+            res = pending.result()
             going = writer.consume(u, res)
             bar.update(len(res["status"]))
             elapsed = max(time.time() - writer.started, 1e-9)
@@ -284,15 +289,16 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
     finally:
         bar.close()
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Done:
+    """A finished result, read like a future's (one process, no pool)."""
+
     def __init__(self, value):
         self.value = value
 
-    def get(self):
+    def result(self):
         return self.value
 
 

@@ -15,7 +15,7 @@ nothing else compares the router's name:
                      eval.capacity_factor (`capacity`)
   model.build        megatron's TransformerConfig values (`megatron`), the router and MoE-layer
                      classes (`router`, `layer`; κ on or off)
-  parallel.layout    pipeline stages (`pipeline_refusal`);  plan: the planner (`planned`)
+  config.checks      also pipeline stages (`pipeline_refusal`);  plan: the planner (`planned`)
   train.loop         the after-step hook (`after_step`), the logged metrics (`metrics`)
   bench/throughput   one device's default dispatcher (sorted, for a `topk` router)
 

@@ -135,8 +135,9 @@ def _adapt_layer_spec(spec, cfg: Config, device, dense: bool):
     norm = norm_spec(cfg.model)
     qk = {name: norm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
-    if core_attention(cfg.model) is not None:
-        qk["core_attention"] = core_attention(cfg.model)
+    core = core_attention(cfg.model)
+    if core is not None:
+        qk["core_attention"] = core
     attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
                            linear_qkv="column", linear_proj="row")
     sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
@@ -157,7 +158,7 @@ def kappa_settings(cfg: Config) -> KappaSettings:
                          input=k.input, router_grad_scale=v.router_grad_scale)
 
 
-def router_spec(cfg: Config, stock: MoESubmodules):
+def router_spec(cfg: Config):
     """The router class of `model.moe.router` (its entry in megatron_kappa.routers): κ needs each
     pair's raw logit handed on with the probabilities."""
     kappa = kappa_settings(cfg) if cfg.model.kappa.enabled else None
@@ -199,7 +200,7 @@ def experts_spec(cfg: Config, stock: MoESubmodules, device):
 def moe_layer_spec(cfg: Config, stock: MoESubmodules, device):
     """The MoE layer of `model.moe.router` (megatron_kappa.routers), with its router and experts."""
     layer = routers.lookup(cfg.model.moe.router).layer(cfg, cfg.model.kappa.enabled)
-    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg, stock),
+    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg),
                                                    shared_experts=stock.shared_experts))
 
 

@@ -58,15 +58,16 @@ class ZLossRouter(TopKRouter):
     def __init__(self, *args, z_loss: ZLoss = ZLoss(), **kwargs):
         super().__init__(*args, **kwargs)
         self.z_loss = z_loss
+        self.own_z_loss = z_loss != ZLoss()  # megatron's z-loss otherwise
 
     def gating(self, input):
-        if self.z_loss != ZLoss():
+        if self.own_z_loss:
             self._gating_input = input  # for the z-loss's own logits, read within the same forward
         return super().gating(input)
 
     def apply_z_loss(self, logits, padding_mask=None):
         coeff = self.config.moe_z_loss_coeff
-        if self.z_loss == ZLoss() or not (coeff and self.training and torch.is_grad_enabled()):
+        if not (self.own_z_loss and coeff and self.training and torch.is_grad_enabled()):
             return super().apply_z_loss(logits, padding_mask=padding_mask)
         if padding_mask is not None or self.calculate_per_token_loss or self.is_mtp_layer:
             raise NotImplementedError("model.moe.z_loss_form authors: no padding masks, per-token loss or MTP layers")

@@ -186,6 +186,7 @@ def run(cfg: Config, log=print) -> dict:
         core = CoreSubset(cfg, engine, device)
     stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
+    after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
     record, window_start, window_steps = {}, time.perf_counter(), 0
     for step in range(start, steps):
         freeze.begin_step(step, optimizer)
@@ -195,7 +196,6 @@ def run(cfg: Config, log=print) -> dict:
             recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg.model.moe))
         lrs = schedule.set_learning_rates(optimizer, step, steps, cfg)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
-        after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
         if after_step is not None:
             after_step(model, cfg)
         done = step + 1

@@ -22,8 +22,10 @@ def kind(name: str) -> str:
         return "embedding"
     if name.startswith("output_layer"):
         return "output"
-    if "layernorm" in name or "final_norm" in name:
+    if "layernorm" in name or "final_norm" in name or name.endswith(("resid_lambda", "x0_lambda")):
         return "norm"
+    if name.endswith("self_attention.value_embedding"):
+        return "value_embedding"
     if ".self_attention." in name:
         return "attention"
     if ".mlp.router." in name:

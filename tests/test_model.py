@@ -78,13 +78,14 @@ def analytic_counts(cfg):
         m.moe.num_experts, m.ffn_hidden_size
     head = d // m.num_attention_heads
     moe_layers = sum(moe_layer_pattern(cfg))
-    attn = L * (3 * d * d + d * d)  # qkv, proj
-    norms = L * (2 * d + 2 * head) + d  # input/pre-mlp norms, q/k norms, final norm
+    ve_layers = L // 2 if m.value_embeddings else 0  # every other layer, the last one included
+    attn = L * (3 * d * d + d * d) + ve_layers * m.num_attention_heads * 32  # qkv, proj; value gates
+    norms = (L * (2 * d + 2 * head) + d) * m.norm_gains  # input/pre-mlp norms, q/k norms, final norm
     dense = (L - moe_layers) * 3 * d * F
     experts = moe_layers * E * (3 * d * F + (2 * F if m.kappa.enabled else 0))
     router = moe_layers * E * d
-    return dict(embedding=2 * V * d, attention=attn, norm=norms,
-                dense_mlp=dense, router=router, experts=experts)
+    return dict(embedding=2 * V * d, value_embedding=ve_layers * V * d, attention=attn, norm=norms,
+                dense_mlp=dense, router=router, experts=experts, scalars=2 * L * m.residual_scalars)
 
 
 @pytest.mark.parametrize("name", ["moe8", "sandwich28", "tiny"])
@@ -99,7 +100,7 @@ def test_summary_counts_match_architecture(world1, name):
     assert s["active_params_per_token"] == round(sum(by.values()) - by["experts"] * (1 - k / E))
     discount = (k / E) ** 0.5 if 5 * sum(moe_layer_pattern(cfg)) >= m.num_layers else 1.0
     assert s["expert_discount"] == (discount != 1.0) == (name != "sandwich28")
-    neff = sum(by.values()) - by["embedding"] // 2 - by["experts"] * (1 - discount)
+    neff = sum(by.values()) - by["embedding"] // 2 - by["value_embedding"] - by["scalars"] - by["experts"] * (1 - discount)
     assert s["n_eff"] == round(neff) and s["token_budget"] == int(5 * neff)
     # Negative control: a different expert count changes the architecture's numbers.
     other = load_config(next(c for c in CONFIGS if c.stem == name), ["model.moe.num_experts=8", "parallel.ep=1"])

@@ -33,6 +33,8 @@ def built(tmp_path_factory):
     cases = [{"name": n, "overrides": overrides(*lay)} for n, lay in GRID.items()]
     cases.append({"name": "sandwich_pp2_plain", "overrides": overrides(1, 2, 2, 1, (
         "model.layout=sandwich", "model.kappa.enabled=false", "model.moe.shared_ffn_hidden_size=null"))})
+    for name, lay in (("nanochat_tp2_ep2_etp2", (2, 1, 2, 2)), ("nanochat_pp2_tp2", (2, 2, 1, 2))):
+        cases.append({"name": name, "overrides": overrides(*lay, ("model.block=nanochat",))})
     (tmp / "plan.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -61,7 +63,11 @@ def test_parameter_counts_equal_meta_builds_of_every_rank(built):
 def test_parameter_counts_sum_to_the_full_model():
     """Negative-control style cross-check without processes: summed over the ranks that hold
     distinct shards, the counts give the full model's count from megatron_kappa.summary."""
-    cfg = load_config("configs/tiny.yaml", SHAPE)
+    for block in ("megatron", "nanochat"):
+        _counts_sum_to_full(load_config("configs/tiny.yaml", [*SHAPE, f"model.block={block}"]))
+
+
+def _counts_sum_to_full(cfg):
     full = planner.stage_params(cfg, Layout(1), 0)
     for tp, pp, ep, etp in GRID.values():
         layout = Layout(WORLD, tp, pp, ep, etp)

@@ -92,14 +92,16 @@ def test_peak_values_and_scalings():
     assert width == pytest.approx(3.4641016151377544)
     assert schedule.peak_lrs(cfg) == pytest.approx({
         "matrix": 0.01 * batch, "router": 3e-3 * batch, "embedding": 0.3 * width * batch,
-        "output": 0.004 * width * batch, "non_matrix": 0.3 * width * batch})
+        "output": 0.004 * width * batch, "non_matrix": 0.3 * width * batch,
+        "resid_lambda": 0.005 * batch, "x0_lambda": 0.5 * batch})  # the λ: not width-scaled
     assert schedule.peak_weight_decays(cfg)["matrix"] == pytest.approx(0.05 * 9)  # (12/4)²
     lrs, wds = schedule.main_values(75, 100, cfg)
     assert lrs["output"] == pytest.approx(0.004 * width * batch * 0.5)
     assert wds["matrix"] == pytest.approx(0.45 * 0.25) and wds["embedding"] == 0.0
     # off: the plain values (the defaults keep today's behaviour)
     plain = load_config("configs/tiny.yaml", [])
-    assert schedule.peak_lrs(plain) == pytest.approx({k: 3e-3 for k in schedule.peak_lrs(plain)})
+    lambdas = {"resid_lambda": 0.005, "x0_lambda": 0.5}  # their own keys (model.residual_scalars)
+    assert schedule.peak_lrs(plain) == pytest.approx({k: lambdas.get(k, 3e-3) for k in schedule.peak_lrs(plain)})
     assert schedule.peak_weight_decays(plain)["matrix"] == 0.05
 
 
@@ -179,7 +181,8 @@ def test_paper_configs_use_the_authors_recipe():
         "aurora", "matrix", "wsd", "linear", 0.0)
     b = math.sqrt(t.global_batch * 2048 / 2 ** 19)  # the authors' batch_lr_scale
     assert schedule.peak_lrs(cfg) == pytest.approx({"matrix": 0.01 * b, "router": 3e-4 * b, "embedding": 0.3 * b,
-                                                    "output": 0.004 * b, "non_matrix": 0.3 * b})
+                                                    "output": 0.004 * b, "non_matrix": 0.3 * b,
+                                                    "resid_lambda": 0.005 * b, "x0_lambda": 0.5 * b})
     assert schedule.peak_weight_decays(cfg)["matrix"] == pytest.approx(0.05 * 2.25)
     assert (t.betas, t.adam_eps, t.warmup, t.min_lr_ratio) == ([0.8, 0.95], 1e-10, 0, 0.0)
 

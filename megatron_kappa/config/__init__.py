@@ -6,6 +6,8 @@ Modules:
   __main__.py   `python -m megatron_kappa.config --markdown` prints docs/config.md
   checks.py     Cross-field checks of a config that need no process group, files or packages
   loading.py    Reading a config: YAML (with `extends:`), `--set key=value` overrides, type checks
+  presets.py    Keys that set other keys: `model.block` (a preset of the block keys) and
+                `model.aspect_ratio` (the width from the depth)
   reference.py  docs/config.md, generated from the schema (`python -m megatron_kappa.config
                 --markdown`)
   schema.py     The config schema: one dataclass per YAML section, each value with its default and

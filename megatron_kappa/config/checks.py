@@ -63,6 +63,7 @@ def validate(cfg: Config):
     need(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")
     need(m.logit_softcap is None or m.logit_softcap > 0, "model.logit_softcap",
          f"must be positive (or null: no cap), got {m.logit_softcap}")
+    _validate_block(cfg, need)
     for key, value in [("model.moe.aux_loss_warmup_scale", moe.aux_loss_warmup_scale),
                        ("model.moe.aux_loss_warmup_steps", moe.aux_loss_warmup_steps),
                        ("model.moe.z_loss_input_grad_scale", moe.z_loss_input_grad_scale)]:
@@ -214,6 +215,24 @@ def _validate_muon(t: TrainConfig, need):
     need(t.optimizer == "adamw" or t.clip == 0, "train.grad_clip",
          f"must be 0 or null with train.optimizer={t.optimizer}: DeepSpeed's ZeRO would clip the "
          f"orthogonalised update, not the gradient (got {t.grad_clip})")
+
+
+def _validate_block(cfg: Config, need):
+    """The nanochat block's parts (megatron_kappa.model.nanochat): their layers read this forward's
+    tokens and x0 from an object the model fills, which a recomputed layer reads again later."""
+    m = cfg.model
+    need(not (m.residual_scalars and m.recompute == "full"), "model.recompute",
+         "full with model.residual_scalars: the recomputed layer would read x0 outside the graph that "
+         "made it; use selective or none")
+    need(not (m.value_embeddings and m.recompute == "full" and cfg.parallel.pp > 1), "model.recompute",
+         "full with model.value_embeddings and parallel.pp > 1: a layer recomputed in backward would read "
+         "a later micro-batch's tokens; use selective or none")
+    need(len(cfg.train.x0_betas) == 2, "train.x0_betas", f"expected two numbers, got {cfg.train.x0_betas}")
+    for key in ("lr_resid_scalar", "lr_x0_scalar"):
+        value = getattr(cfg.train, key)
+        need(value >= 0, f"train.{key}", f"must not be negative, got {value}")
+    need(not m.value_embeddings or m.hidden_size >= 32, "model.value_embeddings",
+         f"the gate reads 32 channels of the hidden state; model.hidden_size is {m.hidden_size}")
 
 
 def _validate_pipeline(cfg: Config, router, need):

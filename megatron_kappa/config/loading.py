@@ -17,6 +17,7 @@ from typing import Literal
 
 import yaml
 
+from megatron_kappa.config import presets
 from megatron_kappa.config.checks import validate
 from megatron_kappa.config.schema import Config, ConfigError
 
@@ -130,7 +131,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     data = read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(list(overrides)):
         _merge(data, key, value)
-    cfg = _build(Config, data)
+    cfg = _build(Config, presets.apply(data))  # model.block's preset, model.aspect_ratio's width
     validate(cfg)
     return cfg
 

@@ -161,7 +161,17 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
+    block: Literal["megatron", "nanochat"] = _f(
+        "megatron", "the transformer block, a preset of the block keys below that the config does not set "
+                    "itself (megatron_kappa.config.presets): megatron (megatron-core's GPT block) or nanochat "
+                    "(the authors' block at 14c9b04: value_embeddings, embedding_norm, residual_scalars, "
+                    "norm_gains false, norm_eps 1.19e-7, logit_softcap 15, init nanochat; docs/recipe.md)")
     num_layers: int = _f(4, "transformer layers")
+    aspect_ratio: Optional[int] = _f(
+        None, "hidden_size = ⌈num_layers · aspect_ratio / head_dim⌉ · head_dim and num_attention_heads = "
+              "hidden_size / head_dim (head_dim null: 128), the authors' width rule (14c9b04 "
+              "scripts/base_train.py 548-556); it also sets the automatic batch's depth-12 reference width "
+              "(null: hidden_size and heads as given; the reference at the authors' default 96)")
     hidden_size: int = _f(128, "d_model")
     num_attention_heads: int = _f(4, "attention heads")
     num_query_groups: Optional[int] = _f(None, "GQA groups (null: no GQA)")
@@ -181,6 +191,17 @@ class ModelConfig:
     logit_softcap: Optional[float] = _f(
         None, "logits → c·tanh(logits / c) before the loss and in evaluation (the authors' nanochat block: 15, "
               "14c9b04 nanochat/gpt.py 2447; null: none)")
+    value_embeddings: bool = _f(
+        False, "on every other layer (i % 2 == (num_layers − 1) % 2, the last one included) an embedding of "
+               "the input tokens, [vocab, kv heads · head_dim], added to the attention values as "
+               "v + 2σ(W·x[..., :32])·ve, W one zero-initialised gate row per kv head (14c9b04 nanochat/gpt.py "
+               "319-321, 360-379); trained with the input embedding's AdamW rate")
+    embedding_norm: bool = _f(False, "RMSNorm (parameter-free) on the input embedding's output (14c9b04 "
+                                     "nanochat/gpt.py 2432)")
+    residual_scalars: bool = _f(
+        False, "before every layer x = λ_resid·x + λ_x0·x0, x0 the (normed) input embedding, one learned "
+               "λ_resid (init 1) and λ_x0 (init 0) per layer (14c9b04 nanochat/gpt.py 2436; AdamW at "
+               "train.lr_resid_scalar and train.lr_x0_scalar); refuses model.recompute full")
     rotary_base: int = _f(10000, "RoPE base")
     init_std: float = _f(0.02, "weight init standard deviation (init megatron)")
     init: Literal["megatron", "nanochat"] = _f(
@@ -282,6 +303,11 @@ class TrainConfig:
                     "end (the authors' get_weight_decay)")
     wd_depth_scaling: bool = _f(False, "multiply the weight decay by (12 / num_layers)^2 (the authors' "
                                        "weight_decay_scaled, tuned at depth 12)")
+    lr_resid_scalar: float = _f(0.005, "peak AdamW learning rate of model.residual_scalars' λ_resid (authors: "
+                                       "0.01 × their scalar_lr 0.5; no width scaling)")
+    lr_x0_scalar: float = _f(0.5, "peak AdamW learning rate of model.residual_scalars' λ_x0 (authors: 0.5; no "
+                                  "width scaling)")
+    x0_betas: list = _f([0.96, 0.95], "AdamW betas of λ_x0 (the authors' x0 group)")
     betas: list = _f([0.9, 0.95], "AdamW betas (every AdamW group, also under muon/aurora; authors: [0.8, 0.95])")
     adam_eps: float = _f(1e-8, "AdamW epsilon of every AdamW group (authors: 1e-10)")
     grad_clip: Optional[float] = _f(None, "global gradient-norm clip (0: off; null: 1.0 for adamw, off for "

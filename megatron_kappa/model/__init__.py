@@ -19,6 +19,9 @@ Modules:
                        padded vocabulary, and where a pipeline stage's layers sit in the full model
   loss.py              The language-model loss, without the [tokens, vocab] logits in fp32 at once
   moe.py               κ-SwiGLU inside megatron-core's MoE layer, by subclassing (no forks)
+  nanochat.py          The parts of the authors' nanochat block that megatron-core's GPT block
+                       lacks, as subclasses its specs build (askerlee/kappa-swiglu 14c9b04
+                       nanochat/gpt.py; docs/authors_model.md):
   norms.py             The norms of the layer spec: torch's RMSNorm, usable with sequence
                        parallelism
   params.py            Which parameters are which: one predicate per kind, by name

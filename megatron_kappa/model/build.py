@@ -33,7 +33,7 @@ from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
 from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
-from megatron_kappa.model import fp8, init, softmoe
+from megatron_kappa.model import fp8, init, nanochat, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
@@ -127,11 +127,18 @@ def norm_spec(m: ModelConfig):
     return SPTorchNorm if m.norm_gains else partial(SPTorchNorm, gains=False)
 
 
-def _adapt_layer_spec(spec, cfg: Config, device, dense: bool):
+def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, inputs: nanochat.BlockInputs | None = None):
     """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm, the core
-    attention of `model.attention`, and FP8 linears where `precision: fp8` asks for them."""
+    attention of `model.attention`, FP8 linears where `precision: fp8` asks for them, and the
+    nanochat block's layer and attention subclasses where its keys ask for them (they read `inputs`)."""
+    m = cfg.model
+    if m.residual_scalars:
+        spec = dataclasses.replace(spec, module=nanochat.ScaledResidualLayer, params={**spec.params, "inputs": inputs})
     sub = spec.submodules
     attn = sub.self_attention
+    if m.value_embeddings:
+        attn = dataclasses.replace(attn, module=nanochat.ValueEmbeddingAttention,
+                                   params={**attn.params, "inputs": inputs, "vocab_size": model_layout(cfg).padded_vocab})
     norm = norm_spec(cfg.model)
     qk = {name: norm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
@@ -219,17 +226,20 @@ def softmoe_layer(cfg: Config, kappa: bool):
 
 
 def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
-                layout: ModelLayout | None = None) -> TransformerBlockSubmodules:
+                layout: ModelLayout | None = None, inputs: nanochat.BlockInputs | None = None
+                ) -> TransformerBlockSubmodules:
     """Local (plain torch) specs per layer for a model on `device` (of one pipeline stage, when
     given); the MoE layers' router, experts and layer class come from router_spec, experts_spec
-    and moe_layer_spec."""
+    and moe_layer_spec. `inputs`: what the nanochat block's layers read (the model's BlockInputs)."""
     layout = layout or model_layout(cfg)
+    inputs = inputs or nanochat.BlockInputs()
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
-    dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True)
+    dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True, inputs=inputs)
     moe = None
     if layout.has_moe:
-        moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg, device, dense=False)
+        moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg, device, dense=False,
+                                inputs=inputs)
         stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
         mlp = moe_layer_spec(cfg, stock, device)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
@@ -256,15 +266,20 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
     tconfig = transformer_config(cfg, device, layout)
     if meta:
         tconfig.perform_initialization = False
+    m = cfg.model
     with torch.device("meta") if meta else contextlib.nullcontext():
         # model.cross_entropy_chunk: the chunked loss inside the model; 0: megatron's own
-        model_class = partial(ChunkedLossGPTModel, cross_entropy_chunk=cfg.model.cross_entropy_chunk) \
-            if cfg.model.cross_entropy_chunk else GPTModel
+        model_class = partial(ChunkedLossGPTModel, cross_entropy_chunk=m.cross_entropy_chunk)
+        inputs = nanochat.BlockInputs()  # shared by the model and the layers of the nanochat block's parts
+        if m.value_embeddings or m.embedding_norm or m.residual_scalars:
+            model_class = partial(nanochat.NanochatGPTModel, cross_entropy_chunk=m.cross_entropy_chunk, inputs=inputs,
+                                  embedding_norm=m.embedding_norm, norm_eps=m.norm_eps, carry_x0=m.residual_scalars)
         stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         if stages != cfg.parallel.pp:
             raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
         model = model_class(
-            config=tconfig, transformer_layer_spec=layer_specs(cfg, device, stage if stages > 1 else None, layout),
+            config=tconfig,
+            transformer_layer_spec=layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs),
             pre_process=stage == 0, post_process=stage == stages - 1,
             vocab_size=layout.padded_vocab, max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",

@@ -62,6 +62,16 @@ def moe_layer_pattern(cfg: Config) -> list[int]:
     return [1 if i in (middle - 1, middle) else 0 for i in range(m.num_layers)]
 
 
+VALUE_GATE_CHANNELS = 32  # a value-embedding gate reads x[..., :32] (14c9b04 nanochat/gpt.py 360)
+
+
+def has_value_embedding(layer_number: int, num_layers: int) -> bool:
+    """Whether layer `layer_number` (megatron's: 1-based, global) has a value embedding under
+    model.value_embeddings: every other layer, the last one included, i.e. i % 2 == (L − 1) % 2
+    for the 0-based i (14c9b04 nanochat/gpt.py 319-321)."""
+    return (layer_number - 1) % 2 == (num_layers - 1) % 2
+
+
 def padded_vocab_size(cfg: Config) -> int:
     multiple = 128 * cfg.parallel.tp
     return int(math.ceil(cfg.model.vocab_size / multiple) * multiple)

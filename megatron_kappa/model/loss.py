@@ -7,7 +7,8 @@ logits are upcast, reduced to the log-sum-exp and the target logit, and freed; t
 recomputes each chunk's softmax from the (bf16) logits and the saved log-sum-exp. Vocabulary
 parallelism (TP) works as in megatron: each rank holds a slice of the vocabulary, the max, the
 sum of exponentials and the target logit are all-reduced over the TP group. `ChunkedLossGPTModel`
-puts it inside megatron's GPTModel (`model(..., labels=...)`), where megatron computes its loss.
+puts it inside megatron's GPTModel (`model(..., labels=...)`), where megatron computes its loss
+(chunk 0: megatron's own loss).
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ class ChunkedLossGPTModel(GPTModel):
         self.cross_entropy_chunk = cross_entropy_chunk
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """labels [b, s], logits [s, b, V/TP] → loss [b, s], as the method it overrides."""
+        """labels [b, s], logits [s, b, V/TP] → loss [b, s], as the method it overrides (megatron's
+        own with cross_entropy_chunk 0)."""
+        if not self.cross_entropy_chunk:
+            return super().compute_language_model_loss(labels, logits)
         loss = vocab_parallel_loss(logits, labels.transpose(0, 1), self.cross_entropy_chunk)
         return loss.transpose(0, 1).contiguous()

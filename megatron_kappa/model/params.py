@@ -27,3 +27,18 @@ def is_router(name: str) -> bool:
 
 def is_embedding_or_output(name: str) -> bool:
     return "embedding" in name or name.startswith("output_layer")
+
+
+def is_value_embedding(name: str) -> bool:
+    """A value-embedding table (model.value_embeddings): trained like the input embedding, counted
+    as active, not in N_eff (as the authors count it)."""
+    return name.endswith("self_attention.value_embedding")
+
+
+RESIDUAL_SCALARS = ("resid_lambda", "x0_lambda")
+
+
+def residual_scalar(name: str) -> str | None:
+    """"resid_lambda" or "x0_lambda" for model.residual_scalars' λ, else None."""
+    last = name.rsplit(".", 1)[-1]
+    return last if last in RESIDUAL_SCALARS else None

@@ -6,19 +6,27 @@ Aurora) build these groups the same way.
 """
 from __future__ import annotations
 
-from megatron_kappa.model.params import is_embedding_or_output
+from megatron_kappa.model.params import is_embedding_or_output, residual_scalar
 
-ADAMW_KINDS = ("embedding", "output", "non_matrix")
+# resid_lambda, x0_lambda: model.residual_scalars' λ (the authors' scalar groups, 14c9b04
+# nanochat/gpt.py 2375-2380); the value embeddings are in "embedding" (gpt 2352-2353)
+ADAMW_KINDS = ("embedding", "output", "non_matrix", "resid_lambda", "x0_lambda")
 
 
 def adamw_kind(name: str) -> str:
     """The group of a parameter that AdamW trains outside the matrices, routers and κ."""
     if is_embedding_or_output(name):
         return "output" if name.startswith("output_layer") else "embedding"
-    return "non_matrix"
+    return residual_scalar(name) or "non_matrix"
 
 
-def adamw_groups(by_kind: dict) -> list[dict]:
-    """The embedding, output, non-matrix and κ groups: no weight decay, learning rates set per step."""
-    return [dict(name=kind, kind=kind, params=by_kind[kind], weight_decay=0.0)
-            for kind in (*ADAMW_KINDS, "kappa")]
+def adamw_groups(by_kind: dict, cfg) -> list[dict]:
+    """The embedding, output, non-matrix, residual-scalar and κ groups: no weight decay, learning
+    rates set per step; λ_x0 with its own betas (train.x0_betas)."""
+    betas = {"x0_lambda": tuple(cfg.train.x0_betas)}
+    return [dict(name=kind, kind=kind, params=by_kind[kind], weight_decay=0.0,
+                 **({"betas": betas[kind]} if kind in betas else {}))
+            for kind in (*ADAMW_KINDS, "kappa")
+            # the λ groups only where the model has them: a megatron block's optimizer state keeps
+            # the group list that its existing checkpoints hold
+            if by_kind[kind] or kind not in ("resid_lambda", "x0_lambda")]

@@ -96,7 +96,7 @@ def param_groups(model, cfg: Config) -> list[dict]:
     return [dict(name="matrix", kind="matrix", params=groups["matrix"], use_muon=True, lr=0.0,
                  momentum=mu.momentum, weight_decay=wd["matrix"], ns_method="standard"),
             dict(name="router", kind="router", params=groups["router"], weight_decay=wd["router"], **adamw),
-            *[{**g, **adamw} for g in adamw_groups(groups)]]
+            *[{**adamw, **g} for g in adamw_groups(groups, cfg)]]  # a group's own betas win
 
 
 def update_fn(cfg: Config, compute_dtype: torch.dtype = torch.float32):

@@ -8,6 +8,8 @@ megatron_kappa.train.recipe schedules by; megatron_kappa.optim.schedule has each
   embedding   the input embedding (AdamW, train.lr_embedding)
   output      the output layer (AdamW, train.lr_output)
   non_matrix  norms and other 1-D parameters (AdamW, train.lr_non_matrix)
+  resid_lambda, x0_lambda  model.residual_scalars' λ (AdamW, train.lr_resid_scalar, train.lr_x0_scalar;
+              λ_x0 with train.x0_betas)
   kappa       κ's α and b (own schedule, L2 penalty in the loss, no weight decay)
 With muon or aurora the matrix group takes the orthogonalised update and everything else AdamW,
 in one DeepSpeed MuonWithAuxAdam (megatron_kappa.optim.muon).
@@ -35,7 +37,7 @@ def param_groups(model, cfg: Config) -> list[dict]:
             by_kind[adamw_kind(name)].append(p)
     wd = schedule.peak_weight_decays(cfg)["matrix"]
     return [dict(name="matrix", kind="matrix", params=by_kind["matrix"], weight_decay=wd),
-            *adamw_groups(by_kind)]
+            *adamw_groups(by_kind, cfg)]
 
 
 def build_optimizer(param_groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
@@ -66,6 +68,6 @@ def describe_groups(model, cfg: Config, kappa_peak: float) -> list[dict]:
         if g.get("use_muon"):
             row["momentum"] = g["momentum"]
         else:
-            row.update(betas=list(cfg.train.betas), eps=cfg.train.adam_eps)
+            row.update(betas=list(g.get("betas", cfg.train.betas)), eps=cfg.train.adam_eps)
         rows.append(row)
     return rows

@@ -88,7 +88,9 @@ def peak_lrs(cfg: Config) -> dict:
             "router": t.lr * batch,
             "embedding": (adamw if t.lr_embedding is None else t.lr_embedding) * width * batch,
             "output": (adamw if t.lr_output is None else t.lr_output) * width * batch,
-            "non_matrix": adamw * width * batch}
+            "non_matrix": adamw * width * batch,
+            # model.residual_scalars' λ: no width scaling (the authors' scalar_lr)
+            "resid_lambda": t.lr_resid_scalar * batch, "x0_lambda": t.lr_x0_scalar * batch}
 
 
 def peak_weight_decays(cfg: Config) -> dict:
@@ -97,7 +99,8 @@ def peak_weight_decays(cfg: Config) -> dict:
     depth = depth_scale(cfg)
     return {"matrix": (t.weight_decay if t.optimizer == "adamw" else t.muon.weight_decay) * depth,
             "router": t.weight_decay * depth,
-            "embedding": 0.0, "output": 0.0, "non_matrix": 0.0, "kappa": 0.0}
+            "embedding": 0.0, "output": 0.0, "non_matrix": 0.0, "resid_lambda": 0.0, "x0_lambda": 0.0,
+            "kappa": 0.0}
 
 
 def main_values(step: int, total: int, cfg: Config) -> tuple[dict, dict]:

@@ -17,10 +17,12 @@ import dataclasses
 
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.model.layout import ModelLayout, model_layout
+from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout
 
 GIB = 2 ** 30
-KINDS = ("embedding", "output", "attention", "dense_mlp", "shared_experts", "router", "experts", "kappa", "norm")
+# norm: also model.residual_scalars' λ; attention: also the value-embedding gates
+KINDS = ("embedding", "output", "value_embedding", "attention", "dense_mlp", "shared_experts", "router",
+         "experts", "kappa", "norm")
 EXPERT_KINDS = ("experts", "kappa")  # reduced over the expert-data-parallel group
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 HEADROOM = 0.9  # a layout fits when the estimate stays under this share of the GPU's memory
@@ -81,8 +83,8 @@ def check(cfg: Config, layout: Layout):
 
 # --- parameters ---------------------------------------------------------------------------------
 
-def layer_params(cfg: Config, layout: Layout, is_moe: bool) -> dict[str, int]:
-    """One transformer layer's parameters on one rank, by kind (megatron's sharding)."""
+def layer_params(cfg: Config, layout: Layout, is_moe: bool, index: int = 0) -> dict[str, int]:
+    """Layer `index`'s (0-based, global) parameters on one rank, by kind (megatron's sharding)."""
     m, moe, t = cfg.model, cfg.model.moe, layout.tp
     h = m.hidden_size
     head_dim = m.head_dim or h // m.num_attention_heads
@@ -91,6 +93,11 @@ def layer_params(cfg: Config, layout: Layout, is_moe: bool) -> dict[str, int]:
     out["attention"] = h * head_dim * (m.num_attention_heads + 2 * groups) // t  # linear_qkv
     out["attention"] += h * head_dim * m.num_attention_heads // t  # linear_proj
     out["norm"] = (2 * h + (2 * head_dim if m.qk_layernorm else 0)) * m.norm_gains  # input, pre-MLP (q, k) gains
+    out["norm"] += 2 * m.residual_scalars  # λ_resid, λ_x0
+    if m.value_embeddings and has_value_embedding(index + 1, m.num_layers):
+        # the table [vocab, kv heads · head_dim] and the gate [kv heads, 32], split by kv head
+        out["value_embedding"] = model_shape(cfg, layout).padded_vocab * groups * head_dim // t
+        out["attention"] += groups * VALUE_GATE_CHANNELS // t
     ffn = m.ffn_hidden_size or 4 * h
     if not is_moe:
         out["dense_mlp"] = 3 * h * ffn // t  # fc1 [gate; up] and fc2
@@ -109,8 +116,9 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
     """Every parameter one rank of pipeline stage `stage` holds, by kind."""
     shape = model_shape(cfg, layout)
     total = dict.fromkeys(KINDS, 0)
-    for is_moe in shape.stage_moe_layers(stage):
-        for kind, n in layer_params(cfg, layout, is_moe).items():
+    first, _ = shape.stage_layers(stage)
+    for index, is_moe in enumerate(shape.stage_moe_layers(stage), first):
+        for kind, n in layer_params(cfg, layout, is_moe, index).items():
             total[kind] += n
     vocab = shape.padded_vocab // layout.tp * cfg.model.hidden_size
     if stage == 0:
@@ -139,7 +147,7 @@ def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
     expert_ffn = (moe.ffn_hidden_size or ffn) // layout.etp
     local_experts = moe.num_experts // layout.ep if moe.num_experts else 0
     vocab = model_shape(cfg, layout).padded_vocab // t * h
-    return {"embedding": vocab, "output": vocab,
+    return {"embedding": vocab, "output": vocab, "value_embedding": model_shape(cfg, layout).padded_vocab * groups * head_dim // t,
             "attention": h * head_dim * (m.num_attention_heads + 2 * groups) // t,  # linear_qkv
             "dense_mlp": 2 * h * ffn // t,  # linear_fc1 [gate; up]
             "shared_experts": 2 * h * (moe.shared_ffn_hidden_size or 0) // t,
@@ -161,7 +169,8 @@ def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> lis
     members = {"matrix": ["attention", "dense_mlp", "shared_experts"] + ([] if routers_apart else ["router"])
                + ([] if apart else ["experts"]),
                "experts": ["experts"] if apart else [], "router": ["router"] if routers_apart else [],
-               "embedding": ["embedding"], "output": ["output"], "norm": ["norm"], "kappa": ["kappa"]}
+               "embedding": ["embedding", "value_embedding"], "output": ["output"], "norm": ["norm"],
+               "kappa": ["kappa"]}
     largest = largest_tensors(cfg, layout)
     out = []
     for name, kinds in members.items():

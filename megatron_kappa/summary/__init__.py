@@ -24,10 +24,15 @@ import math
 
 from megatron_kappa.config import Config
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.model.params import is_embedding_or_output, is_expert, is_router
+from megatron_kappa.model.params import (is_embedding_or_output, is_expert, is_router, is_value_embedding,
+                                         residual_scalar)
 
 
 def _category(name: str) -> str:
+    if is_value_embedding(name):
+        return "value_embedding"
+    if residual_scalar(name):
+        return "scalars"
     if is_expert(name):
         return "experts"
     if is_router(name):
@@ -53,8 +58,10 @@ def uses_discount(cfg: Config, layout: ModelLayout) -> bool:
 
 
 def n_eff(by: dict, input_embedding: int, ratio: float, discount: bool) -> float:
-    """The authors' scaling parameters: all but the input embedding, experts at sqrt(k/E) if `discount`."""
-    rest = sum(by.values()) - by["experts"] - input_embedding
+    """The authors' scaling parameters: the transformer blocks and the output layer, experts at
+    sqrt(k/E) if `discount`; not the input embedding, the value embeddings or the residual scalars
+    (14c9b04 scripts/base_train.py 764-770: transformer.h and lm_head)."""
+    rest = sum(by.values()) - by["experts"] - input_embedding - by["value_embedding"] - by["scalars"]
     return rest + by["experts"] * (math.sqrt(ratio) if discount else 1.0)
 
 
@@ -62,7 +69,8 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
     """Parameter counts by category and the derived totals. On a sharded model pass
     `numel=megatron_kappa.parallel.sharding.global_numel` to count the full model, and with
     pipeline stages `combine` (by category, input embedding) → the same summed over the stages."""
-    by = {k: 0 for k in ("embedding", "attention", "dense_mlp", "router", "experts", "norm")}
+    by = {k: 0 for k in ("embedding", "value_embedding", "attention", "dense_mlp", "router", "experts", "norm",
+                         "scalars")}
     input_embedding = 0
     for name, p in model.named_parameters():
         by[_category(name)] += numel(name, p)

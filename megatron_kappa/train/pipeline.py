@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kappa.config import Config
+from megatron_kappa.model.nanochat import pipeline_seq_length
 from megatron_kappa.parallel.groups import dp_mean, pipeline_sum
 from megatron_kappa.train import recipe
 from megatron_kappa.train.data import batch_at, train_first_sample
@@ -44,7 +45,7 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
 
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=len(batches),
-        seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch, forward_only=forward_only)
+        seq_length=pipeline_seq_length(cfg), micro_batch_size=cfg.train.micro_batch, forward_only=forward_only)
     device = position_ids.device
     loss = torch.zeros((), device=device)
     if ps.is_pipeline_last_stage():

@@ -44,6 +44,10 @@ def run_case(case):
         gather = fp8.gather_from_sequence_parallel_region
         fp8.gather_from_sequence_parallel_region = \
             lambda x, tensor_parallel_output_grad=True, group=None: gather(x, False, group)
+    if case.get("negative") == "lambda_tp_grad":  # the λ gradients left unsummed over the TP ranks' tokens
+        for name, p in model.named_parameters():
+            if name.endswith(("resid_lambda", "x0_lambda")):
+                p.sequence_parallel = False
     batches = parity.split_for_rank(parity.global_batch(), ps.get_data_parallel_rank(),
                                     ps.get_data_parallel_world_size())
     losses, grads = parity.train(model, cfg, batches,

@@ -42,7 +42,9 @@ def global_batch():
 
 
 def init_reference_weights(model):
-    """Nonzero α, b (so κ ≠ 1 from step 0) and router logits large enough to matter."""
+    """Nonzero α, b (so κ ≠ 1 from step 0) and router logits large enough to matter; the nanochat
+    block's zero-initialised weights (output projections, value gates, λ_x0) drawn, so that every
+    part has a gradient from step 0."""
     gen = torch.Generator().manual_seed(99)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,6 +52,10 @@ def init_reference_weights(model):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif name.endswith("router.weight"):
                 p.mul_(20.0)
+            elif name.endswith(("value_gate", "x0_lambda")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif not p.any():  # init nanochat's zero output projections
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
 def train(model, cfg, micro_batches_per_step, skip_expert_data_parallel=False):

@@ -70,3 +70,19 @@ def test_apply_refuses_when_a_symbol_is_gone(monkeypatch):
         assert "megatron.core.transformer.utils.gone" in str(e)
     else:
         raise AssertionError("apply() patched over a symbol that does not exist")
+
+
+def test_deepspeed_names_the_stage_norm_reads_exist():
+    """megatron_kappa.parallel.stage_norm replaces DeepSpeed's ZeRO gradient norm on pipeline
+    stages and reads these; an upgrade that renames one fails here, not in a pipeline run."""
+    import inspect
+
+    from deepspeed.runtime import utils
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from megatron_kappa.parallel import stage_norm
+    source = inspect.getsource(DeepSpeedZeroOptimizer)
+    for name in stage_norm.READS:
+        assert hasattr(DeepSpeedZeroOptimizer, name) or f"self.{name} =" in source, name
+    assert callable(utils.combine_grad_norm_groups) and callable(utils.is_model_parallel_parameter)
+    assert "self.bit16_groups.append" in source  # one norm per group: what stage_norm keys by name

@@ -49,6 +49,13 @@ def cases():
                 "model.init=nanochat")
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-nanochat_parts", "tp2ep2_etp2",
                 dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=nanochat), None))
+    # the whole nanochat block (model.block: nanochat): value embeddings split by kv head with the
+    # gate's input gathered over the sequence-parallel group, x0 and the λ (their gradients summed
+    # over TP like the norms'); the negative control leaves the λ gradients unsummed
+    block = dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=("model.block=nanochat",))
+    for layout in ("tp2", "ep2", "tp2ep2_etp2"):
+        out.append((f"{layout}-kappa-softmax-alltoall-nanochat_block", layout, block, None))
+    out.append(("tp2-kappa-softmax-alltoall-nanochat_block-NEG-lambda_tp_grad", "tp2", block, "lambda_tp_grad"))
     # precision fp8 (bf16 weights, FP8 GEMMs with megatron's TP/SP communication around them):
     # the shards' FP8 scales differ from one process's, so closeness, not equality; the negative
     # control drops the sequence-parallel gather's gradient reduce-scatter in the FP8 linears

@@ -19,7 +19,10 @@ COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", f"eval.val
           "checkpoint.interval=100"]
 # validation: each DP rank takes every DP-th micro-batch, so DP2 with 2 iterations sees the 4 of DP1
 LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2", "eval.valid_iters=2"]),
-           "pp2_dp2": (4, ["parallel.pp=2", "eval.valid_iters=2"])}
+           "pp2_dp2": (4, ["parallel.pp=2", "eval.valid_iters=2"]),
+           # four stages: the middle ones hold neither the embedding nor the output layer, so
+           # DeepSpeed's optimizer groups differ by stage (megatron_kappa.parallel.stage_norm)
+           "pp4": (4, ["parallel.pp=4"])}
 
 
 def records(run_dir):
@@ -51,7 +54,7 @@ def runs(world1, tmp_path_factory):
     # PP2 on 2 ranks, with checkpoints at every step (the resume test starts from step 1's)
     launch(tmp, [{"overrides": sets + LAYOUTS["pp2"][1] + [f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
                                                            "checkpoint.keep=3"]}], 2)
-    launch(tmp, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={tmp / name}"]} for name in ("pp2_ep2", "pp2_dp2")], 4)
+    launch(tmp, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={tmp / name}"]} for name in ("pp2_ep2", "pp2_dp2", "pp4")], 4)
     return tmp, sets
 
 
@@ -133,6 +136,73 @@ def test_evaluation_of_a_pipeline_checkpoint(runs):
     logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("pp2", "ref")}
     assert logits["pp2"].shape == (2, 32, 2048)
     assert (logits["pp2"] - logits["ref"]).abs().max().item() < 1e-4
+
+
+# The nanochat block (model.block: nanochat) through two stages: x0 travels beside the hidden state
+# and its gradient comes back; the value embeddings of stage 2's layers read the tokens there.
+NANOCHAT = ["model.block=nanochat"]
+
+
+@pytest.fixture(scope="module")
+def nanochat_runs(world1, tmp_path_factory):
+    import torch
+
+    from megatron_kappa.train.loop import run
+    from weights import save_init_weights
+    tmp = tmp_path_factory.mktemp("pipeline_nanochat")
+    init = save_init_weights(tmp / "init.pt", COMMON + NANOCHAT)
+    state, gen = torch.load(init), torch.Generator().manual_seed(7)
+    for name, value in state.items():  # the zero-initialised parts drawn, so that each has a gradient at step 1
+        if not value.any():
+            state[name] = torch.randn(value.shape, generator=gen) * 0.3
+        if name.endswith("x0_lambda"):  # x0 weighs like the residual stream: its gradient path matters
+            state[name] = torch.full_like(value, 1.5)
+    torch.save(state, init)
+    sets = COMMON + NANOCHAT + [f"train.init_weights={init}"]
+    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
+    launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
+                                       "checkpoint.keep=3"]},
+                 {"overrides": sets + ["parallel.pp=2", f"run.dir={tmp / 'neg'}"], "negative": "x0_not_sent_back"}], 2)
+    return tmp, sets
+
+
+@pytest.mark.slow
+def test_nanochat_block_through_pipeline_stages(nanochat_runs):
+    tmp, _ = nanochat_runs
+    ref, got, neg = records(tmp / "ref"), records(tmp / "pp2"), records(tmp / "neg")
+    assert len(got) == len(ref) == STEPS
+    pp2 = {key: max(abs(r[key] - g[key]) / abs(r[key]) for r, g in zip(ref, got)) for key in ("loss", "grad_norm")}
+    bad = {key: max(abs(r[key] - g[key]) / abs(r[key]) for r, g in zip(ref, neg)) for key in ("loss", "grad_norm")}
+    assert pp2["loss"] <= 1e-5 and pp2["grad_norm"] <= 1e-4, (pp2, bad)
+    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5
+    # the trained weights, consolidated from the stages, are the one process's; negative control:
+    # without x0's gradient from stage 2 the input embedding trains otherwise
+    weights = {run: final_weights(tmp / run) for run in ("ref", "pp2", "neg")}
+    assert weights["pp2"].keys() == weights["ref"].keys()
+    gap = max((weights["pp2"][k] - weights["ref"][k]).abs().max().item() for k in weights["ref"])
+    embedding = "embedding.word_embeddings.weight"
+    wrong = (weights["neg"][embedding] - weights["ref"][embedding]).abs().max().item()
+    assert gap < 1e-5 and wrong > 100 * max(gap, 1e-7), (gap, wrong)
+
+
+def final_weights(run_dir):
+    from megatron_kappa.checkpoint.store import Checkpoints
+    from megatron_kappa.parallel.sharding import consolidate
+    ckpts = Checkpoints(run_dir)
+    full = consolidate([(f["coords"], f["weights"]) for f in ckpts.rank_files(ckpts.latest())])
+    return {k: v.float() for k, v in full.items()}
+
+
+@pytest.mark.slow
+def test_nanochat_pipeline_resume_is_exact(nanochat_runs):
+    tmp, sets = nanochat_runs
+    resumed = tmp / "pp2-resumed"
+    shutil.copytree(tmp / "pp2", resumed)
+    for step in range(2, STEPS + 1):
+        shutil.rmtree(resumed / f"checkpoints/step_{step}")
+    out = launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={resumed}"], "log": True}], 2)
+    assert f"resumed from {resumed}/checkpoints/step_1" in out
+    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
 
 
 def test_pipeline_refusals():

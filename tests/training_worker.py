@@ -2,8 +2,8 @@
 
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
-PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline",
-"log": false}; each
+PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
+"x0_not_sent_back", "log": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines).
 """
@@ -37,6 +37,16 @@ def main(plan_path):
         if case.get("log"):  # the run's log lines on stdout, after a header naming the case
             print(f"== case {i}", flush=True)
         log = (lambda *a, **k: print(*a, flush=True)) if case.get("log") else (lambda *a, **k: None)
+        if case.get("negative") == "x0_not_sent_back":
+            # negative control: a later stage's x0 detached, so its gradient never reaches the embedding
+            from megatron_kappa.model import nanochat
+            set_input = nanochat.NanochatGPTModel.set_input_tensor
+
+            def detached(self, tensor, set_input=set_input):
+                set_input(self, tensor)
+                if self.inputs.x0 is not None and not self.pre_process:
+                    self.inputs.x0 = self.inputs.x0.detach()
+            nanochat.NanochatGPTModel.set_input_tensor = detached
         if case.get("negative") == "zero2_pipeline":
             # negative control: ZeRO-2 with pipeline stages, set past the config check that refuses it
             cfg = load_config("configs/tiny.yaml", [o for o in case["overrides"] if not o.startswith("zero.stage=")])

@@ -16,4 +16,6 @@ Modules:
   network.py     The network interface gloo and NCCL use when a job spans several hosts
   sharding.py    Move weights between one full (single-process) state dict and any TP/EP/ETP/PP
                  layout
+  stage_norm.py  DeepSpeed's ZeRO-1/2 gradient norm when pipeline stages hold different parameter
+                 groups
 """

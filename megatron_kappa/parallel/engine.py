@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import Config
 from megatron_kappa.model.params import is_expert
+from megatron_kappa.parallel import stage_norm
 
 
 class MegatronMPU:
@@ -124,4 +125,6 @@ def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int,
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(cfg, grad_accum),
         dist_init_required=False)
+    if cfg.parallel.pp > 1:  # stages hold different groups: the gradient norm keyed by group name
+        stage_norm.install(optimizer)
     return engine, optimizer

@@ -15,7 +15,8 @@ import importlib.util
 import os
 import struct
 
-from megatron_kappa.config import Config, ConfigError, ModelConfig
+from megatron_kappa.checkpoint import resume
+from megatron_kappa.config import Config, ConfigError, ModelConfig, to_dict
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir
@@ -154,12 +155,15 @@ def check_resume(cfg: Config, world: int):
     step = ckpts.latest()
     if step is None:
         return
-    saved = ckpts.meta(step)["layout"]
+    meta = ckpts.meta(step)
+    saved = meta["layout"]
     now = layout_record(cfg.parallel, world)
     if saved != now:
         raise ConfigError(f"config: parallel: checkpoint {ckpts.folder(step)} was written with {saved}, "
                           f"this run is {now} (start a new run.dir from `launch/consolidate.py` "
                           "weights with train.init_weights to change the layout)")
+    # the model and optimizer state it holds (megatron_kappa.checkpoint.resume lists the keys)
+    resume.check(meta.get("config"), to_dict(cfg), str(ckpts.folder(step)))
 
 
 def preflight(cfg: Config, world: int | None = None):

@@ -92,15 +92,21 @@ def test_negative_control_zero2_with_stages_fails(runs):
         assert "KeyError" in done.stdout + done.stderr
 
 
-@pytest.mark.slow
-def test_pipeline_resume_is_exact(runs):
-    tmp, sets = runs
+def resume_from_step_1(tmp, sets):
+    """The PP2 run in tmp/pp2 resumed from its step-1 checkpoint in tmp/pp2-resumed; its log."""
     resumed = tmp / "pp2-resumed"
     shutil.copytree(tmp / "pp2", resumed)
     for step in range(2, STEPS + 1):
         shutil.rmtree(resumed / f"checkpoints/step_{step}")
-    out = launch(tmp, [{"overrides": sets + LAYOUTS["pp2"][1] + [f"run.dir={resumed}"], "log": True}], 2)
+    out = launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={resumed}"], "log": True}], 2)
     assert f"resumed from {resumed}/checkpoints/step_1" in out
+    return resumed
+
+
+@pytest.mark.slow
+def test_pipeline_resume_is_exact(runs):
+    tmp, sets = runs
+    resumed = resume_from_step_1(tmp, sets)
     assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
     assert json.loads((resumed / "checkpoints/step_3/meta.json").read_text())["layout"]["pp"] == 2
 
@@ -196,12 +202,7 @@ def final_weights(run_dir):
 @pytest.mark.slow
 def test_nanochat_pipeline_resume_is_exact(nanochat_runs):
     tmp, sets = nanochat_runs
-    resumed = tmp / "pp2-resumed"
-    shutil.copytree(tmp / "pp2", resumed)
-    for step in range(2, STEPS + 1):
-        shutil.rmtree(resumed / f"checkpoints/step_{step}")
-    out = launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={resumed}"], "log": True}], 2)
-    assert f"resumed from {resumed}/checkpoints/step_1" in out
+    resumed = resume_from_step_1(tmp, sets)
     assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
 
 

@@ -73,6 +73,14 @@ class NanochatGPTModel(ChunkedLossGPTModel):
         return output
 
 
+def _param_device(config):
+    """Where megatron would create this rank's parameters: the meta device while the summary
+    builds shapes only (build_model(meta=True)), else as megatron's linears do."""
+    if torch.get_default_device().type == "meta":
+        return "meta"
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
 def pipeline_seq_length(cfg) -> int:
     """The sequence length megatron's pipeline schedule sizes its p2p tensors by: doubled when
     x0 travels beside the hidden state."""
@@ -86,8 +94,7 @@ class ScaledResidualLayer(TransformerLayer):
     def __init__(self, config, submodules, layer_number: int = 1, *args, inputs: BlockInputs, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs
-        device = "meta" if torch.get_default_device().type == "meta" else (
-            "cpu" if config.use_cpu_initialization else torch.cuda.current_device())
+        device = _param_device(config)
         self.resid_lambda = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype, device=device))
         self.x0_lambda = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
         for p in (self.resid_lambda, self.x0_lambda):
@@ -122,8 +129,7 @@ class ValueEmbeddingAttention(SelfAttention):
             return
         tp = ps.get_tensor_model_parallel_world_size()
         kv_local, head_dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
-        device = "meta" if torch.get_default_device().type == "meta" else (
-            "cpu" if config.use_cpu_initialization else torch.cuda.current_device())
+        device = _param_device(config)
         table = torch.empty(vocab_size, kv_local * head_dim, dtype=config.params_dtype, device=device)
         self.value_embedding = torch.nn.Parameter(table)
         if config.perform_initialization and config.use_cpu_initialization:

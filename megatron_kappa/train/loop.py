@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa import routers
+from megatron_kappa.checkpoint import resume
+from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_state
 from megatron_kappa.config import Config, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
@@ -138,9 +139,13 @@ def run(cfg: Config, log=print) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
     run_dir = Path(cfg.run.dir)
+    listing = CheckpointDir(run_dir)
+    latest = listing.latest()
+    if latest is not None:  # a resume that changes the model or optimizer state: refused before any write
+        resume.check(listing.meta(latest).get("config"), to_dict(cfg), str(listing.folder(latest)))
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        resume.record(run_dir, to_dict(cfg), latest or 0)  # config.yaml and the run's config history
     dist.barrier()
 
     model = build_model(cfg, device, layout=layout)

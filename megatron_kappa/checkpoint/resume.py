@@ -1,0 +1,84 @@
+"""What a resumed run may change: the config keys that shape the parameters or the optimizer
+state (refused: the checkpoint could not be loaded, or would load into another model), against
+everything else (steps, intervals, logging, data paths, learning-rate and κ schedules, losses'
+weights...: allowed, and recorded in the run's config history).
+
+No torch: the preflight asks before any process group exists (megatron_kappa.preflight), and the
+trainer again before it writes anything (megatron_kappa.train.loop). tests/test_resume_check.py
+changes every schema key in turn and checks that exactly these keys change the parameters or
+the optimizer's groups.
+"""
+from __future__ import annotations
+
+from megatron_kappa.config import ConfigError
+
+# The keys (dotted; a section name covers all of it) whose change gives other parameters or
+# buffers, other shapes, names or dtypes, or another optimizer-group structure (model.block and
+# model.aspect_ratio through the keys they set; zero.stage: the saved partitions). parallel.* is the
+# layout check's.
+SHAPES_STATE = (
+    "model.block", "model.aspect_ratio", "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
+    "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.layout", "model.first_dense",
+    "model.qk_layernorm", "model.norm_gains", "model.value_embeddings", "model.residual_scalars",
+    "model.moe.num_experts", "model.moe.ffn_hidden_size", "model.moe.shared_ffn_hidden_size",
+    "model.moe.router", "model.moe.grouped_gemm",
+    "model.kappa.enabled", "model.kappa.use_alpha", "model.kappa.use_bias",
+    "precision", "train.optimizer", "train.router_optimizer", "zero.stage",
+)
+# Derived or recorded by the trainer itself, not the user's to compare.
+IGNORED = ("parallel", "run.dir", "data.bos", "train.init_weights")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _covered(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(refused, allowed): the keys that differ between the checkpoint's config and this run's."""
+    a, b = _flat(saved), _flat(now)
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _covered(k, IGNORED))
+    return [k for k in differ if _covered(k, SHAPES_STATE)], [k for k in differ if not _covered(k, SHAPES_STATE)]
+
+
+def check(saved: dict | None, now: dict, checkpoint: str):
+    """A one-line ConfigError when `now` changes a key that shapes the parameters or the
+    optimizer state of the checkpoint written with `saved` (None: a checkpoint that recorded no
+    config, not checked)."""
+    if saved is None:
+        return
+    refused, _ = changes(saved, now)
+    if refused:
+        a, b = _flat(saved), _flat(now)
+        listed = ", ".join(f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in refused)
+        raise ConfigError(f"config: {listed}: checkpoint {checkpoint} holds another model or optimizer state; "
+                          "resume with its values, or start a new run.dir (train.init_weights for its weights)")
+
+
+def record(run_dir, config: dict, start: int):
+    """The run's config.yaml (this start's config) and its history: every start of the run adds
+    config_history/start_<step>[_<n>].yaml, so a resume with allowed changes keeps what the earlier
+    steps were trained with. Written atomically."""
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_kappa.checkpoint.listing import atomic_write_text
+    run_dir = Path(run_dir)
+    text = yaml.safe_dump(config, sort_keys=False)
+    history = run_dir / "config_history"
+    history.mkdir(parents=True, exist_ok=True)
+    name, n = f"start_{start}", 1
+    while (history / f"{name}.yaml").exists():
+        name, n = f"start_{start}_{n}", n + 1
+    atomic_write_text(history / f"{name}.yaml", text)
+    atomic_write_text(run_dir / "config.yaml", text)

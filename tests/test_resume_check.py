@@ -1,0 +1,143 @@
+"""Resume is checked before anything is written (issue 34): the keys that shape the parameters or
+the optimizer state are refused in one line, the others allowed and recorded in the run's config
+history. The list (megatron_kappa.checkpoint.resume.SHAPES_STATE) is checked against the model:
+every schema key is changed in turn, and each change that alters the parameters' names, shapes or
+dtypes or the optimizer's groups must be a refused key."""
+import dataclasses
+import typing
+
+import pytest
+
+from megatron_kappa import preflight, routers
+from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.checkpoint import resume
+from megatron_kappa.config import Config, ConfigError, load_config, to_dict
+from megatron_kappa.model.build import build_model
+from megatron_kappa.optim.optimizer import param_groups
+
+BASES = {"tiny": [], "softmoe": ["model.moe.router=softmoe"], "nanochat": ["model.block=nanochat"],
+         "aurora": ["train.optimizer=aurora"]}
+# refused, but not visible in the built model: the layout of ZeRO's saved partitions; the width
+# rule, which sets hidden_size (tiny sets that itself)
+STATE_ONLY = {"zero.stage", "model.aspect_ratio"}
+
+
+# keys whose values are names in a registry (strings in the schema)
+REGISTRIES = {"model.moe.router": list(routers.ROUTERS), "model.kappa.input": list(kappa_inputs.VARIANTS)}
+
+
+def leaves(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from leaves(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", kind
+
+
+def other_values(kind, value):
+    """Changed values of a key worth trying (invalid ones are skipped by the caller)."""
+    args = typing.get_args(kind)
+    if type(None) in args:
+        (kind,) = [a for a in args if a is not type(None)]
+        if value is None:
+            return {int: [2, 32, 128], float: [0.5], bool: [True, False]}.get(kind, [])
+        return ["null"] + other_values(kind, value)
+    if typing.get_origin(kind) is typing.Literal:
+        return [v for v in args if v != value]
+    if kind is bool:
+        return [not value]
+    if kind is int:
+        return [value * 2 if value else 1]
+    if kind is float:
+        return [value * 2 if value else 0.5]
+    return []  # strings (paths, names) and lists: not model shapes
+
+
+def signature(cfg):
+    from megatron_kappa.parallel.groups import init_distributed
+    init_distributed(cfg.parallel, cfg.train.seed)
+    model = build_model(cfg, meta=True)
+    # the buffers too: a checkpoint holds them (the sigmoid router's expert bias)
+    params = sorted((n, tuple(p.shape), str(p.dtype)) for n, p in [*model.named_parameters(), *model.named_buffers()])
+    groups = [(g["kind"], len(g["params"])) for g in param_groups(model, cfg) if g["params"]]
+    return params, groups
+
+
+def test_every_key_that_changes_the_model_or_optimizer_groups_is_refused(world1):
+    changed = set()
+    for base, sets in BASES.items():
+        cfg = load_config("configs/tiny.yaml", sets)
+        flat = resume._flat(to_dict(cfg))
+        want = signature(cfg)
+        for key, kind in leaves(Config):
+            if resume._covered(key, resume.IGNORED):
+                continue
+            values = other_values(kind, flat[key]) or [v for v in REGISTRIES.get(key, ()) if v != flat[key]]
+            for value in values:
+                try:
+                    other = load_config("configs/tiny.yaml", [*sets, f"{key}={value}"])
+                    preflight.check_attention(other.model)  # TE attention: not on this machine
+                except ConfigError:
+                    continue
+                try:
+                    got = signature(other)
+                except (ValueError, AssertionError, RuntimeError):
+                    continue  # a combination megatron refuses at build time
+                if got != want:
+                    changed.add(key)
+                    assert resume._covered(key, resume.SHAPES_STATE), (base, key, value)
+    # and the refused list holds nothing that changes neither (negative control of the listing)
+    listed = set(resume.SHAPES_STATE) - STATE_ONLY
+    assert listed <= changed | {"model.head_dim", "model.num_query_groups"}, sorted(listed - changed)
+
+
+def test_refusal_names_the_keys_and_allows_the_rest():
+    saved = to_dict(load_config("configs/tiny.yaml", []))
+    now = to_dict(load_config("configs/tiny.yaml", ["model.hidden_size=128", "model.num_layers=8",
+                                                    "train.steps=80", "log.interval=2", "train.lr=1e-3"]))
+    refused, allowed = resume.changes(saved, now)
+    assert refused == ["model.hidden_size", "model.num_layers"]
+    assert allowed == ["log.interval", "train.lr", "train.steps"]
+    with pytest.raises(ConfigError, match=r"model.hidden_size 64 → 128, model.num_layers 4 → 8: checkpoint x") as e:
+        resume.check(saved, now, "x")
+    assert "\n" not in str(e.value)
+    resume.check(saved, to_dict(load_config("configs/tiny.yaml", ["train.steps=80"])), "x")  # allowed
+    resume.check(None, now, "x")  # a checkpoint without a recorded config: nothing to compare
+
+
+def test_config_history_keeps_every_start(tmp_path):
+    import yaml
+    first = to_dict(load_config("configs/tiny.yaml", []))
+    second = to_dict(load_config("configs/tiny.yaml", ["train.steps=80"]))
+    resume.record(tmp_path, first, 0)
+    resume.record(tmp_path, second, 50)
+    resume.record(tmp_path, second, 50)
+    history = sorted(p.name for p in (tmp_path / "config_history").iterdir())
+    assert history == ["start_0.yaml", "start_50.yaml", "start_50_1.yaml"]
+    assert yaml.safe_load((tmp_path / "config_history/start_0.yaml").read_text())["train"]["steps"] == 50
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 80
+
+
+@pytest.mark.slow
+def test_resume_with_another_shape_is_refused_before_any_write(world1, tmp_path, monkeypatch):
+    """A run resumed with another hidden size stops in one line before writing anything (its
+    config.yaml still describes its checkpoint); an allowed change resumes and adds to the history.
+    Negative control: without the check the resume crashes inside the load."""
+    from megatron_kappa.train import loop
+    sets = ["train.steps=2", "data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
+            "log.tensorboard=false", "eval.valid_every=0", f"run.dir={tmp_path}"]
+    loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a: None)
+    config = (tmp_path / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"model.hidden_size 64 → 128: checkpoint .*step_2"):
+        loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=3"]), log=lambda *a: None)
+    assert (tmp_path / "config.yaml").read_text() == config
+    assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["start_0.yaml"]
+    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3"]), log=lambda *a: None)  # allowed
+    assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["start_0.yaml", "start_2.yaml"]
+    monkeypatch.setattr(resume, "check", lambda *a: None)
+    with pytest.raises(Exception) as crash:
+        loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=4"]),
+                 log=lambda *a: None)
+    assert not isinstance(crash.value, ConfigError)

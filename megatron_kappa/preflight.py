@@ -166,10 +166,26 @@ def check_resume(cfg: Config, world: int):
     resume.check(meta.get("config"), to_dict(cfg), str(ckpts.folder(step)))
 
 
+def check_run_dir(cfg: Config):
+    """run.dir can be made and written, and no live training holds it (megatron_kappa.train.run_lock)."""
+    from megatron_kappa.train.run_lock import RunLock
+    path = os.path.abspath(cfg.run.dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"config: run.dir: {existing} is a file, not a folder" +
+                          ("" if existing == path else f" (under which {path} would go)"))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"config: run.dir: {existing} is not writable")
+    RunLock(path).check()
+
+
 def preflight(cfg: Config, world: int | None = None):
     """All of the above, cheapest first. `world` defaults to what the launcher says."""
     world = world_size() if world is None else world
     check_parallel(cfg, world)
+    check_run_dir(cfg)
     check_precision(cfg)
     check_attention(cfg.model)
     if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):

@@ -112,7 +112,12 @@ def validate(cfg: Config):
         _validate_pipeline(cfg, router, need)
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
-    need(len(cfg.train.betas) == 2, "train.betas", f"expected two numbers, got {cfg.train.betas}")
+    for key in ("betas", "x0_betas"):
+        betas = getattr(cfg.train, key)
+        need(len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                     for b in betas),
+             f"train.{key}", f"expected two numbers in [0, 1), got {betas}")
+    need(m.init_std > 0, "model.init_std", f"must be positive, got {m.init_std}")
     for key in ("lr_embedding", "lr_output"):
         value = getattr(cfg.train, key)
         need(value is None or value >= 0, f"train.{key}", f"must not be negative (or null), got {value}")
@@ -197,7 +202,7 @@ def _validate_kappa(k, need):
          f"must be in [0, 1), got {k.freeze_fraction}")
     need(k.freeze_min_steps is None or k.freeze_min_steps >= 0, "model.kappa.freeze_min_steps",
          f"must not be negative, got {k.freeze_min_steps}")
-    for key in ("lr", "lr_end", "l2_alpha"):
+    for key in ("lr", "lr_end", "l2_alpha", "l2_bias"):  # a negative L2 weight rewards growth
         value = getattr(k, key)
         need(value is None or value >= 0, f"model.kappa.{key}", f"must not be negative, got {value}")
 
@@ -227,7 +232,6 @@ def _validate_block(cfg: Config, need):
     need(not (m.value_embeddings and m.recompute == "full" and cfg.parallel.pp > 1), "model.recompute",
          "full with model.value_embeddings and parallel.pp > 1: a layer recomputed in backward would read "
          "a later micro-batch's tokens; use selective or none")
-    need(len(cfg.train.x0_betas) == 2, "train.x0_betas", f"expected two numbers, got {cfg.train.x0_betas}")
     for key in ("lr_resid_scalar", "lr_x0_scalar"):
         value = getattr(cfg.train, key)
         need(value >= 0, f"train.{key}", f"must not be negative, got {value}")

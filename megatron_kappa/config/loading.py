@@ -7,6 +7,7 @@ values are the base, this file's values are merged over them key by key, then th
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import dataclasses
@@ -55,6 +56,8 @@ def _check(value, kind, key: str):
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config: {key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # nan and inf pass every range check and train nothing
+            raise ConfigError(f"config: {key}: expected a finite number, got {value!r}")
         return float(value)
     if kind is str:
         if not isinstance(value, str):
@@ -93,7 +96,12 @@ def parse_overrides(items: list[str]) -> list[tuple[str, object]]:
         if "=" not in item:
             raise ConfigError(f"config: --set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        pairs.append((key.strip(), yaml.safe_load(raw) if raw != "" else None))
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config: --set {item!r}: the value is not valid YAML "
+                              f"({str(e).splitlines()[0]})") from None
+        pairs.append((key.strip(), value))
     return pairs
 
 

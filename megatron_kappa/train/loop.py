@@ -27,7 +27,7 @@ from megatron_kappa import routers
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_state
-from megatron_kappa.config import Config, to_dict
+from megatron_kappa.config import Config, ConfigError, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
@@ -46,6 +46,7 @@ from megatron_kappa.metrics.stats import kappa_stats, router_losses
 from megatron_kappa.train import pipeline, recipe
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.preemption import Preempted, StopAgreement
+from megatron_kappa.train.run_lock import RunLock
 
 
 class TrainingDiverged(RuntimeError):
@@ -136,18 +137,46 @@ def run(cfg: Config, log=print) -> dict:
     # --- model and parallel setup
     layout = model_layout(cfg)  # which layers are MoE, the stages' layers, the padded vocabulary
     device = init_distributed(cfg.parallel, cfg.train.seed, layout.experts)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
+    rank = dist.get_rank()
     run_dir = Path(cfg.run.dir)
     listing = CheckpointDir(run_dir)
     latest = listing.latest()
     if latest is not None:  # a resume that changes the model or optimizer state: refused before any write
         resume.check(listing.meta(latest).get("config"), to_dict(cfg), str(listing.folder(latest)))
+    lock = hold_run_dir(run_dir, rank)  # one training per run.dir, for the run's life
+    try:
+        if rank == 0:
+            resume.record(run_dir, to_dict(cfg), latest or 0)  # config.yaml and the run's config history
+        dist.barrier()
+        return train(cfg, layout, device, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def hold_run_dir(run_dir: Path, rank: int) -> RunLock | None:
+    """Rank 0 takes run.dir's lock (megatron_kappa.train.run_lock); when another live run holds
+    it, every rank raises the one-line refusal. Returns the lock on rank 0."""
+    lock, error = None, [None]
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        resume.record(run_dir, to_dict(cfg), latest or 0)  # config.yaml and the run's config history
-    dist.barrier()
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            lock, error = None, [str(e)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise ConfigError(error[0])
+    return lock
 
+
+def train(cfg: Config, layout, device, log) -> dict:
+    """The run after its checks and with its run.dir held: model, optimizer, data, the loop."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
+    run_dir = Path(cfg.run.dir)
     model = build_model(cfg, device, layout=layout)
     if cfg.precision == "fp8":
         log(fp8.describe(cfg, device))

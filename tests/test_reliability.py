@@ -1,0 +1,121 @@
+"""A run a user cannot lose or misread (issue 34): numbers checked up front, unusable paths and
+bad --set values in one line, one writer per run.dir. (The resume check: tests/test_resume_check.py.)"""
+import json
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.train.run_lock import RunLock
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("train.adam_eps=.inf", "train.adam_eps: expected a finite number, got inf"),
+    ("model.kappa.l2_alpha=.nan", "model.kappa.l2_alpha: expected a finite number, got nan"),
+    ("train.lr=nan", "train.lr: expected a finite number, got nan"),  # YAML's plain "nan" is a string
+    ("train.lr=.inf", "train.lr: expected a finite number"),
+    ("model.init_std=.nan", "model.init_std: expected a finite number"),
+    ("model.init_std=0", "model.init_std: must be positive"),
+    ("train.betas=[0.9,1.0]", r"train.betas: expected two numbers in \[0, 1\)"),
+    ("train.x0_betas=[0.9]", r"train.x0_betas: expected two numbers in \[0, 1\)"),
+    ("model.kappa.l2_bias=-0.01", "model.kappa.l2_bias: must not be negative"),
+    ("model.kappa.l2_alpha=-0.02", "model.kappa.l2_alpha: must not be negative"),
+    ("data.paths=[a,b", "--set 'data.paths=\\[a,b': the value is not valid YAML"),
+])
+def test_numbers_and_values_are_checked_up_front(setting, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config("configs/tiny.yaml", [setting])
+    assert "\n" not in str(e.value)
+
+
+def test_the_checked_values_accept_what_is_valid():  # negative control of the checks above
+    load_config("configs/tiny.yaml", ["train.adam_eps=1e-10", "model.kappa.l2_alpha=0", "train.betas=[0,0.999]",
+                                      "train.x0_betas=[0.96,0.95]", "model.kappa.l2_bias=0", "model.init_std=1e-3"])
+
+
+def test_unusable_run_dir_is_one_line(tmp_path):
+    from megatron_kappa.preflight import check_run_dir
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    for run_dir, message in ((afile, "is a file, not a folder"), (afile / "sub", "is a file, not a folder")):
+        with pytest.raises(ConfigError, match=f"run.dir: .*{message}"):
+            check_run_dir(load_config("configs/tiny.yaml", [f"run.dir={run_dir}"]))
+    check_run_dir(load_config("configs/tiny.yaml", [f"run.dir={tmp_path / 'new' / 'run'}"]))  # fine
+
+
+def write_lock(run_dir, host, pid, age_s=0.0):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".lock"
+    path.write_text(json.dumps({"host": host, "pid": pid, "started": "earlier"}))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lock(tmp_path, socket.gethostname(), sleeper.pid)
+        with pytest.raises(ConfigError, match=rf"in use by pid {sleeper.pid} on {socket.gethostname()}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    RunLock(tmp_path).acquire()  # its holder is gone (a SIGKILL): stale, taken over
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    # another host's lock: alive while its heartbeat is fresh, stale after STALE_AFTER_S; a requeue of the
+    # same Slurm job takes it over
+    write_lock(tmp_path, "node-that-died", 12345)
+    with pytest.raises(ConfigError, match="in use by pid 12345 on node-that-died"):
+        RunLock(tmp_path).acquire()
+    write_lock(tmp_path, "node-that-died", 12345, age_s=3600)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_requeued_slurm_job_takes_its_own_lock(tmp_path, monkeypatch):
+    path = write_lock(tmp_path, "node-that-died", 12345)
+    path.write_text(json.dumps({"host": "node-that-died", "pid": 12345, "job": "77"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    with pytest.raises(ConfigError, match="in use"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    RunLock(tmp_path).acquire()
+
+
+def test_the_holder_heartbeats_while_it_lives(tmp_path, monkeypatch):
+    from megatron_kappa.train import run_lock
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    old = time.time() - 3600
+    os.utime(lock.path, (old, old))
+    time.sleep(0.3)
+    assert time.time() - lock.path.stat().st_mtime < 60  # touched again by the holder's thread
+    lock.release()
+    time.sleep(0.2)
+    assert not lock.path.exists()
+
+
+def test_a_second_training_on_the_run_dir_is_refused(world1, tmp_path):
+    """loop.run refuses a run.dir that a live process holds, before writing anything; the same
+    run goes ahead once the holder is gone (negative control)."""
+    from megatron_kappa.train import loop
+    sets = ["train.steps=1", "data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2",
+            "log.tensorboard=false", "eval.valid_every=0", f"run.dir={tmp_path}"]
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lock(tmp_path, socket.gethostname(), sleeper.pid)
+        with pytest.raises(ConfigError, match=f"in use by pid {sleeper.pid}"):
+            loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a: None)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a: None)
+    assert (tmp_path / "checkpoints/step_1/meta.json").is_file() and not (tmp_path / ".lock").exists()

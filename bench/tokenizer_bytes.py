@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 L, N = r"[^\W\d_]", r"\d"  # \p{L}, \p{N}
 GPT4_SPLIT = re.compile(

@@ -15,6 +15,7 @@ fails (a dead or hung rank) is reported with the ranks that no longer answer
 import argparse
 import sys
 
+from megatron_kappa.checkpoint.listing import CheckpointSaveError
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.train import preemption  # signals only: no heavy imports
 from megatron_kappa.parallel.launch_env import LaunchEnvError, exit_process, export_environment
@@ -45,6 +46,11 @@ def main(argv=None) -> int:
     except (ConfigError, LaunchEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as e:  # every rank agreed the save failed; the previous one stands
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        finished = True
+        return 1
     except preemption.Preempted as e:
         preemption.ignore_from_now()  # the checkpoint is written: die of nothing until the exit
         if rank == 0:

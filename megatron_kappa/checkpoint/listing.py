@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
+
+_WARNED: set = set()  # damaged-checkpoint warnings already printed by this process
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (megatron_kappa.checkpoint.store); the message is one line."""
 
 
 def atomic_write_text(path: Path, text: str):
@@ -28,9 +36,55 @@ class CheckpointDir:
         return sorted(int(d.name[5:]) for d in self.root.glob("step_*")
                       if d.name[5:].isdigit() and (d / "meta.json").is_file())
 
-    def latest(self) -> int | None:
-        done = self.complete()
-        return done[-1] if done else None
+    def verify(self, step: int) -> str | None:
+        """None when the checkpoint's meta.json reads and every file it records is there at its
+        recorded size (checkpoints written before sizes were recorded: meta.json only); else what
+        is wrong, in a few words."""
+        folder = self.folder(step)
+        try:
+            meta = self.meta(step)
+        except (OSError, ValueError) as e:
+            return f"{folder / 'meta.json'}: unreadable ({type(e).__name__})"
+        for name, size in meta.get("files", {}).items():
+            path = folder / name
+            if not path.is_file():
+                return f"{path}: missing"
+            if path.stat().st_size != size:
+                return f"{path}: {path.stat().st_size} bytes, {size} written"
+        return None
+
+    def latest(self, warn=None) -> int | None:
+        """The newest complete checkpoint that verifies; a damaged newer one is skipped with a
+        one-line warning naming it (on stderr, once per process, unless `warn` is given)."""
+        for step in reversed(self.complete()):
+            problem = self.verify(step)
+            if problem is None:
+                return step
+            message = f"warning: checkpoint {self.folder(step)} is damaged ({problem}); using the one before it"
+            if warn is not None:
+                warn(message)
+            elif message not in _WARNED:
+                _WARNED.add(message)
+                print(message, file=sys.stderr, flush=True)
+        return None
+
+    def set_aside_damaged(self) -> list[int]:
+        """Move complete-looking checkpoints that do not verify to checkpoints/damaged/ (so that
+        rotation never keeps them in place of good ones); returns their steps. One writer only."""
+        moved = []
+        for step in self.complete():
+            if self.verify(step) is not None:
+                target = self.root / "damaged" / f"step_{step}"
+                target.parent.mkdir(exist_ok=True)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(self.folder(step), target)
+                moved.append(step)
+        return moved
+
+    def record_files(self, folder: Path) -> dict:
+        """{path relative to `folder`: size} of every file under it (what verify() checks)."""
+        return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
 
     def folder(self, step: int) -> Path:
         return self.root / f"step_{step}"

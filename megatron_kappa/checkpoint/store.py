@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_kappa.checkpoint.listing import CheckpointDir, atomic_write_text
+from megatron_kappa.checkpoint.listing import CheckpointDir, CheckpointSaveError, atomic_write_text
 
 
 def rng_state(device: torch.device) -> dict:
@@ -64,6 +64,13 @@ def _deepspeed_without_module_copy(engine):
         del engine.module_state_dict
 
 
+def _gather_failures(mine: str | None) -> str | None:
+    """The first failing rank's message, the same on every rank (None when all succeeded)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next((m for m in every if m), None)
+
+
 class Checkpoints(CheckpointDir):
     """The checkpoints of a run: the listing, plus saving and loading through a DeepSpeed engine."""
 
@@ -74,27 +81,54 @@ class Checkpoints(CheckpointDir):
                            weights_only=False) for r in range(world)]
 
     def save(self, engine, step: int, meta: dict, rank_state: dict):
+        """Write checkpoint `step`: every rank's files into checkpoints/.tmp/step_<N>, then rank 0
+        records every file's size in meta.json (what `verify` checks) and moves it in place. A
+        failure on any rank (no space, an I/O error) removes the partial files, leaves the previous
+        checkpoint the latest and raises CheckpointSaveError (one line) on every rank."""
         rank = dist.get_rank()
         tag = f"step_{step}"
         staging = self.tmp / tag
-        if rank == 0:
+
+        def stage(part):
+            try:
+                part()
+            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+                return f"rank {rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            return None
+
+        def rank0(part):
+            return stage(part) if rank == 0 else None
+
+        def prepare():
             shutil.rmtree(staging, ignore_errors=True)  # leftovers of a killed save
             staging.mkdir(parents=True)
-        dist.barrier()
-        with _deepspeed_without_module_copy(engine):
-            engine.save_checkpoint(str(self.tmp), tag=tag, save_latest=False)
-        torch.save(rank_state, staging / f"rank_{rank}.pt.tmp")
-        os.replace(staging / f"rank_{rank}.pt.tmp", staging / f"rank_{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            (staging / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+
+        def write_own():
+            with _deepspeed_without_module_copy(engine):
+                engine.save_checkpoint(str(self.tmp), tag=tag, save_latest=False)
+            torch.save(rank_state, staging / f"rank_{rank}.pt.tmp")
+            os.replace(staging / f"rank_{rank}.pt.tmp", staging / f"rank_{rank}.pt")
+
+        def publish():
+            files = self.record_files(staging)
+            atomic_write_text(staging / "meta.json", json.dumps({**meta, "step": step, "files": files}, indent=1))
             final = self.folder(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
             atomic_write_text(self.root / "latest", tag + "\n")
+            self.set_aside_damaged()  # never kept in place of a good one
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(self.folder(old), ignore_errors=True)
-        dist.barrier()
+
+        for part in (lambda: rank0(prepare), lambda: stage(write_own), lambda: rank0(publish)):
+            failed = _gather_failures(part())
+            if failed:
+                if rank == 0:
+                    shutil.rmtree(staging, ignore_errors=True)
+                previous = self.latest(warn=lambda message: None)
+                raise CheckpointSaveError(
+                    f"checkpoint {self.folder(step)}: saving failed ({failed}); its partial files are removed, "
+                    + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint exists yet"))
 
     def load(self, engine, step: int, device: torch.device) -> dict:
         """Restore the engine (ZeRO optimizer state and, from its fp32 master copy, the weights);

@@ -14,4 +14,5 @@ Modules:
                  exit 75
   recipe.py      What the paper's recipe does to κ's α and b during training: the freeze, the U ramp
                  and the κ L2 penalty
+  run_lock.py    One training per run directory: `<run.dir>/.lock`, held for the run's life
 """

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,51 @@ def test_timeout_config_is_checked():
     from megatron_kappa.config import ConfigError
     with pytest.raises(ConfigError, match="parallel.timeout_s: must be positive"):
         load_config(None, ["parallel.timeout_s=0"])
+
+
+def _pretrain(run_dir, steps, init, extra=()):
+    from test_training import env
+    return subprocess.Popen([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
+                             *SETTINGS, f"train.steps={steps}", f"run.dir={run_dir}", f"train.init_weights={init}",
+                             *extra], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc, step):
+    for line in proc.stdout:
+        if line.startswith(f"step {step}/"):
+            return
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_resumes_exactly_and_twice_stops_at_once(world1, tmp_path):
+    """Ctrl-C (SIGINT) on one process: one line, a checkpoint at the step it stopped, exit 75; the
+    rerun ends with an uninterrupted run's losses. Twice: exit 130 at once without a checkpoint,
+    saying the last one stands."""
+    from weights import save_init_weights
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    init = save_init_weights(tmp_path / "init.pt", SETTINGS)
+    steps = 30
+    straight = _pretrain(tmp_path / "straight", steps, init)
+    proc = _pretrain(tmp_path / "stopped", steps, init)
+    _wait_for_step(proc, 2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == preemption.EXIT_RESUMABLE, err[-2000:]
+    assert "Ctrl-C: stopping after this step with a checkpoint" in err and "Traceback" not in err
+    stopped_at = CheckpointDir(tmp_path / "stopped").latest()
+    assert stopped_at and stopped_at < steps and f"stopped at step {stopped_at}/{steps} on SIGINT" in out
+    assert straight.wait(300) == 0, straight.stderr.read()[-2000:]
+    resumed = _pretrain(tmp_path / "stopped", steps, init)
+    assert resumed.wait(300) == 0, resumed.stderr.read()[-2000:]
+    got, ref = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
+    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, steps + 1))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref)) <= 1e-6
+    twice = _pretrain(tmp_path / "twice", steps, init)
+    _wait_for_step(twice, 2)
+    twice.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # two signals at once may arrive as one
+    twice.send_signal(signal.SIGINT)
+    _, err = twice.communicate(timeout=120)
+    assert twice.returncode == preemption.EXIT_INTERRUPTED, err[-2000:]
+    assert "second Ctrl-C: stopping now, without a checkpoint" in err
+    assert CheckpointDir(tmp_path / "twice").latest() is None

@@ -5,7 +5,10 @@ signal does not kill the process with the default action):
   - SIGUSR1: Slurm's warning before the time limit (`sbatch --signal=USR1@N`, sent to every task
     of the job's steps, i.e. the ranks);
   - SIGTERM: scancel, `scontrol requeue`, preemption, the time limit itself, or a launcher ending
-    its workers; SIGKILL follows after the cluster's KillWait (30 s by default).
+    its workers; SIGKILL follows after the cluster's KillWait (30 s by default);
+  - SIGINT: Ctrl-C, which a terminal sends to every process of the job (launcher and ranks): the
+    same as SIGTERM, with a line saying so; a second Ctrl-C exits at once (status 130) without a
+    checkpoint, saying that the last checkpoint stands.
 The handler only records the signal; the loop reads it at the end of each step.
 
 Agreement: a signal reaches the ranks at slightly different times (a step apart, or only some of
@@ -28,10 +31,13 @@ periodic checkpoint: checkpoints are atomic (megatron_kappa.checkpoint.store).
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 EXIT_RESUMABLE = 75
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 _received: int = 0  # the first signal number recorded in this process (0: none)
 
@@ -54,6 +60,16 @@ def signal_name(signum: int) -> str:
 
 def _record(signum, _frame=None):
     global _received
+    first_rank = os.environ.get("RANK", "0") == "0"
+    if signum == signal.SIGINT:
+        if _received:  # a second Ctrl-C (or one after another stop signal): now
+            if first_rank:
+                print("second Ctrl-C: stopping now, without a checkpoint; the last checkpoint stands",
+                      file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        if first_rank:
+            print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once)",
+                  file=sys.stderr, flush=True)
     if not _received:
         _received = int(signum)
 

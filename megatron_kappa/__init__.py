@@ -18,6 +18,7 @@ Modules:
   parallel/     Parallelism: how the model is spread over processes and how its gradients meet again
   plan/         The memory planner: what the most-loaded rank of a layout holds, and whether it fits
   preflight.py  Every check of a run's inputs that can run before process groups and the model exist
+  quiet.py      The library messages known to be harmless here, kept out of every command's output
   routers.py    The router kinds (`model.moe.router`), each one entry of one registry (`ROUTERS`;
                 `register` adds one at run time)
   summary/      Model summary without allocating weights: parameters, active parameters, N_eff,
@@ -28,3 +29,7 @@ Modules:
 """
 
 __version__ = "0.1.0"
+
+from megatron_kappa import quiet as _quiet  # noqa: E402  (first: before any library prints)
+
+_quiet.install()

@@ -178,3 +178,26 @@ def test_a_failed_save_removes_its_files_and_keeps_the_previous(world1, tmp_path
     assert "\n" not in str(e.value)
     assert CheckpointDir(tmp_path).complete() == [1] and not (tmp_path / "checkpoints/.tmp/step_2").exists()
     assert not (tmp_path / ".lock").exists()  # the run.dir is free again
+
+
+def test_commands_print_no_known_library_warnings(tmp_path):
+    """A plain pretrain's first output line is its own; KAPPA_SHOW_WARNINGS=1 shows the library
+    lines again (negative control), and a warning not on the known list always shows."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KAPPA_SHOW_WARNINGS")}
+    base.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(root))
+    def cmd(run_dir):
+        return [sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", "train.steps=1",
+                "data.mock=true", f"run.dir={run_dir}", "log.tensorboard=false", "eval.valid_every=0"]
+    quiet = subprocess.run(cmd(tmp_path / "run"), cwd=root, env=base, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr[-2000:]
+    assert quiet.stdout.splitlines()[0].startswith("step 1/1")
+    loud = subprocess.run(cmd(tmp_path / "loud"), cwd=root, env={**base, "KAPPA_SHOW_WARNINGS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert loud.returncode == 0 and "Transformer Engine and Apex are not installed" in loud.stderr
+    assert "CPU RNG state changed" in loud.stderr and "GPTModel IS DEPRECATED" in loud.stderr
+    other = subprocess.run([sys.executable, "-c", "import megatron_kappa, warnings; warnings.warn('a new warning')"],
+                           cwd=root, env=base, capture_output=True, text=True, timeout=60)
+    assert "UserWarning: a new warning" in other.stderr

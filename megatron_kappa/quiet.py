@@ -1,0 +1,59 @@
+"""The library messages known to be harmless here, kept out of every command's output.
+
+`install()` runs when the package is first imported (megatron_kappa/__init__.py), in every process
+of every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything.
+It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
+filter on the logger that emits it); any other warning still shows. KAPPA_SHOW_WARNINGS=1 in the
+environment shows them all.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+
+ENV = "KAPPA_SHOW_WARNINGS"
+
+# (category, message regex): Python warnings, with why they are harmless here
+KNOWN_WARNINGS = [
+    (UserWarning, r"Transformer Engine and Apex are not installed"),  # megatron falls back to torch (intended)
+    (UserWarning, r"Apex is not installed\. Falling back to Torch Norm"),  # the norms are torch's (intended)
+    (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_modules"),  # megatron's own default
+    (UserWarning, r"The pad token id in the tokenizer collides"),  # the mock dataset's tokenizer
+]
+# logger name → message regexes: log records, with why
+KNOWN_LOG_LINES = {
+    "torch.utils.cpp_extension": [r"No CUDA runtime is found"],  # a CPU machine
+    "DeepSpeed": [r"Setting accelerator to CPU"],  # DS_ACCELERATOR=cpu, as asked
+    "megatron.core.models.gpt.gpt_model": [r"GPTModel IS DEPRECATED"],  # megatron-core 0.19's notice
+    "megatron.core.tensor_parallel.random": [r"CPU RNG state changed within GPU RNG context"],  # CPU runs
+}
+
+
+class _DropKnown(logging.Filter):
+    def __init__(self, patterns):
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.patterns)
+
+
+_installed = False
+
+
+def install() -> bool:
+    """Filter the known messages (once per process); False when KAPPA_SHOW_WARNINGS is set."""
+    global _installed
+    if os.environ.get(ENV, "") not in ("", "0"):
+        return False
+    if _installed:
+        return True
+    for category, pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    for name, patterns in KNOWN_LOG_LINES.items():
+        logging.getLogger(name).addFilter(_DropKnown(patterns))
+    _installed = True
+    return True

@@ -41,9 +41,22 @@ def run(args, logits_fn, tokenizer, max_seq_len) -> dict:
     return result
 
 
+def check_data(args):
+    """Before the model loads: the shards are whole and their token ids fit the checkpoint's
+    vocabulary (shards made with a larger tokenizer would index past it)."""
+    from pathlib import Path
+
+    from megatron_kappa.config import load_config
+    from megatron_kappa.preflight import check_shard
+    config = Path(args.checkpoint) / "config.yaml"
+    vocab = load_config(config).model.vocab_size if config.is_file() else None
+    for prefix in args.data:
+        check_shard("--data", prefix, vocab)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_on_checkpoint(args, lambda _, *model: run(args, *model))
+    return run_on_checkpoint(args, lambda _, *model: run(args, *model), prepare=lambda: check_data(args))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from megatron_kappa.config import Config, ConfigError, ModelConfig, to_dict
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir
-from megatron_kappa.data.indexed import read_index
+from megatron_kappa.data.indexed import largest_token_id, read_index
 from megatron_kappa.parallel import launch_env
 from megatron_kappa.parallel.layout import check_layout, layout_record
 
@@ -67,9 +67,18 @@ def check_precision(cfg: Config):
 
 # --- data ---------------------------------------------------------------------------------------
 
-def check_shard(key: str, prefix: str) -> list[int]:
-    """A shard's files exist, its index parses and its .bin is as long as the index says;
-    returns its sequence lengths."""
+def check_vocabulary(key: str, prefix: str, vocab_size: int):
+    """No token id of the shard reaches the model's vocabulary (shards made with a larger
+    tokenizer), whatever data.tokenizer says."""
+    top, how = largest_token_id(prefix)
+    if top >= vocab_size:
+        raise ConfigError(f"config: {key}: {prefix}: token ids up to {top} ({how}), but model.vocab_size is "
+                          f"{vocab_size}: the shards were made with a larger tokenizer")
+
+
+def check_shard(key: str, prefix: str, vocab_size: int | None = None) -> list[int]:
+    """A shard's files exist, its index parses and its .bin is as long as the index says (and,
+    given `vocab_size`, its token ids fit the model); returns its sequence lengths."""
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise ConfigError(f"config: {key}: {prefix}{ext}: no such file")
@@ -83,6 +92,8 @@ def check_shard(key: str, prefix: str) -> list[int]:
         raise ConfigError(f"config: {key}: {prefix}.bin: empty file")
     if size < expected:
         raise ConfigError(f"config: {key}: {prefix}.bin: truncated ({size} bytes, the index expects {expected})")
+    if vocab_size is not None:
+        check_vocabulary(key, prefix, vocab_size)
     return lengths
 
 
@@ -96,10 +107,10 @@ def check_data(cfg: Config):
         raise ConfigError("config: data.paths: empty (give shard prefixes, or set data.mock: true)")
     valid_prefixes, _ = parse_blend(cfg.data.valid_paths)
     for prefix in valid_prefixes:
-        if not sum(check_shard("data.valid_paths", prefix)):
+        if not sum(check_shard("data.valid_paths", prefix, cfg.model.vocab_size)):
             raise ConfigError(f"config: data.valid_paths: {prefix}: no tokens")
     for prefix in prefixes:
-        lengths = check_shard("data.paths", prefix)
+        lengths = check_shard("data.paths", prefix, cfg.model.vocab_size)
         if valid_prefixes:
             if not sum(lengths):
                 raise ConfigError(f"config: data.paths: {prefix}: no tokens")

@@ -201,3 +201,41 @@ def test_commands_print_no_known_library_warnings(tmp_path):
     other = subprocess.run([sys.executable, "-c", "import megatron_kappa, warnings; warnings.warn('a new warning')"],
                            cwd=root, env=base, capture_output=True, text=True, timeout=60)
     assert "UserWarning: a new warning" in other.stderr
+
+
+def test_token_ids_beyond_the_vocabulary_are_found_up_front(tmp_path):
+    """Shards whose ids reach past model.vocab_size: refused by the preflight, from the manifest
+    when one lists them, else from the .bin; the same shards fit a large enough model (control)."""
+    import numpy as np
+
+    from megatron_kappa.data.indexed import index_bytes
+    from megatron_kappa.preflight import check_data
+    prefix = tmp_path / "shard"
+    ids = np.array([5, 9, 3000, 7], dtype=np.uint16)
+    (tmp_path / "shard.bin").write_bytes(ids.tobytes())
+    (tmp_path / "shard.idx").write_bytes(index_bytes([4], np.uint16))
+    sets = ["data.mock=false", f"data.paths=[{prefix}]", f"data.valid_paths=[{prefix}]", "model.vocab_size=2048"]
+    with pytest.raises(ConfigError, match=r"shard: token ids up to 3000 \(read from its .bin\), but model.vocab_size is 2048"):
+        check_data(load_config("configs/tiny.yaml", sets))
+    check_data(load_config("configs/tiny.yaml", [*sets[:-1], "model.vocab_size=4096"]))
+    (tmp_path / "manifest.json").write_text(json.dumps({"prefixes": {"train": ["shard"]},
+                                                        "tokenizer": {"vocab_size": 32768}}))
+    with pytest.raises(ConfigError, match=r"token ids up to 32767 \(its tokenizer's vocabulary per .*manifest.json\)"):
+        check_data(load_config("configs/tiny.yaml", [*sets[:-1], "model.vocab_size=4096"]))
+
+
+def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_path, capsys):
+    import numpy as np
+    import yaml
+
+    from launch.eval_loss import main
+    from megatron_kappa.config import to_dict
+    from megatron_kappa.data.indexed import index_bytes
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config("configs/tiny.yaml", [])), sort_keys=False))
+    (tmp_path / "val.bin").write_bytes(np.array([1, 2, 4000], dtype=np.uint16).tobytes())
+    (tmp_path / "val.idx").write_bytes(index_bytes([3], np.uint16))
+    assert main(["--checkpoint", str(run), "--data", str(tmp_path / "val")]) == 2
+    err = capsys.readouterr().err
+    assert "token ids up to 4000" in err and "model.vocab_size is 2048" in err and err.count("\n") == 1

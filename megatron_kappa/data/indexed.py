@@ -64,3 +64,27 @@ def index_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
     head += struct.pack("<Q", n) + struct.pack("<Q", n + 1)
     return b"".join([head, lengths.astype(np.int32).tobytes(), pointers.tobytes(),
                      np.arange(n + 1, dtype=np.int64).tobytes()])
+
+
+def largest_token_id(prefix: str) -> tuple[int, str]:
+    """(the largest token id shard `prefix` can hold, how that is known): the tokenizer vocabulary
+    − 1 that the data prep manifest.json beside it records, when it lists the shard (the prep wrote
+    ids below it); else the largest id in the .bin, read in one pass."""
+    import json
+    import os
+    folder, name = os.path.split(prefix)
+    manifest = os.path.join(folder, "manifest.json")
+    if os.path.isfile(manifest):
+        try:
+            m = json.loads(open(manifest).read())
+            listed = [p for names in m.get("prefixes", {}).values() for p in names]
+            vocab = m.get("tokenizer", {}).get("vocab_size")
+            if name in listed and isinstance(vocab, int):
+                return vocab - 1, f"its tokenizer's vocabulary per {manifest}"
+        except (OSError, ValueError, AttributeError):
+            pass  # an unreadable manifest: read the tokens themselves
+    index = read_index(prefix + ".idx")
+    tokens = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r", shape=(index.bin_bytes // index.dtype.itemsize,))
+    chunk = 1 << 26
+    top = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+    return top, "read from its .bin"

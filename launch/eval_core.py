@@ -12,6 +12,7 @@ import argparse
 
 import torch.distributed as dist
 
+from megatron_kappa.cli_types import positive_int
 from megatron_kappa.evaluation import core as core_eval
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
 from megatron_kappa.parallel.launch_env import exit_process
@@ -22,13 +23,13 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", required=True, help="run or checkpoint folder to evaluate")
     p.add_argument("--bundle", required=True,
                    help=f"bundle folder, .zip or URL (nanochat's: {core_eval.NANOCHAT_BUNDLE_URL})")
-    p.add_argument("--max-per-task", type=int, default=None,
+    p.add_argument("--max-per-task", type=positive_int, default=None,
                    help="evaluate the first N items of each task after the seeded shuffle (default: all)")
     p.add_argument("--baselines", choices=sorted(core_eval.BASELINE_TABLES), default="v1",
                    help="random-baseline table for centering (default v1, as nanochat's bundle)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    p.add_argument("--batch-size", type=int, default=32, help="most sequences per forward pass")
-    p.add_argument("--max-batch-tokens", type=int, default=16384, help="most padded tokens per forward pass")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="most sequences per forward pass")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=16384, help="most padded tokens per forward pass")
     p.add_argument("--cache-dir", help="where a bundle given as a URL is downloaded (default ~/.cache/megatron_kappa)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by the deepspeed launcher

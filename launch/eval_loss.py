@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_kappa.cli_types import positive_int
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
 from megatron_kappa.evaluation.lm_loss import validation_loss
 from megatron_kappa.parallel.launch_env import exit_process
@@ -18,9 +19,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="validation loss and bits per byte of a checkpoint")
     p.add_argument("--checkpoint", required=True, help="run or checkpoint folder to evaluate")
     p.add_argument("--data", required=True, nargs="+", help="held-out shard prefixes")
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: the model's context)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many tokens (default: all)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward pass")
     p.add_argument("--json", help="also write the result to this JSON file")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -3,6 +3,8 @@
 Modules:
   checkpoint/   Checkpoints of a run: `listing` says which exist (no torch), `store` saves and loads
                 them
+  cli_types.py  argparse types for the command lines' numbers: a bad value is argparse's one error
+                line, before any work (planner, evaluation)
   config/       The run configuration: YAML validated against one dataclass schema
   data/         Data formats shared by data preparation, the preflight, training and evaluation
   evaluation/   Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss / bits

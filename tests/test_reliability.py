@@ -239,3 +239,20 @@ def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_p
     assert main(["--checkpoint", str(run), "--data", str(tmp_path / "val")]) == 2
     err = capsys.readouterr().err
     assert "token ids up to 4000" in err and "model.vocab_size is 2048" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "-1"], "--gpu-mem"),
+    (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "nan"], "--gpu-mem"),
+    (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "0"], "--world"),
+    (["launch/eval_core.py", "--checkpoint", "x", "--bundle", "y", "--max-per-task", "0"], "--max-per-task"),
+    (["launch/eval_loss.py", "--checkpoint", "x", "--data", "y", "--max-tokens", "-5"], "--max-tokens"),
+])
+def test_command_line_numbers_are_checked(argv, flag):
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, *argv], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 2 and f"argument {flag}: expected a positive" in done.stderr, done.stderr[-1000:]
+    assert "Traceback" not in done.stderr

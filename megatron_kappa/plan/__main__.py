@@ -6,17 +6,18 @@ import json
 import sys
 
 from megatron_kappa import plan as planner
+from megatron_kappa.cli_types import positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_kappa.plan", description=planner.__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--world", type=int, required=True, help="GPUs (ranks) in the job")
-    ap.add_argument("--gpu-mem", type=float, default=80.0, help="GiB of memory per GPU")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--world", type=positive_int, required=True, help="GPUs (ranks) in the job")
+    ap.add_argument("--gpu-mem", type=positive_float, default=80.0, help="GiB of memory per GPU")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=8)
     ap.add_argument("--search", action="store_true", help="rank the layouts that fit (EP inside nodes first)")
-    ap.add_argument("--top", type=int, default=10, help="layouts listed by --search")
+    ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)

@@ -309,6 +309,9 @@ def finish(out: Path, state: dict, config: dict, tokenizer: dict, dtype, args) -
     valid = merge(pieces, out, "valid", dtype, args.shard_tokens)
     train = [c["train"] for c in cps if c["train"]]
     totals = _copy(cps[-1]["totals"])
+    if not totals["train"]["documents"] and not totals["valid"]["documents"]:
+        raise DataPrepError(f"no documents left after the filters ({totals['rows_read']:,} rows read); "
+                            "no shards written (check --text-column, --language, --min-int-score)")
     for split, entries in (("train", train), ("valid", valid)):
         totals[split]["shards"] = len(entries)
         for e in entries:
@@ -397,6 +400,9 @@ def main(argv=None) -> int:
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: the finished shards are kept; the same command resumes", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -33,6 +33,8 @@ def valid_flags(texts: list[str], key: bytes, fraction: float) -> np.ndarray:
 
 def init(tokenizer_file: str, selection: Selection, dtype: str, seed: int, valid_fraction: float,
          bos: bool = True):
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's: it stops the pool
     from megatron_kappa.tokenizer import Tokenizer
     _W.update(tok=Tokenizer(tokenizer_file), selection=selection, dtype=np.dtype(dtype),
               key=split_key(seed), fraction=valid_fraction, bos=bos)

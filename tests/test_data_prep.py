@@ -353,3 +353,15 @@ def test_corrupt_row_group_mid_stream_keeps_finished_shards(work, reference, tmp
     for prefix in done:
         for ext in (".bin", ".idx"):
             assert (out / f"{prefix}{ext}").read_bytes() == (ref / f"{prefix}{ext}").read_bytes()
+
+
+def test_no_documents_left_fails_without_a_manifest(work, tmp_path):
+    """Only empty texts, with an existing tokenizer: one error, no manifest (it used to exit 0
+    with 0 shards); the same run on real texts writes shards (control)."""
+    import pyarrow as pa
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"text": ["", "", ""], "language": ["en"] * 3}), empty)
+    with pytest.raises(DataPrepError, match=r"no documents left after the filters \(3 rows read\); no shards written"):
+        prep(tmp_path / "out", [empty], work / "tok.model")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert prep(tmp_path / "ok", [work / "slice.parquet"], work / "tok.model")["totals"]["train"]["shards"] > 0

@@ -256,3 +256,18 @@ def test_command_line_numbers_are_checked(argv, flag):
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 2 and f"argument {flag}: expected a positive" in done.stderr, done.stderr[-1000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_failed_metrics_write_is_one_warning_and_training_goes_on(tmp_path, capsys):
+    from megatron_kappa.metrics.log import MetricsLog
+    log = MetricsLog(tmp_path, tensorboard=False, enabled=True)
+    log.write({"step": 1, "loss": 2.0})
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").mkdir()  # the next appends fail (a stand-in for a full disk)
+    log.write({"step": 2, "loss": 1.5})
+    log.write({"step": 3, "loss": 1.4})
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: metrics: ") and "training goes on" in err
+    (tmp_path / "metrics.jsonl").rmdir()
+    log.write({"step": 4, "loss": 1.3})  # writes again once the path works
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 4

@@ -18,6 +18,10 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="training run directory")
     ap.add_argument("--output", required=True, help="where to write the state dict (.pt)")
     args = ap.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # before reading any checkpoint
+        print(f"error: --output: {folder} is not a writable folder", file=sys.stderr)
+        return 2
     import torch
 
     from megatron_kappa.evaluation.loading import consolidated_state
@@ -27,8 +31,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tmp = args.output + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, args.output)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, args.output)
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save's RuntimeError
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        print(f"error: --output: {args.output}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values")
     return 0
 

@@ -271,3 +271,33 @@ def test_a_failed_metrics_write_is_one_warning_and_training_goes_on(tmp_path, ca
     (tmp_path / "metrics.jsonl").rmdir()
     log.write({"step": 4, "loss": 1.3})  # writes again once the path works
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 4
+
+
+def test_consolidate_output_under_a_file_is_one_line(tmp_path, capsys):
+    from launch.consolidate import main
+    (tmp_path / "afile").write_text("x")
+    assert main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "afile" / "full.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--output: " in err and "is not a writable folder" in err
+
+
+def test_a_damaged_bundle_member_is_one_line(tmp_path):
+    """A byte of a .jsonl flipped inside the zip: one BundleError naming the member; the intact
+    zip loads (control)."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    from megatron_kappa.evaluation.bundle import BundleError, load_bundle
+    src = Path(__file__).resolve().parent / "core_bundle"
+    good = Path(shutil.make_archive(str(tmp_path / "bundle"), "zip", src))
+    assert load_bundle(good).tasks
+    data = bytearray(good.read_bytes())
+    with zipfile.ZipFile(good) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(".jsonl"))
+    data[info.header_offset + 30 + len(info.filename) + 5] ^= 0xFF  # inside the member's data
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=rf"{info.filename}: damaged inside the zip") as e:
+        load_bundle(bad)
+    assert "\n" not in str(e.value)

@@ -13,6 +13,7 @@ import shutil
 import urllib.parse
 import urllib.request
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,13 @@ def _reader(path: Path):
             raise BundleError(f"{path}: no core.yaml inside the zip")
 
         def read(rel):
-            return zf.read(prefixes[0] + rel).decode("utf-8") if prefixes[0] + rel in names else None
+            if prefixes[0] + rel not in names:
+                return None
+            try:
+                return zf.read(prefixes[0] + rel).decode("utf-8")
+            except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # a damaged member (its CRC, its data)
+                raise BundleError(f"{path}!{prefixes[0]}{rel}: damaged inside the zip "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         return read, lambda rel: f"{path}!{prefixes[0]}{rel}"
     raise BundleError(f"{path}: not a bundle folder or .zip file")
 

@@ -34,6 +34,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     preemption.install()  # first: a warning during the slow start-up must not kill the process
+    preemption.watch_launcher()  # and a rank never outlives its launcher
     rank, finished = 0, False
     try:
         found = export_environment()  # RANK & co. from torchrun/deepspeed, or from Slurm under srun

@@ -236,3 +236,24 @@ def test_ctrl_c_checkpoints_and_resumes_exactly_and_twice_stops_at_once(world1, 
     assert twice.returncode == preemption.EXIT_INTERRUPTED, err[-2000:]
     assert "second Ctrl-C: stopping now, without a checkpoint" in err
     assert CheckpointDir(tmp_path / "twice").latest() is None
+
+
+@pytest.mark.slow
+def test_ranks_stop_with_a_checkpoint_when_their_launcher_dies(world1, tmp_path):
+    """torchrun with 2 ranks, killed (SIGKILL) at step 2 of 200: the ranks, orphaned, notice it,
+    agree on a step, checkpoint there and exit, long before their last step (they used to train
+    to the end)."""
+    from test_training import env
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    from megatron_kappa.parallel.launch_env import free_port
+    steps = 200
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={free_port()}", "launch/pretrain.py", "--config", "configs/tiny.yaml",
+                             "--set", *SETTINGS, f"train.steps={steps}", f"run.dir={tmp_path}", "parallel.ep=2"],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(proc, 2)
+    proc.kill()  # the launcher only; its ranks keep the pipe open until they exit
+    out, _ = proc.communicate(timeout=300)  # EOF once every rank has exited
+    stopped = CheckpointDir(tmp_path).latest()
+    assert "the launcher is gone: stopping after this step with a checkpoint" in out, out[-2000:]
+    assert stopped is not None and 2 <= stopped < 20 and f"stopped at step {stopped}/{steps} on SIGTERM" in out

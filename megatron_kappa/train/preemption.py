@@ -82,6 +82,56 @@ def install(signals=SIGNALS):
         signal.signal(sig, _record)
 
 
+LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "launch.py", "launcher")
+WATCH_S = 1.0
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def watch_launcher():
+    """Ranks never outlive their launcher: when a process that started this one (torchrun, the
+    deepspeed runner or its launch.py: the python launchers among its parent and grandparent) is
+    gone, this process stops as on SIGTERM (after the step, with a checkpoint). A daemon thread
+    polls every WATCH_S; nothing is watched outside a launcher (plain python, Slurm's srun)."""
+    import threading
+    watched = []
+    pid = os.getpid()
+    for _ in range(2):
+        pid = _parent(pid)
+        if pid > 1 and any(name in _command(pid) for name in LAUNCHERS):
+            watched.append(pid)
+    if not watched:
+        return None
+    parent = os.getppid()
+
+    def watch():
+        while not _received:
+            if os.getppid() != parent or not all(os.path.exists(f"/proc/{p}") for p in watched):
+                if os.environ.get("RANK", "0") == "0":
+                    print("the launcher is gone: stopping after this step with a checkpoint",
+                          file=sys.stderr, flush=True)
+                _record(signal.SIGTERM)
+                return
+            threading.Event().wait(WATCH_S)
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return watched
+
+
 def ignore_from_now(signals=SIGNALS):
     """Once the checkpoint is written: ignore further signals while the process exits. Python's
     shutdown restores the default action of signals that had a Python handler (and TERM's kills),

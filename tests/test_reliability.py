@@ -301,3 +301,29 @@ def test_a_damaged_bundle_member_is_one_line(tmp_path):
     with pytest.raises(BundleError, match=rf"{info.filename}: damaged inside the zip") as e:
         load_bundle(bad)
     assert "\n" not in str(e.value)
+
+
+def test_a_zombie_or_a_reused_pid_does_not_hold_the_lock(tmp_path):
+    """A killed holder that nobody reaped (a zombie: its launcher was killed too) and a live
+    process that merely got the holder's pid (another start time) are both stale; the live
+    holder itself is not (control)."""
+    zombie = subprocess.Popen(["true"])
+    time.sleep(0.5)  # exited, not waited for: a zombie until wait()
+    try:
+        write_lock(tmp_path, socket.gethostname(), zombie.pid)
+        RunLock(tmp_path).acquire()
+    finally:
+        zombie.wait()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        path = write_lock(tmp_path, socket.gethostname(), sleeper.pid)
+        from megatron_kappa.train.run_lock import _start_time
+        path.write_text(json.dumps({"host": socket.gethostname(), "pid": sleeper.pid,
+                                    "pid_started": _start_time(sleeper.pid)}))
+        with pytest.raises(ConfigError, match="in use"):
+            RunLock(tmp_path).acquire()
+        path.write_text(json.dumps({"host": socket.gethostname(), "pid": sleeper.pid, "pid_started": "1"}))
+        RunLock(tmp_path).acquire()  # the pid belongs to another process now
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -25,21 +25,45 @@ STALE_AFTER_S = 90.0  # no heartbeat for this long: the holder is gone
 HEARTBEAT_S = 15.0
 
 
-def _alive(pid: int) -> bool:
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None  # starttime, in clock ticks since boot
+
+
+def _alive(pid: int, started: str | None = None) -> bool:
+    """Whether the lock's holder still runs: not gone, not a zombie (a killed rank whose parent died
+    too may never be reaped), and not another process that got its pid (the start time differs)."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        if os.path.isdir("/proc"):
+            return False
+        try:  # no /proc: ask the kernel
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or _start_time(pid) == started
 
 
 class RunLock:
     def __init__(self, run_dir: str | Path, stale_after_s: float = STALE_AFTER_S):
         self.path = Path(run_dir) / ".lock"
         self.stale_after_s = stale_after_s
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID")}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+                   "pid_started": _start_time(os.getpid())}
         self._stop = threading.Event()
 
     def holder(self) -> dict | None:
@@ -54,7 +78,7 @@ class RunLock:
         if self.me["job"] and holder.get("job") == self.me["job"]:
             return True  # this Slurm job's earlier incarnation (a requeue): Slurm ended it
         if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
-            return holder["pid"] == self.me["pid"] or not _alive(holder["pid"])
+            return holder["pid"] == self.me["pid"] or not _alive(holder["pid"], holder.get("pid_started"))
         try:
             return time.time() - self.path.stat().st_mtime > self.stale_after_s
         except FileNotFoundError:

@@ -65,7 +65,15 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert marker.exists() and (runs / "swiglu-seed24/result.json").is_file()
+    # torchrun's ranks are in a session of their own: they outlive the kill, notice their launcher
+    # is gone, stop after a step with a checkpoint and release the run's lock (a rerun before that
+    # is refused: two trainings in one run.dir)
+    lock, deadline = runs / "swiglu-seed26/.lock", time.time() + 120
+    while lock.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not lock.exists()
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    assert CheckpointDir(runs / "swiglu-seed26").latest() >= 2 and (runs / "swiglu-seed24/result.json").is_file()
     assert not (runs / "swiglu-seed26/result.json").exists()  # killed before it finished
     first = (runs / "swiglu-seed24/result.json").stat().st_mtime_ns
 

@@ -14,6 +14,7 @@ PACKAGE = ROOT / "megatron_kappa"
 # loop comes after evaluation because it runs the CORE subset and validation while it trains;
 # the preflight comes last because it checks the inputs of every stage before any of them runs.
 STAGES = [
+    ("megatron_kappa.quiet", "megatron_kappa.cli_types"),  # the package's first import; argparse types
     ("megatron_kappa.kappa",),
     ("megatron_kappa.config", "megatron_kappa.routers"),  # the router kinds: torch-free, read by the config
     ("megatron_kappa.model",),
@@ -32,6 +33,8 @@ SCRIPT_DIRS = ["launch", "analysis", "bench", "data_prep"]  # evaluation CLIs: l
 
 
 def stage_of(module: str) -> int:
+    if module == "megatron_kappa":  # the package itself: it imports only megatron_kappa.quiet
+        return 0
     for i, prefixes in enumerate(STAGES):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return i
@@ -78,12 +81,12 @@ def test_the_check_finds_an_upward_import():
     """Negative control: a model module importing the training loop, lazily, is reported."""
     probe = "def f():\n    from megatron_kappa.train.loop import run\n"
     assert upward_imports({"megatron_kappa.model.probe": probe}) == [
-        "megatron_kappa.model.probe (stage 2) imports megatron_kappa.train.loop (stage 11)"]
+        "megatron_kappa.model.probe (stage 3) imports megatron_kappa.train.loop (stage 12)"]
     assert upward_imports({"megatron_kappa.train.probe": probe}) == []
     # a command line too: summary's used to list the optimizer groups through the training package
     cli = "def main():\n    from megatron_kappa.train.recipe import KappaFreeze\n"
     assert upward_imports({"megatron_kappa.summary.__main__": cli}) == [
-        "megatron_kappa.summary.__main__ (stage 4) imports megatron_kappa.train.recipe (stage 11)"]
+        "megatron_kappa.summary.__main__ (stage 5) imports megatron_kappa.train.recipe (stage 12)"]
 
 
 @pytest.mark.parametrize("folder", SCRIPT_DIRS)

@@ -8,6 +8,9 @@ Modules:
   loading.py    Reading a config: YAML (with `extends:`), `--set key=value` overrides, type checks
   presets.py    Keys that set other keys: `model.block` (a preset of the block keys) and
                 `model.aspect_ratio` (the width from the depth)
+  ranges.py     The allowed range of every numeric config key, in one table: checked when a config
+                is validated (before the cross-field checks of megatron_kappa.config.checks) and
+                shown in the generated docs/config.md
   reference.py  docs/config.md, generated from the schema (`python -m megatron_kappa.config
                 --markdown`)
   schema.py     The config schema: one dataclass per YAML section, each value with its default and

@@ -6,6 +6,7 @@ megatron_kappa.preflight; both run before any process group or model exists.
 from __future__ import annotations
 
 from megatron_kappa import routers
+from megatron_kappa.config import ranges
 from megatron_kappa.config.schema import Config, ConfigError, TrainConfig
 from megatron_kappa.kappa import DEFAULTS as KAPPA
 from megatron_kappa.kappa import inputs as kappa_inputs
@@ -19,6 +20,7 @@ def validate(cfg: Config):
         if not ok:
             raise ConfigError(f"config: {key}: {msg}")
 
+    ranges.check(cfg, need)  # every number inside its declared range (config/ranges.py)
     # the registered routers now (megatron_kappa.routers.register may add some at run time)
     need(moe.router in routers.ROUTERS, "model.moe.router",
          f"expected one of {routers.names()}, got {moe.router!r}")

@@ -6,7 +6,24 @@ import typing
 
 import yaml
 
+from megatron_kappa.config import ranges
 from megatron_kappa.config.schema import Config
+
+
+def allowed(hint, key: str) -> str:
+    """What a key accepts: the choices, or the type and its range (config/ranges.py)."""
+    if key in ranges.OTHER:
+        return ranges.OTHER[key]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    nullable = type(None) in typing.get_args(hint)
+    kind = args[0] if args and typing.get_origin(hint) is not typing.Literal else hint
+    if typing.get_origin(kind) is typing.Literal:
+        text = " \\| ".join(f"`{c}`" for c in typing.get_args(kind))
+    elif kind in (int, float):
+        text = ("integer" if kind is int else "finite number") + (f" {ranges.RANGES[key]}" if key in ranges.RANGES else "")
+    else:
+        text = {bool: "true/false", str: "text", list: "list"}.get(kind, "")
+    return text + (", or null" if nullable else "")
 
 
 def markdown_reference() -> str:
@@ -26,10 +43,11 @@ def markdown_reference() -> str:
                 walk(hint, prefix + f.name + ".")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append(f"| `{prefix}{f.name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` | {f.metadata.get('help', '')} |")
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()
+            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {allowed(hint, prefix + f.name)} | {f.metadata.get('help', '')} |")
         if rows:
-            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | meaning |",
-                          "|---|---|---|", *rows, ""])
+            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | allowed | meaning |",
+                          "|---|---|---|---|", *rows, ""])
 
     walk(Config, "")
     return "\n".join(lines)

@@ -257,3 +257,41 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_dies(world1, tmp_path)
     stopped = CheckpointDir(tmp_path).latest()
     assert "the launcher is gone: stopping after this step with a checkpoint" in out, out[-2000:]
     assert stopped is not None and 2 <= stopped < 20 and f"stopped at step {stopped}/{steps} on SIGTERM" in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1, tmp_path):
+    """Ctrl-C in a terminal reaches the deepspeed launcher and its 2 ranks (one process group):
+    the ranks agree on a step, checkpoint there and exit (DeepSpeed's launch.py ends them with
+    SIGTERM and waits 30 s, which the ranks also read as a stop); the rerun ends with an
+    uninterrupted run's losses."""
+    from test_training import deepspeed_cmd, env
+    from weights import save_init_weights
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    from megatron_kappa.parallel.launch_env import free_port
+    init = save_init_weights(tmp_path / "init.pt", SETTINGS)
+    steps = 30
+    sets = [*SETTINGS, f"train.steps={steps}", f"train.init_weights={init}", "parallel.ep=2"]
+
+    def launch(run_dir, **kw):
+        return subprocess.Popen(deepspeed_cmd(ROOT / "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
+                                              *sets, f"run.dir={run_dir}", port=free_port()),
+                                cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    straight = launch(tmp_path / "straight")
+    assert straight.wait(600) == 0
+    proc = launch(tmp_path / "stopped", start_new_session=True)
+    for line in proc.stdout:
+        if f"step 2/{steps}" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    out, _ = proc.communicate(timeout=300)
+    stopped = CheckpointDir(tmp_path / "stopped").latest()
+    assert stopped is not None and stopped < steps, out[-3000:]
+    assert f"stopped at step {stopped}/{steps} on SIGINT" in out or f"stopped at step {stopped}/{steps} on SIGTERM" in out
+    assert "Ctrl-C: stopping after this step with a checkpoint" in out
+    resumed = launch(tmp_path / "stopped")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0 and f"resumed from {tmp_path / 'stopped'}/checkpoints/step_{stopped}" in out
+    got, ref = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
+    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, steps + 1))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref)) <= 1e-6

@@ -11,6 +11,7 @@ the optimizer's groups.
 from __future__ import annotations
 
 from megatron_kappa.config import ConfigError
+from megatron_kappa.config.schema import flat_keys
 
 # The keys (dotted; a section name covers all of it) whose change gives other parameters or
 # buffers, other shapes, names or dtypes, or another optimizer-group structure (model.block and
@@ -29,23 +30,13 @@ SHAPES_STATE = (
 IGNORED = ("parallel", "run.dir", "data.bos", "train.init_weights")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _covered(key: str, names) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
 def changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
     """(refused, allowed): the keys that differ between the checkpoint's config and this run's."""
-    a, b = _flat(saved), _flat(now)
+    a, b = flat_keys(saved), flat_keys(now)
     differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _covered(k, IGNORED))
     return [k for k in differ if _covered(k, SHAPES_STATE)], [k for k in differ if not _covered(k, SHAPES_STATE)]
 
@@ -58,7 +49,7 @@ def check(saved: dict | None, now: dict, checkpoint: str):
         return
     refused, _ = changes(saved, now)
     if refused:
-        a, b = _flat(saved), _flat(now)
+        a, b = flat_keys(saved), flat_keys(now)
         listed = ", ".join(f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in refused)
         raise ConfigError(f"config: {listed}: checkpoint {checkpoint} holds another model or optimizer state; "
                           "resume with its values, or start a new run.dir (train.init_weights for its weights)")

@@ -13,7 +13,7 @@ POSITIVE, NON_NEGATIVE, FRACTION, OPEN_FRACTION, PROBABILITY, BEYOND_ONE, AT_LEA
     "> 0", ">= 0", "[0, 1)", "(0, 1]", "[0, 1]", "> 1", ">= 1")
 WORDS = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", FRACTION: "must be in [0, 1)",
          OPEN_FRACTION: "must be in (0, 1]", PROBABILITY: "must be in [0, 1]", BEYOND_ONE: "must be > 1",
-         AT_LEAST_ONE: "must be >= 1"}
+         AT_LEAST_ONE: "must be at least 1"}
 TESTS = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1,
          OPEN_FRACTION: lambda v: 0 < v <= 1, PROBABILITY: lambda v: 0 <= v <= 1, BEYOND_ONE: lambda v: v > 1,
          AT_LEAST_ONE: lambda v: v >= 1}
@@ -45,8 +45,8 @@ RANGES = {
     "train.lr_wsd_decay_fraction": OPEN_FRACTION, "train.min_lr_ratio": PROBABILITY,
     "train.warmup": NON_NEGATIVE, "train.weight_decay": NON_NEGATIVE, "train.lr_resid_scalar": NON_NEGATIVE,
     "train.lr_x0_scalar": NON_NEGATIVE, "train.adam_eps": NON_NEGATIVE, "train.grad_clip": NON_NEGATIVE,
-    "train.muon.lr": NON_NEGATIVE, "train.muon.momentum": FRACTION, "train.muon.ns_steps": POSITIVE,
-    "train.muon.weight_decay": NON_NEGATIVE, "train.muon.aurora_rounds": NON_NEGATIVE,
+    "train.muon.lr": NON_NEGATIVE, "train.muon.momentum": FRACTION, "train.muon.ns_steps": AT_LEAST_ONE,
+    "train.muon.weight_decay": NON_NEGATIVE, "train.muon.aurora_rounds": AT_LEAST_ONE,
     "train.muon.aurora_exponent": NON_NEGATIVE, "train.muon.max_scale": POSITIVE,
     "zero.stage": POSITIVE, "log.interval": POSITIVE, "log.peak_tflops": POSITIVE,
     "checkpoint.interval": POSITIVE, "checkpoint.keep": POSITIVE,
@@ -78,16 +78,10 @@ def numeric_keys(cls, prefix: str = ""):
             yield f"{prefix}{f.name}", args[0]
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return out
-
-
 def check(cfg, need):
     """Every numeric value inside its range (`need(ok, key, message)`, as config.checks)."""
-    for key, value in _flat(dataclasses.asdict(cfg)).items():
+    from megatron_kappa.config.schema import flat_keys
+    for key, value in flat_keys(dataclasses.asdict(cfg)).items():
         spec = RANGES.get(key)
         if spec is not None and value is not None and not isinstance(value, bool):
             need(TESTS[spec](value), key, f"{WORDS[spec]}, got {value}")

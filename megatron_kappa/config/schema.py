@@ -395,3 +395,11 @@ class Config:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def flat_keys(tree: dict, prefix: str = "") -> dict:
+    """A nested config mapping (to_dict's) as {dotted key: value}."""
+    out = {}
+    for key, value in tree.items():
+        out.update(flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out

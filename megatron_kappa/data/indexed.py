@@ -76,7 +76,8 @@ def largest_token_id(prefix: str) -> tuple[int, str]:
     manifest = os.path.join(folder, "manifest.json")
     if os.path.isfile(manifest):
         try:
-            m = json.loads(open(manifest).read())
+            with open(manifest) as f:
+                m = json.load(f)
             listed = [p for names in m.get("prefixes", {}).values() for p in names]
             vocab = m.get("tokenizer", {}).get("vocab_size")
             if name in listed and isinstance(vocab, int):

@@ -127,7 +127,8 @@ def norm_spec(m: ModelConfig):
     return SPTorchNorm if m.norm_gains else partial(SPTorchNorm, gains=False)
 
 
-def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, inputs: nanochat.BlockInputs | None = None):
+def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, layout: ModelLayout,
+                      inputs: nanochat.BlockInputs | None = None):
     """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm, the core
     attention of `model.attention`, FP8 linears where `precision: fp8` asks for them, and the
     nanochat block's layer and attention subclasses where its keys ask for them (they read `inputs`)."""
@@ -138,7 +139,7 @@ def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, inputs: nanochat.B
     attn = sub.self_attention
     if m.value_embeddings:
         attn = dataclasses.replace(attn, module=nanochat.ValueEmbeddingAttention,
-                                   params={**attn.params, "inputs": inputs, "vocab_size": model_layout(cfg).padded_vocab})
+                                   params={**attn.params, "inputs": inputs, "vocab_size": layout.padded_vocab})
     norm = norm_spec(cfg.model)
     qk = {name: norm for name in ("q_layernorm", "k_layernorm")
           if getattr(attn.submodules, name) is not IdentityOp}
@@ -235,11 +236,11 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     inputs = inputs or nanochat.BlockInputs()
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
                    normalization="RMSNorm")
-    dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True, inputs=inputs)
+    dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True, layout=layout, inputs=inputs)
     moe = None
     if layout.has_moe:
         moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg, device, dense=False,
-                                inputs=inputs)
+                                layout=layout, inputs=inputs)
         stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
         mlp = moe_layer_spec(cfg, stock, device)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))

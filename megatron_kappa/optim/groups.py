@@ -6,11 +6,11 @@ Aurora) build these groups the same way.
 """
 from __future__ import annotations
 
-from megatron_kappa.model.params import is_embedding_or_output, residual_scalar
+from megatron_kappa.model.params import RESIDUAL_SCALARS, is_embedding_or_output, residual_scalar
 
 # resid_lambda, x0_lambda: model.residual_scalars' λ (the authors' scalar groups, 14c9b04
 # nanochat/gpt.py 2375-2380); the value embeddings are in "embedding" (gpt 2352-2353)
-ADAMW_KINDS = ("embedding", "output", "non_matrix", "resid_lambda", "x0_lambda")
+ADAMW_KINDS = ("embedding", "output", "non_matrix", *RESIDUAL_SCALARS)
 
 
 def adamw_kind(name: str) -> str:
@@ -29,4 +29,4 @@ def adamw_groups(by_kind: dict, cfg) -> list[dict]:
             for kind in (*ADAMW_KINDS, "kappa")
             # the λ groups only where the model has them: a megatron block's optimizer state keeps
             # the group list that its existing checkpoints hold
-            if by_kind[kind] or kind not in ("resid_lambda", "x0_lambda")]
+            if by_kind[kind] or kind not in RESIDUAL_SCALARS]

@@ -7,7 +7,7 @@ groups differ (the first has the input embedding, the last the output layer, a m
 stages with and without κ experts or value embeddings) then pair unrelated groups, or, with
 unequal counts, wait forever for each other (a hang, seen with the nanochat block at PP2).
 
-`install(optimizer, names)` replaces that method on the one optimizer instance (pipeline stages
+`install(optimizer)` replaces that method on the one optimizer instance (pipeline stages
 only) with the same arithmetic keyed by group name: every rank sums its groups' squared norms in
 a vector indexed by the names of all stages, one all-reduce (sum) over the model-parallel group
 gives each group's norm, DeepSpeed's own expert-norm averaging runs on this rank's groups, and a
@@ -24,7 +24,7 @@ import torch.distributed as dist
 # What the replacement reads from DeepSpeed's ZeRO optimizer (deepspeed.runtime.zero.stage_1_and_2).
 READS = ("scaled_global_norm", "bit16_groups", "averaged_gradients", "params_in_partition", "dp_process_group",
          "model_parallel_group", "model_parallel_rank", "has_moe_layers", "_average_expert_grad_norms",
-         "_muon_update_lacks_loss_scale", "loss_scale", "cpu_offload")
+         "_muon_update_lacks_loss_scale", "loss_scale", "cpu_offload", "device")
 
 
 def group_names(optimizer) -> list[str]:
@@ -51,8 +51,7 @@ def install(optimizer) -> None:
 
     def scaled_global_norm(self, norm_type=2):
         assert norm_type == 2 and not self.cpu_offload, "stage_norm: the L2 norm without CPU offload"
-        device = self.averaged_gradients[0][0].device if self.averaged_gradients and self.averaged_gradients[0] \
-            else torch.device("cpu")
+        device = self.device  # where DeepSpeed keeps its norms
         squares = torch.zeros(len(union), dtype=torch.float32, device=device)
         for i, params in enumerate(self.params_in_partition):
             grads = (g for g in self.averaged_gradients[i] if not getattr(g, "_zero_padding", False))

@@ -148,7 +148,7 @@ def run(cfg: Config, log=print) -> dict:
         if rank == 0:
             resume.record(run_dir, to_dict(cfg), latest or 0)  # config.yaml and the run's config history
         dist.barrier()
-        return train(cfg, layout, device, log)
+        return train(cfg, layout, device, log, latest or 0)
     finally:
         if lock is not None:
             lock.release()
@@ -172,8 +172,9 @@ def hold_run_dir(run_dir: Path, rank: int) -> RunLock | None:
     return lock
 
 
-def train(cfg: Config, layout, device, log) -> dict:
-    """The run after its checks and with its run.dir held: model, optimizer, data, the loop."""
+def train(cfg: Config, layout, device, log, start: int) -> dict:
+    """The run after its checks and with its run.dir held: model, optimizer, data, the loop, from
+    step `start` (the checkpoint run() found, or 0)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
     run_dir = Path(cfg.run.dir)
@@ -183,7 +184,6 @@ def train(cfg: Config, layout, device, log) -> dict:
     paper_analyses.watch_routers(model)  # the analyses read each router's last input on logging steps
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
-    start = ckpts.latest() or 0  # a layout change on resume was refused by the preflight
     if cfg.train.init_weights and not start:
         load_full_state_dict(model, torch.load(cfg.train.init_weights, map_location=device, weights_only=True))
     steps = total_steps(cfg, model)

@@ -94,12 +94,18 @@ def _command(pid: int) -> str:
         return ""
 
 
-def _parent(pid: int) -> int:
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parent(pid: int) -> int:
+    fields = proc_stat(pid)
+    return int(fields[1]) if fields and len(fields) > 1 else 0
 
 
 def watch_launcher():
@@ -108,6 +114,7 @@ def watch_launcher():
     gone, this process stops as on SIGTERM (after the step, with a checkpoint). A daemon thread
     polls every WATCH_S; nothing is watched outside a launcher (plain python, Slurm's srun)."""
     import threading
+    import time
     watched = []
     pid = os.getpid()
     for _ in range(2):
@@ -126,7 +133,7 @@ def watch_launcher():
                           file=sys.stderr, flush=True)
                 _record(signal.SIGTERM)
                 return
-            threading.Event().wait(WATCH_S)
+            time.sleep(WATCH_S)
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return watched

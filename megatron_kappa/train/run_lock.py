@@ -20,29 +20,21 @@ import time
 from pathlib import Path
 
 from megatron_kappa.config import ConfigError
+from megatron_kappa.train.preemption import proc_stat
 
 STALE_AFTER_S = 90.0  # no heartbeat for this long: the holder is gone
 HEARTBEAT_S = 15.0
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _start_time(pid: int) -> str | None:
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     return fields[19] if fields and len(fields) > 19 else None  # starttime, in clock ticks since boot
 
 
 def _alive(pid: int, started: str | None = None) -> bool:
     """Whether the lock's holder still runs: not gone, not a zombie (a killed rank whose parent died
     too may never be reaped), and not another process that got its pid (the start time differs)."""
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     if fields is None:
         if os.path.isdir("/proc"):
             return False

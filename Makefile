@@ -21,7 +21,12 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-venv: $(VENV)/.installed
+# The launchers' own notices are filtered too: a start-up hook in the environment (megatron_kappa/quiet.py).
+$(VENV)/.quiet-hook: $(VENV)/.installed megatron_kappa/quiet.py
+	$(PY) -m megatron_kappa.quiet --install-hook
+	touch $@
+
+venv: $(VENV)/.installed $(VENV)/.quiet-hook
 
 # Everything: the unit tests on two pytest workers; then the tests marked `slow` (multi-process
 # launches, end-to-end training) on two workers a file each, as their launches leave a core idle

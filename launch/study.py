@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from analysis.study_table import markdown, write_table
+from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError, load_config
 
 VARIANTS = {"swiglu": ["model.kappa.enabled=false"], "kappa": ["model.kappa.enabled=true"],
@@ -63,13 +64,13 @@ def parse_args(argv=None):
                     help="config overrides for the κ variants only, after --set (the paper-time code's κ "
                          "arm: model.moe.aux_loss=5e-4; docs/recipe.md)")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
-    ap.add_argument("--nproc", type=int, default=None,
+    ap.add_argument("--nproc", type=positive_int, default=None,
                     help="processes per run (default: the visible GPUs, else 1); slurm: set by --sbatch-args")
     ap.add_argument("--valid-data", nargs="+", default=None, metavar="PREFIX",
                     help="held-out shard prefixes for launch/eval_loss.py (default: data.valid_paths)")
-    ap.add_argument("--valid-max-tokens", type=int, default=None, help="score at most this many validation tokens")
+    ap.add_argument("--valid-max-tokens", type=positive_int, default=None, help="score at most this many validation tokens")
     ap.add_argument("--core-bundle", default=None, help="CORE bundle (default: eval.core_bundle)")
-    ap.add_argument("--core-max-per-task", type=int, default=None, help="CORE items per task (default: all)")
+    ap.add_argument("--core-max-per-task", type=positive_int, default=None, help="CORE items per task (default: all)")
     ap.add_argument("--no-core", action="store_true", help="no CORE evaluation (the column stays empty)")
     ap.add_argument("--sbatch-args", default="", help="extra sbatch options for every job (slurm), e.g. "
                                                       "'-p gpu --time=2-00:00:00'")
@@ -106,8 +107,28 @@ def variant_sets(args, variant: str) -> list[str]:
     return [*args.set, *(args.kappa_set if VARIANTS[variant] != VARIANTS["swiglu"] else [])]
 
 
+def _check_flags(args):
+    """The flags that are not config keys: one line each, before any config is read."""
+    if not Path(args.config).is_file():
+        raise StudyError(f"--config: {args.config}: no such file")
+    existing = Path(args.dir).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StudyError(f"--dir: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StudyError(f"--dir: {existing} is not writable")
+    try:
+        shlex.split(args.sbatch_args)
+    except ValueError as e:
+        raise StudyError(f"--sbatch-args: {e} in {args.sbatch_args!r}") from None
+    if args.core_bundle and args.no_core:
+        raise StudyError("--core-bundle and --no-core: give one of them")
+
+
 def plan(args) -> tuple[list[Run], dict]:
     """Check every input before anything runs; returns the runs and the evaluation inputs."""
+    _check_flags(args)
     variants = _split(args.variants, "variants")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -116,12 +137,13 @@ def plan(args) -> tuple[list[Run], dict]:
     study = Path(args.dir)
     runs = [Run(study, v, s, variant_sets(args, v)) for v in variants for s in seeds]
     from megatron_kappa.data.blend import parse_blend
-    from megatron_kappa.preflight import check_data, check_tokenizer, preflight
+    from megatron_kappa.preflight import check_data, check_run_dir, check_tokenizer, preflight
     nproc = args.nproc or _visible_gpus() or 1
     cfgs = {}
     for run in runs:
         cfg = load_config(args.config, run.sets)  # ConfigError names the key
         if args.launcher == "slurm":  # the world is the job's: only the world-free checks here
+            check_run_dir(cfg)
             check_data(cfg)
             check_tokenizer(cfg)
         else:

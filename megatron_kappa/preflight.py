@@ -178,7 +178,8 @@ def check_resume(cfg: Config, world: int):
 
 
 def check_run_dir(cfg: Config):
-    """run.dir can be made and written, and no live training holds it (megatron_kappa.train.run_lock)."""
+    """run.dir can be made and written, and no live training holds it (megatron_kappa.train.run_lock;
+    asked on rank 0, which takes the lock)."""
     from megatron_kappa.train.run_lock import RunLock
     path = os.path.abspath(cfg.run.dir)
     existing = path
@@ -189,7 +190,9 @@ def check_run_dir(cfg: Config):
                           ("" if existing == path else f" (under which {path} would go)"))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"config: run.dir: {existing} is not writable")
-    RunLock(path).check()
+    env = launch_env.from_environment()
+    if env is None or env["rank"] == 0:  # the rank that takes the lock: only it can tell a holder
+        RunLock(path).check()            # of its own host that died (the other hosts' ranks cannot)
 
 
 def preflight(cfg: Config, world: int | None = None):

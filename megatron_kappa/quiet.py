@@ -1,7 +1,11 @@
 """The library messages known to be harmless here, kept out of every command's output.
 
-`install()` runs when the package is first imported (megatron_kappa/__init__.py), in every process
+`install()` runs when the package is first imported (megatron_kappa/__init__.py), in every rank
 of every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything.
+The launchers themselves (torchrun, the deepspeed runner and its launch.py) never import the
+package, so `make venv` adds a one-line `megatron_kappa_quiet.pth` to the environment's
+site-packages (`python -m megatron_kappa.quiet --install-hook`): every Python process of the
+environment imports the package at start-up, and the same filters cover the launchers' notices.
 It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
 filter on the logger that emits it); any other warning still shows. KAPPA_SHOW_WARNINGS=1 in the
 environment shows them all.
@@ -21,11 +25,16 @@ KNOWN_WARNINGS = [
     (UserWarning, r"Apex is not installed\. Falling back to Torch Norm"),  # the norms are torch's (intended)
     (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_modules"),  # megatron's own default
     (UserWarning, r"The pad token id in the tokenizer collides"),  # the mock dataset's tokenizer
+    # torch 2.14 renamed it; DeepSpeed's ZeRO, megatron-core and torch 2.11 (the GPU image) use the old name
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
 ]
 # logger name → message regexes: log records, with why
 KNOWN_LOG_LINES = {
     "torch.utils.cpp_extension": [r"No CUDA runtime is found"],  # a CPU machine
-    "DeepSpeed": [r"Setting accelerator to CPU"],  # DS_ACCELERATOR=cpu, as asked
+    # DS_ACCELERATOR=cpu, as asked; one host needs no hostfile (several: `--hostfile`, docs/multinode.md)
+    "DeepSpeed": [r"Setting accelerator to CPU", r"Unable to find hostfile, will proceed with training with local"],
+    # torchrun's advice when OMP_NUM_THREADS is unset: it sets 1 per rank, what CPU ranks want
+    "torch.distributed.run": [r"Setting OMP_NUM_THREADS environment variable for each process"],
     "megatron.core.models.gpt.gpt_model": [r"GPTModel IS DEPRECATED"],  # megatron-core 0.19's notice
     "megatron.core.tensor_parallel.random": [r"CPU RNG state changed within GPU RNG context"],  # CPU runs
 }
@@ -57,3 +66,26 @@ def install() -> bool:
         logging.getLogger(name).addFilter(_DropKnown(patterns))
     _installed = True
     return True
+
+
+HOOK = "megatron_kappa_quiet.pth"
+
+
+def install_hook(site_packages: str) -> str:
+    """Write the start-up hook into `site_packages` (temp name, then rename); its path."""
+    path = os.path.join(site_packages, HOOK)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:  # a .pth line that starts with "import" is executed at start-up
+        f.write("import megatron_kappa  # the library notices known harmless (megatron_kappa/quiet.py)\n")
+    os.replace(tmp, path)
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
+    import sysconfig
+    p = argparse.ArgumentParser(prog="python -m megatron_kappa.quiet", description=__doc__.splitlines()[0])
+    p.add_argument("--install-hook", action="store_true", required=True,
+                   help=f"write {HOOK} into this environment's site-packages")
+    p.parse_args()
+    print(install_hook(sysconfig.get_paths()["purelib"]))

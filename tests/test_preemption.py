@@ -96,8 +96,10 @@ def test_handlers_record_instead_of_dying():
 # ---- two processes (gloo), no model ----------------------------------------------------------
 
 WORKER = r'''
-import json, os, random, signal, sys, time
+import json, os, random, signal, socket, sys, time
 sys.path.insert(0, os.environ["KAPPA_ROOT"])
+# two "hosts" on one machine: ranks 0, 1 on hostA, the others on hostB (the names failures.py reports)
+socket.gethostname = lambda: "hostA" if int(os.environ["RANK"]) < 2 else "hostB"
 from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.train import preemption
 preemption.install()
@@ -123,8 +125,9 @@ if mode == "agree":
 else:
     import torch
     dist.all_reduce(torch.ones(1))
-    if rank == 1:
-        if mode == "die":
+    dying = {"die": [1], "die_host": [2, 3], "die_one_of_host": [3], "die_store": [0]}.get(mode, [1])
+    if rank in dying:
+        if mode.startswith("die"):
             os._exit(9)
         time.sleep(300)   # "hang": alive, never at the next collective
         os._exit(0)
@@ -139,17 +142,18 @@ os._exit(0)
 '''
 
 
-def two_ranks(tmp_path, mode, timeout_s=60, **env):
+def two_ranks(tmp_path, mode, timeout_s=60, world=2, **env):
     from megatron_kappa.parallel.launch_env import free_port
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     port, out = free_port(), tmp_path / "out"
     procs = [subprocess.Popen([sys.executable, str(script), mode, str(out)], env={
-        **os.environ, "KAPPA_ROOT": str(ROOT), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env}) for r in range(2)]
+        **os.environ, "KAPPA_ROOT": str(ROOT), "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env}) for r in range(world)]
     try:
         procs[0].wait(timeout_s)  # a bound: rank 1 may be "hung" for much longer
-        procs[1].wait(10 if mode != "hang" else 0.1)
+        for p in procs[1:]:
+            p.wait(30 if mode != "hang" else 0.1)
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -157,7 +161,7 @@ def two_ranks(tmp_path, mode, timeout_s=60, **env):
             if p.poll() is None:
                 p.kill()
     return [json.loads(Path(f"{out}.{r}").read_text()) if Path(f"{out}.{r}").exists() else None
-            for r in range(2)]
+            for r in range(world)]
 
 
 @pytest.mark.slow
@@ -181,7 +185,27 @@ def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
 @pytest.mark.slow
 def test_a_dead_rank_is_reported(tmp_path):
     r0, _ = two_ranks(tmp_path, "die", TIMEOUT_S="30")
-    assert "a rank has died" in r0["note"], r0
+    assert r0["note"].endswith("rank 1 did not answer a roll call within 10 s: gone (on hostA: rank 1)"), r0
+
+
+@pytest.mark.slow
+def test_every_survivor_names_the_lost_host(tmp_path):
+    """4 ranks, 2 "hosts"; hostB's ranks die during a collective. Both survivors name hostB and
+    its ranks, whatever closed first on their side (issue 34: srun could report a survivor's
+    error first, and the job log then named the wrong host). Controls: one rank of hostB dying is
+    named alone; rank 0 (the store's holder) dying is named by its host."""
+    found = two_ranks(tmp_path, "die_host", world=4, TIMEOUT_S="30")
+    for r in found[:2]:
+        assert r["note"].endswith("ranks 2, 3 did not answer a roll call within 10 s: gone (on hostB: ranks 2, 3)"), r
+    assert found[2:] == [None, None]
+    (tmp_path / "one").mkdir(), (tmp_path / "store").mkdir()
+    found = two_ranks(tmp_path / "one", "die_one_of_host", world=4, TIMEOUT_S="30")
+    for r in found[:3]:
+        assert r["note"].endswith("rank 3 did not answer a roll call within 10 s: gone (on hostB: rank 3)"), r
+    found = two_ranks(tmp_path / "store", "die_store", world=4, TIMEOUT_S="30")
+    for r in found[1:]:
+        assert r["note"].endswith("the rendezvous store (rank 0's, on hostA) cannot be reached: hostA is lost, "
+                                  "or this host's link"), r
 
 
 def test_timeout_config_is_checked():
@@ -295,3 +319,51 @@ def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1
     got, ref = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
     assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, steps + 1))
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref)) <= 1e-6
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed-launch.py"])
+def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path, launcher):
+    """SIGTERM to torchrun, or to DeepSpeed's launch.py (the runner's child), alone, not to the
+    group: the launcher ends its 2 ranks with SIGTERM and a grace period, in which they agree on
+    a step, checkpoint there and exit; the rerun resumes from that checkpoint and finishes."""
+    from test_training import deepspeed_cmd, env
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    from megatron_kappa.parallel.launch_env import free_port
+    steps = 200
+    args = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *SETTINGS, f"train.steps={steps}",
+            f"run.dir={tmp_path}", "parallel.ep=2"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
+    else:
+        cmd = deepspeed_cmd(*args, port=free_port())
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(proc, 2)
+    target = proc.pid
+    if launcher != "torchrun":  # the runner's child: python -m deepspeed.launcher.launch
+        target = next(p for p in _children(proc.pid)
+                      if b"deepspeed.launcher.launch" in Path(f"/proc/{p}/cmdline").read_bytes())
+    os.kill(target, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    stopped = CheckpointDir(tmp_path).latest()
+    assert stopped is not None and 2 <= stopped < 20 and f"stopped at step {stopped}/{steps} on SIGTERM" in out, \
+        out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    if launcher != "torchrun":
+        cmd = deepspeed_cmd(*args, port=free_port())
+    resumed = subprocess.run([*cmd, f"train.steps={stopped + 2}"], cwd=ROOT, env=env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0 and f"resumed from {tmp_path}/checkpoints/step_{stopped}" in resumed.stdout, \
+        resumed.stdout[-2000:] + resumed.stderr[-2000:]

@@ -238,3 +238,34 @@ def test_summary_statistics_and_pairing():
     assert table["missing"] == ["kappa-seed28"] and table["variants"][1]["vs_baseline"]["valid_loss"]["n"] == 2
     md = study_table.markdown(table)
     assert "| kappa | 24,26 |" in md and "Not finished" in md
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc", "0"], "argument --nproc: expected a positive integer, got '0'"),
+    (["--nproc", "-1"], "argument --nproc: expected a positive integer, got '-1'"),
+    (["--valid-max-tokens", "0"], "argument --valid-max-tokens: expected a positive integer"),
+    (["--core-max-per-task", "-1"], "argument --core-max-per-task: expected a positive integer"),
+    (["--launcher", "mpirun"], "argument --launcher: invalid choice: 'mpirun'"),
+])
+def test_study_numbers_are_argparse_errors(flags, message, capsys):
+    from launch import study
+    with pytest.raises(SystemExit) as e:
+        study.parse_args(["--config", "configs/tiny.yaml", "--dir", "x", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+    study.parse_args(["--config", "configs/tiny.yaml", "--dir", "x", "--nproc", "2"])  # a good value passes
+
+
+def test_study_flags_are_checked_before_any_config(tmp_path):
+    """The flags that are not config keys: one line naming the flag, before any run or config."""
+    from launch import study
+    (tmp_path / "file").write_text("")
+    base = ["--config", str(ROOT / "configs/tiny.yaml"), "--dir", str(tmp_path / "study")]
+    cases = [(["--config", str(tmp_path / "none.yaml")], "--config: " + str(tmp_path / "none.yaml") + ": no such file"),
+             (["--dir", str(tmp_path / "file" / "study")], f"--dir: {tmp_path / 'file'} is a file, not a folder"),
+             (["--sbatch-args", "-p 'gpu"], "--sbatch-args: No closing quotation in \"-p 'gpu\""),
+             (["--no-core", "--core-bundle", "b.zip"], "--core-bundle and --no-core: give one of them")]
+    for flags, message in cases:
+        with pytest.raises(study.StudyError) as e:
+            study._check_flags(study.parse_args([*base, *flags]))
+        assert str(e.value) == message
+    study._check_flags(study.parse_args(base))  # control: the same flags, good, pass

@@ -33,7 +33,8 @@ from megatron_kappa.parallel.launch_env import DEVICE_ENV
 from megatron_kappa.parallel.layout import check_layout
 
 _device: torch.device | None = None
-_control: tuple | None = None  # (the default group it was made for, the gloo control group)
+_control: tuple | None = None  # (the default group it was made for, the gloo control group, hosts)
+_controls_made = 0  # in this process: the same count on every rank (the roll call's key)
 _timeout_s: float | None = None  # of the last init_distributed
 
 
@@ -165,14 +166,17 @@ def control_group() -> dist.ProcessGroup:
     the default group exists (a collective call: every rank makes it at the same point), with the
     timeout of the last `init_distributed`. Its first message is every rank's host name
     (`rank_hosts`), so that a failure later can say where the ranks that stopped answering run."""
-    global _control
+    global _control, _controls_made
     world = dist.group.WORLD
     if _control is None or _control[0] is not world:
+        from megatron_kappa.parallel import failures
         timeout = datetime.timedelta(seconds=_timeout_s) if _timeout_s else None
         group = dist.new_group(backend="gloo", timeout=timeout)
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         _control = (world, group, hosts)
+        _controls_made += 1
+        failures.answer_roll_calls(_controls_made)
     return _control[1]
 
 
@@ -197,11 +201,13 @@ def teardown(peers_alive: bool = True):
     `peers_alive`: every rank reached this point (normal end): a barrier first, so no rank closes
     its connections while a peer still waits on one of them. After a failure, no barrier."""
     global _control
+    from megatron_kappa.parallel import failures
     if dist.is_initialized() and peers_alive and dist.get_world_size() > 1:
         try:
             dist.barrier(group=control_group())
         except RuntimeError:  # a peer already gone (it failed after all): nobody left to wait for
-            pass
+            peers_alive = False
+    failures.stop_answering(release=peers_alive)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _control = None

@@ -34,7 +34,9 @@ KNOWN_LOG_LINES = {
     # DS_ACCELERATOR=cpu, as asked; one host needs no hostfile (several: `--hostfile`, docs/multinode.md)
     "DeepSpeed": [r"Setting accelerator to CPU", r"Unable to find hostfile, will proceed with training with local"],
     # torchrun's advice when OMP_NUM_THREADS is unset: it sets 1 per rank, what CPU ranks want
+    # (its logger is "__main__" when run as `python -m torch.distributed.run`)
     "torch.distributed.run": [r"Setting OMP_NUM_THREADS environment variable for each process"],
+    "__main__": [r"Setting OMP_NUM_THREADS environment variable for each process"],
     "megatron.core.models.gpt.gpt_model": [r"GPTModel IS DEPRECATED"],  # megatron-core 0.19's notice
     "megatron.core.tensor_parallel.random": [r"CPU RNG state changed within GPU RNG context"],  # CPU runs
 }

@@ -360,7 +360,8 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
     stopped = CheckpointDir(tmp_path).latest()
     assert stopped is not None and 2 <= stopped < 20 and f"stopped at step {stopped}/{steps} on SIGTERM" in out, \
         out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
+    # no rank's traceback; torchrun itself ends a SIGTERM with its own (torch's SignalException)
+    assert all("SignalException" in t and "got signal: 15" in t for t in out.split("Traceback")[1:]), out[-3000:]
     if launcher != "torchrun":
         cmd = deepspeed_cmd(*args, port=free_port())
     resumed = subprocess.run([*cmd, f"train.steps={stopped + 2}"], cwd=ROOT, env=env(), capture_output=True,

@@ -160,20 +160,14 @@ def check_eval(cfg: Config):
 
 
 def check_resume(cfg: Config, world: int):
-    """A checkpoint in run.dir must have been written with this layout (conversion: see
-    launch/consolidate.py and train.init_weights)."""
+    """A checkpoint in run.dir must hold this model and optimizer (megatron_kappa.checkpoint.resume
+    lists the keys); the layout may change unless it is of format 1."""
     ckpts = CheckpointDir(cfg.run.dir)
     step = ckpts.latest()
     if step is None:
         return
     meta = ckpts.meta(step)
-    saved = meta["layout"]
-    now = layout_record(cfg.parallel, world)
-    if saved != now:
-        raise ConfigError(f"config: parallel: checkpoint {ckpts.folder(step)} was written with {saved}, "
-                          f"this run is {now} (start a new run.dir from `launch/consolidate.py` "
-                          "weights with train.init_weights to change the layout)")
-    # the model and optimizer state it holds (megatron_kappa.checkpoint.resume lists the keys)
+    resume.check_layout(meta, layout_record(cfg.parallel, world), to_dict(cfg), str(ckpts.folder(step)))
     resume.check(meta.get("config"), to_dict(cfg), str(ckpts.folder(step)))
 
 

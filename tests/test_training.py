@@ -228,22 +228,21 @@ def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
     assert [r["step"] for r in records(tmp_path / "killed")] == list(range(1, steps + 1))
 
 
-def test_interrupted_checkpoint_write_keeps_previous(tmp_path, world1):
+def test_interrupted_checkpoint_write_keeps_previous(tmp_path, world1, monkeypatch):
+    from megatron_kappa.checkpoint import store
     from megatron_kappa.checkpoint.store import Checkpoints
 
-    class DyingEngine:
-        has_moe_layers = False
-
-        def save_checkpoint(self, root, tag, save_latest):
-            (Path(root) / tag / "mp_rank_00_model_states.pt").write_bytes(b"partial")
-            raise KeyboardInterrupt  # the process dies mid-write
+    def dying_save(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise KeyboardInterrupt  # the process dies mid-write
 
     ckpts = Checkpoints(tmp_path, keep=2)
     good = ckpts.root / "step_2"
     good.mkdir(parents=True)
     (good / "meta.json").write_text('{"step": 2}')
+    monkeypatch.setattr(store.torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        ckpts.save(DyingEngine(), 4, {}, {})
+        ckpts._write(4, {}, {"weights": {}})
     assert ckpts.latest() == 2 and ckpts.complete() == [2]
     assert not (ckpts.root / "step_4").exists()
 

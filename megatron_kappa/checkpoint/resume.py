@@ -15,8 +15,9 @@ from megatron_kappa.config.schema import flat_keys
 
 # The keys (dotted; a section name covers all of it) whose change gives other parameters or
 # buffers, other shapes, names or dtypes, or another optimizer-group structure (model.block and
-# model.aspect_ratio through the keys they set; zero.stage: the saved partitions). parallel.* is the
-# layout check's.
+# model.aspect_ratio through the keys they set). The layout (parallel.*) and zero.stage are free
+# for checkpoints of format 2 (parameter-shaped optimizer state, megatron_kappa.checkpoint.store);
+# format 1 ones hold ZeRO's partitions of one layout: `check_layout` refuses a change there.
 SHAPES_STATE = (
     "model.block", "model.aspect_ratio", "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
     "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.layout", "model.first_dense",
@@ -24,10 +25,10 @@ SHAPES_STATE = (
     "model.moe.num_experts", "model.moe.ffn_hidden_size", "model.moe.shared_ffn_hidden_size",
     "model.moe.router", "model.moe.grouped_gemm",
     "model.kappa.enabled", "model.kappa.use_alpha", "model.kappa.use_bias",
-    "precision", "train.optimizer", "train.router_optimizer", "zero.stage",
+    "precision", "train.optimizer", "train.router_optimizer",
 )
 # Derived or recorded by the trainer itself, not the user's to compare.
-IGNORED = ("parallel", "run.dir", "data.bos", "train.init_weights")
+IGNORED = ("parallel", "run.dir", "data.bos", "train.init_weights", "zero.stage")
 
 
 def _covered(key: str, names) -> bool:
@@ -53,6 +54,19 @@ def check(saved: dict | None, now: dict, checkpoint: str):
         listed = ", ".join(f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in refused)
         raise ConfigError(f"config: {listed}: checkpoint {checkpoint} holds another model or optimizer state; "
                           "resume with its values, or start a new run.dir (train.init_weights for its weights)")
+
+
+def check_layout(meta: dict, now_layout: dict, now: dict, checkpoint: str):
+    """A format-1 checkpoint (DeepSpeed's ZeRO files) loads only in the layout and ZeRO stage
+    that wrote it; format 2 loads in any (megatron_kappa.checkpoint.store)."""
+    if meta.get("format", 1) >= 2:
+        return
+    saved_stage = (meta.get("config") or {}).get("zero", {}).get("stage", now["zero"]["stage"])
+    if meta["layout"] != now_layout or saved_stage != now["zero"]["stage"]:
+        raise ConfigError(f"config: parallel: checkpoint {checkpoint} (format 1, written before checkpoints "
+                          f"resharded) loads only in its own layout {meta['layout']} with zero.stage "
+                          f"{saved_stage}; this run is {now_layout} with zero.stage {now['zero']['stage']}: "
+                          "resume once in its layout, and the next checkpoint loads in any")
 
 
 def record(run_dir, config: dict, start: int):

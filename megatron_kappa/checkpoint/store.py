@@ -1,21 +1,22 @@
-"""Atomic, resumable checkpoints that store every weight once.
+"""Atomic, resumable checkpoints that store every weight once and load into any layout.
 
 Layout: <run.dir>/checkpoints/step_<N>/ (published by one rename once every rank has written),
 <run.dir>/checkpoints/latest (written to a temp name, then renamed). A kill at any moment leaves
 the previous checkpoint untouched; half-written ones live under checkpoints/.tmp/ and are ignored.
 
-What is stored, and where:
-  - DeepSpeed's ZeRO files: the optimizer state, including ZeRO's fp32 master copy of every
-    parameter (partitioned over the data-parallel ranks). Resume restores the weights from that
-    master copy (`update_lp_params`), so DeepSpeed's own module file is written empty: with
-    megatron experts it would hold only DP-rank 0's experts anyway, and a second copy of the
-    dense weights.
-  - rank_<r>.pt per rank: RNG states, where the rank's tensors sit in the full layout (coords),
-    its buffers (e.g. the router's expert bias), and the parameters this rank *owns*: dense ones on
-    data-parallel rank 0, expert ones on expert-data-parallel rank 0 — each weight once
-    (megatron_kappa.parallel.sharding.owned_parameters). Evaluation and consolidation read those.
-DeepSpeed's MoE checkpoint path expects its native experts, hence `has_moe_layers` is off around
-save/load (the experts are megatron's; see megatron_kappa.parallel.engine).
+What is stored (format 2): one file per rank, rank_<r>.pt, with
+  - "weights": the parameters and buffers this rank *owns* (dense ones on data-parallel rank 0,
+    expert ones on expert-data-parallel rank 0: each weight once; sharding.owned_state), and
+    "coords", where its tensors sit in the full layout;
+  - "optimizer": for the same owned parameters, ZeRO's fp32 master copy and the optimizer's
+    moments (AdamW's exp_avg/exp_avg_sq, Muon's momentum) shaped like the weights, and
+    "optimizer_steps" (checkpoint/optimizer_state.py);
+  - "rng": the rank's random states (restored when the layout is unchanged).
+Nothing in it depends on ZeRO's flat partitions, so `load` restores a checkpoint into any TP, EP,
+ETP, PP, DP layout, world size and ZeRO stage: the full tensors are assembled from the owners'
+files (sharding.consolidate; each file is memory-mapped) and each rank takes its fragments.
+Format 1 checkpoints (earlier versions: DeepSpeed's ZeRO files beside rank files without the
+optimizer) still load, in the layout that wrote them.
 """
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_kappa.checkpoint import optimizer_state
 from megatron_kappa.checkpoint.listing import CheckpointDir, CheckpointSaveError, atomic_write_text
+from megatron_kappa.parallel import sharding
+
+FORMAT = 2  # meta.json "format": 2 = parameter-shaped optimizer state (any layout); absent = 1
 
 
 def rng_state(device: torch.device) -> dict:
@@ -75,12 +80,20 @@ class Checkpoints(CheckpointDir):
     """The checkpoints of a run: the listing, plus saving and loading through a DeepSpeed engine."""
 
     def rank_files(self, step: int, map_location="cpu") -> list[dict]:
-        """Every rank's file of a checkpoint (offline; no process group needed)."""
+        """Every rank's file of a checkpoint (offline; no process group needed), memory-mapped:
+        a tensor is read from disk only when used."""
         world = self.meta(step)["layout"]["world"]
         return [torch.load(self.folder(step) / f"rank_{r}.pt", map_location=map_location,
-                           weights_only=False) for r in range(world)]
+                           weights_only=False, mmap=True) for r in range(world)]
 
-    def save(self, engine, step: int, meta: dict, rank_state: dict):
+    def save(self, engine, model, step: int, meta: dict, device: torch.device):
+        """Checkpoint `step` of `model` trained by `engine` (collective: every rank calls it)."""
+        moments, steps = optimizer_state.by_parameter(engine, model)
+        rank_state = {"rng": rng_state(device), "coords": sharding.rank_coords(model),
+                      "weights": sharding.owned_state(model), "optimizer": moments, "optimizer_steps": steps}
+        self._write(step, {**meta, "format": FORMAT}, rank_state)
+
+    def _write(self, step: int, meta: dict, rank_state: dict):
         """Write checkpoint `step`: every rank's files into checkpoints/.tmp/step_<N>, then rank 0
         records every file's size in meta.json (what `verify` checks) and moves it in place. A
         failure on any rank (no space, an I/O error) removes the partial files, leaves the previous
@@ -104,8 +117,6 @@ class Checkpoints(CheckpointDir):
             staging.mkdir(parents=True)
 
         def write_own():
-            with _deepspeed_without_module_copy(engine):
-                engine.save_checkpoint(str(self.tmp), tag=tag, save_latest=False)
             torch.save(rank_state, staging / f"rank_{rank}.pt.tmp")
             os.replace(staging / f"rank_{rank}.pt.tmp", staging / f"rank_{rank}.pt")
 
@@ -130,9 +141,27 @@ class Checkpoints(CheckpointDir):
                     f"checkpoint {self.folder(step)}: saving failed ({failed}); its partial files are removed, "
                     + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint exists yet"))
 
-    def load(self, engine, step: int, device: torch.device) -> dict:
-        """Restore the engine (ZeRO optimizer state and, from its fp32 master copy, the weights);
-        returns this rank's own file."""
+    def load(self, engine, model, step: int, device: torch.device, same_layout: bool):
+        """Restore checkpoint `step` into `model` and `engine` (collective): the weights and
+        buffers, ZeRO's fp32 master copy and the optimizer state, in this run's layout whatever
+        the checkpoint's; the random states too when `same_layout`."""
+        if self.meta(step).get("format", 1) < FORMAT:
+            self._load_format1(engine, model, step, device)
+            return
+        files = self.rank_files(step)  # memory-mapped: only the pieces this rank's tensors need are read
+        coords, wanted = [f["coords"] for f in files], sharding.full_names(model)
+        sharding.load_full_state_dict(model, sharding.consolidate(list(zip(coords, (f["weights"] for f in files))),
+                                                                  wanted))
+        kinds = sorted(set().union(*(f["optimizer"].keys() for f in files)))
+        full = {k: sharding.consolidate([(c, f["optimizer"].get(k, {})) for c, f in zip(coords, files)], wanted)
+                for k in kinds}
+        steps = {n: v for f in files for n, v in f["optimizer_steps"].items()}
+        optimizer_state.restore(engine, model, full, steps)
+        if same_layout:
+            set_rng_state(files[dist.get_rank()]["rng"], device)
+
+    def _load_format1(self, engine, model, step: int, device: torch.device):
+        """A checkpoint of format 1 (DeepSpeed's ZeRO files; its own layout only)."""
         tag = f"step_{step}"
         with _deepspeed_without_module_copy(engine):
             path, _ = engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
@@ -142,5 +171,6 @@ class Checkpoints(CheckpointDir):
         # ZeRO copies its fp32 partitions back into the model only at the next step; without this
         # the first resumed forward would use the weights the engine was built with.
         engine.optimizer.update_lp_params()
-        return torch.load(self.folder(step) / f"rank_{dist.get_rank()}.pt", map_location=device,
-                          weights_only=False)
+        saved = torch.load(self.folder(step) / f"rank_{dist.get_rank()}.pt", map_location=device, weights_only=False)
+        model.load_state_dict(saved["buffers"], strict=False)
+        set_rng_state(saved["rng"], device)

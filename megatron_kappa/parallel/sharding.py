@@ -63,18 +63,27 @@ def _tp_join(pieces: list[torch.Tensor], name: str, dim: int) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def local_shard(full_state: dict, name: str, local: torch.Tensor, model) -> torch.Tensor:
-    """This rank's piece of the full tensor that corresponds to local parameter `name`."""
+def global_name(model, name: str) -> str:
+    """The full model's name of this rank's state entry `name` (its expert index and layer number)."""
+    return shift_layers(_global_name(name, ps.get_expert_model_parallel_rank(), _num_local_experts(model)),
+                        layer_offset(model))
+
+
+def local_shard(full_state: dict, name: str, local: torch.Tensor, model, split_dim="local") -> torch.Tensor:
+    """This rank's piece of the full tensor that corresponds to local parameter `name` (split
+    along `split_dim` by TP: by default what megatron marked on `local`)."""
+    if split_dim == "local":
+        split_dim = local.partition_dim if getattr(local, "tensor_model_parallel", False) else None
     num_local, ep_rank = _num_local_experts(model), ps.get_expert_model_parallel_rank()
-    key = shift_layers(_global_name(name, ep_rank, num_local), layer_offset(model))
+    key = global_name(model, name)
     if key not in full_state:
         raise KeyError(f"full state dict has no '{key}' (for local '{name}')")
     tensor = full_state[key]
     if _is_kappa(name):
         tensor = tensor[ep_rank * num_local: (ep_rank + 1) * num_local]
-    if getattr(local, "tensor_model_parallel", False):
+    if split_dim is not None:
         _, rank, size = _tp(name)
-        tensor = _tp_pieces(tensor, name, local.partition_dim, size)[rank]
+        tensor = _tp_pieces(tensor, name, split_dim, size)[rank]
     if tensor.shape != local.shape:
         raise ValueError(f"'{name}': full-layout shard has shape {tuple(tensor.shape)}, "
                          f"the local parameter {tuple(local.shape)}")
@@ -86,6 +95,27 @@ def load_full_state_dict(model, full_state: dict):
     """Copy a single-process state dict into this rank's (sharded) model."""
     for name, tensor in _state(model).items():
         tensor.copy_(local_shard(full_state, name, tensor, model))
+
+
+def full_names(model) -> set[str]:
+    """The full model's names of every parameter and buffer this rank holds (what it needs from
+    a full state dict: `consolidate(..., wanted=full_names(model))`)."""
+    return {global_name(model, n) for n in _state(model)}
+
+
+def local_parameters(model, full_state: dict) -> dict:
+    """{parameter name: this rank's shard, shaped like the parameter} from a full state dict of
+    any per-parameter quantity (e.g. an optimizer moment in fp32, keeping its dtype), for the
+    parameters it covers."""
+    shards = {}
+    for name, param in model.named_parameters():
+        try:
+            pieces = [local_shard(full_state, state_name, view, model, split_dim=dim)
+                      for state_name, view, dim in _per_expert(name, param, param.detach())]
+        except KeyError:  # not a quantity this parameter has (e.g. Muon's momentum of an AdamW one)
+            continue
+        shards[name] = pieces[0] if getattr(param, "expert_stack", None) is None else torch.stack(pieces)
+    return shards
 
 
 @torch.no_grad()
@@ -202,15 +232,16 @@ def global_numel(name: str, param) -> int:
     return n
 
 
-def consolidate(ranks: list[tuple[dict, dict]]) -> dict:
+def consolidate(ranks: list[tuple[dict, dict]], wanted=None) -> dict:
     """Full state dict from every rank's (coords, owned state), offline (no process group): each
     pipeline stage's layers are assembled from that stage's ranks, then renamed to the full
-    model's layer numbers."""
+    model's layer numbers. `wanted` (a set of full names; default all): only those are assembled,
+    so only their pieces are read (from memory-mapped checkpoint files: the rest stays on disk)."""
     full = {}
     for stage in sorted({_pp(c)[0] for c, _ in ranks}):
         members = [(c, s) for c, s in ranks if _pp(c)[0] == stage]
         offset = members[0][0].get("layer_offset", 0)
-        full.update({shift_layers(n, offset): t for n, t in _consolidate_stage(members).items()})
+        full.update(_consolidate_stage(members, offset, wanted))
     return full
 
 
@@ -218,25 +249,38 @@ def _pp(coords: dict) -> list[int]:
     return coords.get("pp", [0, 1])  # checkpoints from before pipeline stages: one stage
 
 
-def _consolidate_stage(ranks: list[tuple[dict, dict]]) -> dict:
-    """The full-TP/EP state of one pipeline stage, in its local layer names."""
+def _consolidate_stage(ranks: list[tuple[dict, dict]], offset: int, wanted) -> dict:
+    """The full-TP/EP state of one pipeline stage, under the full model's names."""
     coords0 = ranks[0][0]
-    names = list(coords0["split_dim"])  # every parameter and buffer, in model order
+    present = set().union(*(s.keys() for _, s in ranks))  # e.g. an optimizer state: parameters only
+    names = [n for n in coords0["split_dim"] if n in present]  # every parameter and buffer, in model order
     dense = {c["tp"][0]: s for c, s in ranks if c["dp"][0] == 0}
     experts = {(c["ep"][0], c["etp"][0]): s for c, s in ranks if c["edp"][0] == 0}
     tp_size, ep_size, etp_size = coords0["tp"][1], coords0["ep"][1], coords0["etp"][1]
+    num_local = coords0["num_local_experts"]
     full = {}
     for name in names:
         dim = coords0["split_dim"][name]
         if not _is_expert(name):
+            if wanted is not None and shift_layers(name, offset) not in wanted:
+                continue
             pieces = [dense[r][name] for r in range(tp_size)]
-            full[name] = pieces[0] if dim is None else _tp_join(pieces, name, dim)
+            full[shift_layers(name, offset)] = pieces[0] if dim is None else _tp_join(pieces, name, dim)
+            continue
+        if wanted is not None and not any(shift_layers(_global_name(name, ep, num_local), offset) in wanted
+                                          for ep in range(ep_size)):
             continue
         per_ep = []
         for ep in range(ep_size):
+            if (wanted is not None and not _is_kappa(name)
+                    and shift_layers(_global_name(name, ep, num_local), offset) not in wanted):
+                per_ep.append(None)  # another rank's experts: not read
+                continue
             pieces = [experts[(ep, t)][name] for t in range(etp_size)]
             per_ep.append(pieces[0] if dim is None else _tp_join(pieces, name, dim))
-        _place_expert_pieces(full, name, per_ep, coords0["num_local_experts"])
+        staged = {}
+        _place_expert_pieces(staged, name, per_ep, num_local)
+        full.update({shift_layers(n, offset): t for n, t in staged.items() if t is not None})
     return full
 
 

@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_kappa import routers
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
-from megatron_kappa.checkpoint.store import Checkpoints, rng_state, set_rng_state
+from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, to_dict
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
@@ -37,7 +37,7 @@ from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.layout import layout_record
-from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, owned_state, rank_coords
+from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict
 from megatron_kappa.summary import count
 from megatron_kappa.optim import muon, optimizer as optim, schedule
 from megatron_kappa.metrics import paper_analyses, throughput
@@ -142,7 +142,9 @@ def run(cfg: Config, log=print) -> dict:
     listing = CheckpointDir(run_dir)
     latest = listing.latest()
     if latest is not None:  # a resume that changes the model or optimizer state: refused before any write
-        resume.check(listing.meta(latest).get("config"), to_dict(cfg), str(listing.folder(latest)))
+        meta, where = listing.meta(latest), str(listing.folder(latest))
+        resume.check_layout(meta, layout_record(cfg.parallel, dist.get_world_size()), to_dict(cfg), where)
+        resume.check(meta.get("config"), to_dict(cfg), where)
     lock = hold_run_dir(run_dir, rank)  # one training per run.dir, for the run's life
     try:
         if rank == 0:
@@ -195,10 +197,10 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
                                              lambda groups: optim.build_optimizer(groups, cfg))
     muon.check_zero_layout(optimizer)
     if start:
-        saved = ckpts.load(engine, start, device)
-        model.load_state_dict(saved["buffers"], strict=False)
-        set_rng_state(saved["rng"], device)
-        log(f"resumed from {ckpts.folder(start)}")
+        same_layout = ckpts.meta(start)["layout"] == layout_record(cfg.parallel, world)
+        ckpts.load(engine, model, start, device, same_layout)
+        log(f"resumed from {ckpts.folder(start)}" + ("" if same_layout else
+            f" (written with {ckpts.meta(start)['layout']}, now {layout_record(cfg.parallel, world)})"))
     metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0)
     metrics.truncate_after(start)
 
@@ -267,9 +269,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         else:
             get_moe_metrics_tracker().clear()
         if saving:
-            ckpts.save(engine, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
-                       {"rng": rng_state(device), "coords": rank_coords(model),
-                        "weights": owned_state(model), "buffers": dict(model.named_buffers())})
+            ckpts.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
+                       device)
         if stopping:
             metrics.close()
             raise Preempted(done, steps, stop.signum, ckpts.folder(done))

@@ -15,6 +15,7 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -260,7 +261,7 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
             # shutdown(cancel_futures=True) drops the queued units and lets the running ones end.
             pool = ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
                                        initializer=work.init, initargs=init_args)
-            submit = lambda unit: pool.submit(work.process, unit)  # noqa: E731
+            submit = lambda unit: _submit_ignoring_ctrl_c(pool, unit)  # noqa: E731
         else:
             work.init(*init_args)
             submit = lambda unit: _Done(work.process(unit))  # noqa: E731
@@ -290,6 +291,17 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
         bar.close()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _submit_ignoring_ctrl_c(pool, unit):
+    """pool.submit, with SIGINT ignored meanwhile: the workers are started inside submit (spawn: a
+    fresh interpreter each), and an ignored signal stays ignored across exec, so a Ctrl-C during
+    their start-up (before work.init ignores it) is not a traceback in each of them."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return pool.submit(work.process, unit)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Done:

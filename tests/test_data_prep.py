@@ -285,6 +285,37 @@ def test_resume_after_sigkill_is_byte_identical(work, tmp_path):
     assert files(killed) == files(whole)
 
 
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_and_the_rerun_finishes(work, tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once a shard is finished: one
+    line, exit 130, no traceback from the CLI or its 2 workers; the same command then finishes
+    with the uninterrupted run's bytes."""
+    inputs = [str(SAMPLE)]
+    args = ["--tokenizer", str(work / "tok.model"), "--workers", "2", "--shard-tokens", "50K",
+            "--valid-fraction", "0.02", "--quiet"]
+    prep_cli = [sys.executable, str(REPO / "data_prep" / "fineweb_edu.py"), "--input", *inputs]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([*prep_cli, "--output", str(out), *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state = out / ".progress" / "state.json"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if state.exists() and len(json.loads(state.read_text())["checkpoints"]) >= 1:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip() == "interrupted: the finished shards are kept; the same command resumes", err[-2000:]
+    assert not (out / "manifest.json").exists()
+    rerun = subprocess.run([*prep_cli, "--output", str(out), *args], env=env, capture_output=True)
+    assert rerun.returncode == 0, rerun.stderr.decode()[-2000:]
+    whole = tmp_path / "whole"
+    run(["--input", *inputs, "--output", str(whole), *args])
+    assert files(out) == files(whole)
+
+
 def expect_error(match, *argv):
     with pytest.raises(DataPrepError, match=match) as info:
         run(list(map(str, argv)))

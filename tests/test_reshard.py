@@ -3,7 +3,6 @@ resumes in another (TP, EP, PP, DP, the world size and the ZeRO stage changed) a
 steps have the losses of the run that went on in its own layout (which resumes bit-exactly:
 tests/test_preemption.py). Negative control: the optimizer moments reset instead of loaded."""
 import json
-import os
 import shutil
 import subprocess
 import sys

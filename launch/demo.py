@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from analysis.plots import make_plots
+from megatron_kappa.cli_types import positive_int
 from megatron_kappa.parallel.launch_env import free_port
 
 BUNDLE = ROOT / "tests" / "core_bundle"
@@ -43,8 +44,8 @@ def sh(cmd: list[str], **kw):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo", help="where data, run and summary go")
-    ap.add_argument("--steps", type=int, default=300, help="training steps")
-    ap.add_argument("--max-docs", type=int, default=None, help="use only this many documents")
+    ap.add_argument("--steps", type=positive_int, default=300, help="training steps")
+    ap.add_argument("--max-docs", type=positive_int, default=None, help="use only this many documents")
     args = ap.parse_args(argv)
     out = (ROOT / args.out).resolve()
     data, run_dir = out / "data", out / "run"

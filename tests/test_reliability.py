@@ -247,6 +247,8 @@ def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_p
     (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "0"], "--world"),
     (["launch/eval_core.py", "--checkpoint", "x", "--bundle", "y", "--max-per-task", "0"], "--max-per-task"),
     (["launch/eval_loss.py", "--checkpoint", "x", "--data", "y", "--max-tokens", "-5"], "--max-tokens"),
+    (["launch/demo.py", "--steps", "0"], "--steps"),
+    (["launch/demo.py", "--max-docs", "-3"], "--max-docs"),
 ])
 def test_command_line_numbers_are_checked(argv, flag):
     import sys

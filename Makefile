@@ -23,7 +23,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 # The launchers' own notices are filtered too: a start-up hook in the environment (megatron_kappa/quiet.py).
 $(VENV)/.quiet-hook: $(VENV)/.installed megatron_kappa/quiet.py
-	$(PY) -m megatron_kappa.quiet --install-hook
+	$(PY) -c 'import sysconfig; from megatron_kappa import quiet; print(quiet.install_hook(sysconfig.get_paths()["purelib"]))'
 	touch $@
 
 venv: $(VENV)/.installed $(VENV)/.quiet-hook

@@ -4,7 +4,7 @@
 of every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything.
 The launchers themselves (torchrun, the deepspeed runner and its launch.py) never import the
 package, so `make venv` adds a one-line `megatron_kappa_quiet.pth` to the environment's
-site-packages (`python -m megatron_kappa.quiet --install-hook`): every Python process of the
+site-packages (`install_hook`): every Python process of the
 environment imports the package at start-up, and the same filters cover the launchers' notices.
 It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
 filter on the logger that emits it); any other warning still shows. KAPPA_SHOW_WARNINGS=1 in the
@@ -82,12 +82,3 @@ def install_hook(site_packages: str) -> str:
     os.replace(tmp, path)
     return path
 
-
-if __name__ == "__main__":
-    import argparse
-    import sysconfig
-    p = argparse.ArgumentParser(prog="python -m megatron_kappa.quiet", description=__doc__.splitlines()[0])
-    p.add_argument("--install-hook", action="store_true", required=True,
-                   help=f"write {HOOK} into this environment's site-packages")
-    p.parse_args()
-    print(install_hook(sysconfig.get_paths()["purelib"]))

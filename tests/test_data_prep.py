@@ -252,24 +252,34 @@ def test_hub_path_with_a_local_stand_in(work, reference, tmp_path, monkeypatch):
     assert a == b
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_is_byte_identical(work, tmp_path):
-    """Kill the CLI (and its workers) once two shards are finished, rerun, compare bytes."""
+def _two_worker_prep(work):
+    """(inputs, options, the CLI up to --input, env) of a 2-worker run over the sample in small shards."""
     inputs = [str(SAMPLE)]
     args = ["--tokenizer", str(work / "tok.model"), "--workers", "2", "--shard-tokens", "50K",
             "--valid-fraction", "0.02", "--quiet"]
-    prep_cli = [sys.executable, str(REPO / "data_prep" / "fineweb_edu.py"), "--input", *inputs]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return inputs, args, [sys.executable, str(REPO / "data_prep" / "fineweb_edu.py"), "--input", *inputs], \
+        dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _signal_after_shards(proc, out, shards: int, signum):
+    """Send `signum` to the CLI's process group once `shards` shards are finished (60 s at most)."""
+    state = out / ".progress" / "state.json"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if state.exists() and len(json.loads(state.read_text())["checkpoints"]) >= shards:
+            os.killpg(proc.pid, signum)
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_byte_identical(work, tmp_path):
+    """Kill the CLI (and its workers) once two shards are finished, rerun, compare bytes."""
+    inputs, args, prep_cli, env = _two_worker_prep(work)
     killed = tmp_path / "killed"
     proc = subprocess.Popen([*prep_cli, "--output", str(killed), *args], env=env,
                             start_new_session=True, stderr=subprocess.PIPE)
-    state = killed / ".progress" / "state.json"
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        if state.exists() and len(json.loads(state.read_text())["checkpoints"]) >= 2:
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.01)
+    _signal_after_shards(proc, killed, 2, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     assert not (killed / "manifest.json").exists()
@@ -290,21 +300,11 @@ def test_ctrl_c_is_one_line_and_the_rerun_finishes(work, tmp_path):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) once a shard is finished: one
     line, exit 130, no traceback from the CLI or its 2 workers; the same command then finishes
     with the uninterrupted run's bytes."""
-    inputs = [str(SAMPLE)]
-    args = ["--tokenizer", str(work / "tok.model"), "--workers", "2", "--shard-tokens", "50K",
-            "--valid-fraction", "0.02", "--quiet"]
-    prep_cli = [sys.executable, str(REPO / "data_prep" / "fineweb_edu.py"), "--input", *inputs]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    inputs, args, prep_cli, env = _two_worker_prep(work)
     out = tmp_path / "stopped"
     proc = subprocess.Popen([*prep_cli, "--output", str(out), *args], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    state = out / ".progress" / "state.json"
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        if state.exists() and len(json.loads(state.read_text())["checkpoints"]) >= 1:
-            os.killpg(proc.pid, signal.SIGINT)
-            break
-        time.sleep(0.01)
+    _signal_after_shards(proc, out, 1, signal.SIGINT)  # what a terminal's Ctrl-C does
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert err.strip() == "interrupted: the finished shards are kept; the same command resumes", err[-2000:]

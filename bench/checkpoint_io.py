@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from megatron_kappa.cli_types import positive_int  # noqa: E402
+from megatron_kappa.cli_types import positive_int
 
 
 def measure(engine, model, device, ckpts, repeat: int, save_format2) -> dict:

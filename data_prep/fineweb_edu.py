@@ -296,7 +296,11 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
 def _submit_ignoring_ctrl_c(pool, unit):
     """pool.submit, with SIGINT ignored meanwhile: the workers are started inside submit (spawn: a
     fresh interpreter each), and an ignored signal stays ignored across exec, so a Ctrl-C during
-    their start-up (before work.init ignores it) is not a traceback in each of them."""
+    their start-up (before work.init ignores it) is not a traceback in each of them. Once all
+    are started (CPython's executor keeps them in `_processes`), submit is left alone: a Ctrl-C
+    then must reach this process."""
+    if len(getattr(pool, "_processes", None) or ()) >= pool._max_workers:  # all started: Ctrl-C is ours
+        return pool.submit(work.process, unit)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return pool.submit(work.process, unit)

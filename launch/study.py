@@ -122,8 +122,6 @@ def _check_flags(args):
         shlex.split(args.sbatch_args)
     except ValueError as e:
         raise StudyError(f"--sbatch-args: {e} in {args.sbatch_args!r}") from None
-    if args.core_bundle and args.no_core:
-        raise StudyError("--core-bundle and --no-core: give one of them")
 
 
 def plan(args) -> tuple[list[Run], dict]:

@@ -340,9 +340,9 @@ def test_sigkill_and_resume_continue_exactly(runs, init_weights, tmp_path):
     for m in killed:
         assert losses(killed[m]) == losses(runs[("straight", m)]), m
         assert [r["step"] for r in records(killed[m])] == list(range(1, 7))
-        # what made it exact: ZeRO's checkpoint holds the (sharded) momentum of the Muon groups
+        # what made it exact: the checkpoint holds the Muon matrices' momentum (checkpoint/optimizer_state.py)
         last = max(killed[m].glob("checkpoints/step_*"), key=lambda d: int(d.name[5:]))
-        state = torch.load(last / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                           map_location="cpu", weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
-        muon_groups = [i for i, g in enumerate(state["param_groups"]) if g["use_muon"]]
-        assert muon_groups and all(state["state"][i]["momentum_buffer"].norm() > 0 for i in muon_groups)
+        momentum = {}
+        for f in last.glob("rank_*.pt"):
+            momentum.update(torch.load(f, map_location="cpu", weights_only=False)["optimizer"].get("momentum_buffer", {}))
+        assert momentum and all(t.norm() > 0 for t in momentum.values())

@@ -59,7 +59,7 @@ def _state(zero, group: int) -> dict:
 
 
 def _step(zero, group: int) -> float:
-    step = _state(zero, group).get("step", 0)
+    step = zero.optimizer.state.get(zero.single_partition_of_fp32_groups[group], {}).get("step", 0)  # read only
     return float(step.item() if torch.is_tensor(step) else step)
 
 

@@ -197,10 +197,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
                                              lambda groups: optim.build_optimizer(groups, cfg))
     muon.check_zero_layout(optimizer)
     if start:
-        same_layout = ckpts.meta(start)["layout"] == layout_record(cfg.parallel, world)
-        ckpts.load(engine, model, start, device, same_layout)
-        log(f"resumed from {ckpts.folder(start)}" + ("" if same_layout else
-            f" (written with {ckpts.meta(start)['layout']}, now {layout_record(cfg.parallel, world)})"))
+        written, now = ckpts.meta(start)["layout"], layout_record(cfg.parallel, world)
+        ckpts.load(engine, model, start, device, same_layout=written == now)
+        log(f"resumed from {ckpts.folder(start)}" + ("" if written == now else f" (written with {written}, now {now})"))
     metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0)
     metrics.truncate_after(start)
 

@@ -86,6 +86,22 @@ class Checkpoints(CheckpointDir):
         return [torch.load(self.folder(step) / f"rank_{r}.pt", map_location=map_location,
                            weights_only=False, mmap=True) for r in range(world)]
 
+    def weights(self, step: int, wanted=None) -> dict:
+        """The full (one-process layout) weights and buffers of checkpoint `step`, assembled offline
+        from every rank's file (no process group needed). `wanted`: a set of full names or a
+        predicate on them; only those are read (the files are memory-mapped and opened once per
+        step, so a caller can assemble a large model a layer at a time)."""
+        cached = getattr(self, "_opened", None)
+        if cached is None or cached[0] != step:
+            self._opened = cached = (step, self.rank_files(step))
+        return sharding.consolidate([(f["coords"], f["weights"]) for f in cached[1]], wanted)
+
+    def rank_weights(self, step: int, rank: int) -> dict:
+        """The weights and buffers of `rank` in the layout that wrote checkpoint `step`, collected
+        from their owners' files."""
+        files = self.rank_files(step)
+        return sharding.local_state([(f["coords"], f["weights"]) for f in files], files[rank]["coords"])
+
     def save(self, engine, model, step: int, meta: dict, device: torch.device):
         """Checkpoint `step` of `model` trained by `engine` (collective: every rank calls it)."""
         moments, steps = optimizer_state.by_parameter(engine, model)

@@ -20,7 +20,7 @@ from megatron_kappa.config import ConfigError, ParallelConfig, load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict, load_local_state, local_state
+from megatron_kappa.parallel.sharding import load_full_state_dict, load_local_state
 from megatron_kappa.checkpoint.store import Checkpoints
 
 
@@ -70,30 +70,44 @@ def _run_config(run_dir: str | Path):
 
 def load_model_for_eval(run_dir: str | Path):
     """(logits_fn, config) of the latest checkpoint in `run_dir`, on this process's device."""
+    model, cfg = load_model(run_dir)
+    return logits_fn_for(model, cfg.model.vocab_size, cfg.data.bos), cfg
+
+
+def load_model(run_dir: str | Path, weights: str | Path | None = None):
+    """(model in eval mode, config) of the latest checkpoint in `run_dir`, on this process's
+    device: in the training layout when this job has its world size (each rank reads its own
+    weights), else consolidated into a layout without model parallelism. `weights`: a consolidated
+    state dict (launch/consolidate.py) to load instead of the run's checkpoints. The config's
+    data.bos is filled in (whether the documents started with BOS)."""
     cfg = _run_config(run_dir)
-    ckpts = Checkpoints(run_dir, keep=1)
-    step = ckpts.latest()
-    if step is None:
-        raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
-    trained = ckpts.meta(step)["layout"]
+    step = trained = None
+    if weights is None:
+        ckpts = Checkpoints(run_dir, keep=1)
+        step = ckpts.latest()
+        if step is None:
+            raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
+        trained = ckpts.meta(step)["layout"]
+    elif not Path(weights).is_file():
+        raise ConfigError(f"--weights: {weights}: no such file (expected launch/consolidate.py's output)")
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     # pipeline stages: evaluation runs the whole model per rank, from the consolidated weights
-    same_layout = world == trained["world"] and trained.get("pp", 1) == 1
+    same_layout = trained is not None and world == trained["world"] and trained.get("pp", 1) == 1
     cfg.parallel = cfg.parallel if same_layout else ParallelConfig()
     layout = model_layout(cfg)
     device = init_distributed(cfg.parallel, cfg.train.seed, layout.experts)
     model = build_model(cfg, device, layout=layout)
     if same_layout:
-        files = ckpts.rank_files(step)
-        state = local_state([(f["coords"], f["weights"]) for f in files], files[dist.get_rank()]["coords"])
-        load_local_state(model, state)
+        load_local_state(model, ckpts.rank_weights(step, dist.get_rank()))
+    elif weights is None:
+        load_full_state_dict(model, ckpts.weights(step))
     else:
-        load_full_state_dict(model, consolidated_state(run_dir))
+        load_full_state_dict(model, torch.load(weights, map_location="cpu", weights_only=True, mmap=True))
     model.eval()  # also selects eval.capacity_factor (megatron_kappa.model.capacity)
     # Runs from before data.bos was recorded: the manifests beside their shards, else no BOS.
     from megatron_kappa.data.bos import documents_start_with_bos
     cfg.data.bos = documents_start_with_bos(cfg)
-    return logits_fn_for(model, cfg.model.vocab_size, cfg.data.bos), cfg
+    return model, cfg
 
 
 def consolidated_state(run_dir: str | Path) -> dict:
@@ -103,4 +117,4 @@ def consolidated_state(run_dir: str | Path) -> dict:
     step = ckpts.latest()
     if step is None:
         raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
-    return consolidate([(f["coords"], f["weights"]) for f in ckpts.rank_files(step)])
+    return ckpts.weights(step)

@@ -235,8 +235,11 @@ def global_numel(name: str, param) -> int:
 def consolidate(ranks: list[tuple[dict, dict]], wanted=None) -> dict:
     """Full state dict from every rank's (coords, owned state), offline (no process group): each
     pipeline stage's layers are assembled from that stage's ranks, then renamed to the full
-    model's layer numbers. `wanted` (a set of full names; default all): only those are assembled,
-    so only their pieces are read (from memory-mapped checkpoint files: the rest stays on disk)."""
+    model's layer numbers. `wanted` (a set of full names, or a predicate on them; default all):
+    only those are assembled, so only their pieces are read (from memory-mapped checkpoint files:
+    the rest stays on disk)."""
+    if wanted is not None and not callable(wanted):
+        wanted = wanted.__contains__
     full = {}
     for stage in sorted({_pp(c)[0] for c, _ in ranks}):
         members = [(c, s) for c, s in ranks if _pp(c)[0] == stage]
@@ -262,18 +265,18 @@ def _consolidate_stage(ranks: list[tuple[dict, dict]], offset: int, wanted) -> d
     for name in names:
         dim = coords0["split_dim"][name]
         if not _is_expert(name):
-            if wanted is not None and shift_layers(name, offset) not in wanted:
+            if wanted is not None and not wanted(shift_layers(name, offset)):
                 continue
             pieces = [dense[r][name] for r in range(tp_size)]
             full[shift_layers(name, offset)] = pieces[0] if dim is None else _tp_join(pieces, name, dim)
             continue
-        if wanted is not None and not any(shift_layers(_global_name(name, ep, num_local), offset) in wanted
+        if wanted is not None and not any(wanted(shift_layers(_global_name(name, ep, num_local), offset))
                                           for ep in range(ep_size)):
             continue
         per_ep = []
         for ep in range(ep_size):
             if (wanted is not None and not _is_kappa(name)
-                    and shift_layers(_global_name(name, ep, num_local), offset) not in wanted):
+                    and not wanted(shift_layers(_global_name(name, ep, num_local), offset))):
                 per_ep.append(None)  # another rank's experts: not read
                 continue
             pieces = [experts[(ep, t)][name] for t in range(etp_size)]

@@ -9,6 +9,8 @@ Modules:
   data/         Data formats shared by data preparation, the preflight, training and evaluation
   evaluation/   Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss / bits
                 per byte
+  export/       A trained run as a Hugging Face model folder, for transformers, serving tools and
+                lm-eval
   kappa/        κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the router
                 logit
   metrics/      What a run reports: metrics.jsonl and TensorBoard, κ and router statistics, the

@@ -24,6 +24,7 @@ STAGES = [
     ("megatron_kappa.data", "megatron_kappa.tokenizer"),
     ("megatron_kappa.checkpoint",),
     ("megatron_kappa.evaluation",),
+    ("megatron_kappa.export",),  # a trained run out of the stack (Hugging Face): reads checkpoints
     ("megatron_kappa.optim",),
     ("megatron_kappa.metrics",),
     ("megatron_kappa.train",),
@@ -81,12 +82,12 @@ def test_the_check_finds_an_upward_import():
     """Negative control: a model module importing the training loop, lazily, is reported."""
     probe = "def f():\n    from megatron_kappa.train.loop import run\n"
     assert upward_imports({"megatron_kappa.model.probe": probe}) == [
-        "megatron_kappa.model.probe (stage 3) imports megatron_kappa.train.loop (stage 12)"]
+        "megatron_kappa.model.probe (stage 3) imports megatron_kappa.train.loop (stage 13)"]
     assert upward_imports({"megatron_kappa.train.probe": probe}) == []
     # a command line too: summary's used to list the optimizer groups through the training package
     cli = "def main():\n    from megatron_kappa.train.recipe import KappaFreeze\n"
     assert upward_imports({"megatron_kappa.summary.__main__": cli}) == [
-        "megatron_kappa.summary.__main__ (stage 5) imports megatron_kappa.train.recipe (stage 12)"]
+        "megatron_kappa.summary.__main__ (stage 5) imports megatron_kappa.train.recipe (stage 13)"]
 
 
 @pytest.mark.parametrize("folder", SCRIPT_DIRS)
@@ -104,3 +105,26 @@ def test_scripts_import_the_package_without_sys_path_edits(folder):
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                               if n == "tests" or n.startswith("tests.")]
     assert offenders == []
+
+
+def third_party_imports(source: str) -> set[str]:
+    """The top-level packages `source` imports (at the top or inside a function)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+HF_ONLY = {"transformers", "lm_eval", "accelerate"}  # the export's and lm-eval's, never training's
+
+
+def test_only_the_export_imports_transformers():
+    offenders = sorted(module_name(p) for p in PACKAGE.rglob("*.py")
+                       if not module_name(p).startswith("megatron_kappa.export")
+                       and third_party_imports(p.read_text()) & HF_ONLY)
+    assert offenders == []
+    # negative control: the probe is seen
+    assert third_party_imports("def f():\n    from transformers import AutoModel\n") & HF_ONLY

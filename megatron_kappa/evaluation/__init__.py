@@ -11,6 +11,8 @@ Modules:
                   (docs/core_eval.md)
   core_subset.py  The quick CORE subset the paper's pipeline logged during training
                   (`eval.core_every`)
+  generation.py   Continuing a prompt with the trained model: greedy or sampled (temperature, top-k,
+                  top-p), with a key/value cache
   lm_loss.py      Validation loss and bits per byte of a causal LM on held-out token documents
   loading.py      A trained checkpoint as a plain logits function, for evaluation
 """

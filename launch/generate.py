@@ -1,0 +1,80 @@
+"""Continue a prompt with a trained model: greedy by default, or sampled.
+
+    python launch/generate.py --checkpoint runs/sandwich28 --prompt "The capital of France is"
+    python launch/generate.py --checkpoint runs/sandwich28 --prompt "Once" --temperature 0.8 --top-p 0.95
+    python launch/generate.py --checkpoint runs/sandwich28 --weights full.pt --prompt "..."   (consolidated)
+
+One process: a checkpoint in any training layout is consolidated for it. A key/value cache keeps
+each new token one forward of one position (megatron_kappa/evaluation/generation.py).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_kappa.cli_types import positive_int
+from megatron_kappa.parallel.launch_env import exit_process
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="continue a prompt with a trained model")
+    p.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint, any layout)")
+    p.add_argument("--weights", help="a consolidated state dict (launch/consolidate.py) to use instead of the "
+                                     "run's checkpoints; the run directory gives the config and tokenizer")
+    p.add_argument("--prompt", required=True, action="append", help="text to continue (repeat for several)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set reaching probability p")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write prompts, token ids and texts to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_kappa.evaluation.generation import Sampling
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    try:
+        sampling.check()  # before the model loads
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import os
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print("error: launch/generate.py runs as one process (any training layout is consolidated for it)",
+              file=sys.stderr)
+        return 2
+    from megatron_kappa.config import ConfigError
+    from megatron_kappa.evaluation.cli import write_json
+    from megatron_kappa.evaluation.generation import generate
+    from megatron_kappa.evaluation.loading import load_model
+    from megatron_kappa.parallel.groups import teardown
+    from megatron_kappa.tokenizer import Tokenizer
+    try:
+        model, cfg = load_model(args.checkpoint, args.weights)
+        if not cfg.data.tokenizer:
+            raise ConfigError(f"--checkpoint: {args.checkpoint}/config.yaml: data.tokenizer is not set")
+        tokenizer = Tokenizer(cfg.data.tokenizer)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = []
+    try:
+        for text in args.prompt:
+            prompt = ([tokenizer.bos] if cfg.data.bos else []) + tokenizer.encode(text)
+            ids = generate(model, prompt, args.max_new_tokens, cfg.model.vocab_size, sampling, stop=tokenizer.eod,
+                           max_length=cfg.model.seq_length)
+            continuation = tokenizer.decode([t for t in ids if t != tokenizer.eod])
+            print(f"{text}\033[1m{continuation}\033[0m" if sys.stdout.isatty() else text + continuation, flush=True)
+            results.append({"prompt": text, "prompt_ids": prompt, "ids": ids, "text": continuation})
+    finally:
+        model = None  # dropped before the process group is left
+        teardown(peers_alive=True)
+    if args.json:
+        write_json(args.json, {"checkpoint": args.checkpoint, "sampling": vars(sampling), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    exit_process(main())

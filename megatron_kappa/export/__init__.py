@@ -1,0 +1,21 @@
+"""A trained run as a Hugging Face model folder, for transformers, serving tools and lm-eval.
+
+    python -m megatron_kappa.export --checkpoint RUN --output DIR [--target auto|kappa_moe|qwen3_moe|mixtral]
+
+Modules:
+  __main__.py            python -m megatron_kappa.export --checkpoint RUN --output DIR: the run's
+                         latest checkpoint (any training layout) as a Hugging Face model folder
+                         (config.json, safetensors shards, the tokenizer, and for κ models the
+                         modeling file: AutoModelForCausalLM.from_pretrained(DIR,
+                         trust_remote_code=True))
+  convert.py             A run's config and weights as a Hugging Face model's: which class takes it,
+                         its config.json, and every tensor under that class's name
+  modeling_kappa_moe.py  A κ-SwiGLU Mixture-of-Experts language model for Hugging Face transformers,
+                         as megatron_kappa trains it: `AutoModelForCausalLM.from_pretrained(dir,
+                         trust_remote_code=True)` on a folder that `python -m megatron_kappa.export`
+                         wrote
+  tokenizer.py           The run's SentencePiece model as a Hugging Face tokenizer (tokenizer.json
+                         and its config)
+  writer.py              The export: a run's checkpoint, a layer at a time, into a Hugging Face
+                         model folder
+"""

@@ -1,0 +1,96 @@
+"""Trained runs and their Hugging Face exports, shared by tests/test_export.py and
+tests/test_export_tools.py (each module trains the runs it uses once)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kappa.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMON = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=1",
+          "checkpoint.interval=1", "eval.valid_every=0", "log.tensorboard=false", "log.interval=1",
+          "model.kappa.freeze_fraction=0", "data.mock=false"]
+RUNS = {  # name: (model settings, layout settings, processes)
+    "kappa-nanochat-sigmoid": (["model.block=nanochat", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=32",
+                                "model.kappa.input=normalized", "model.kappa.u_warmup=0"], [], 1),
+    "kappa-softmax-gqa": (["model.num_query_groups=2", "model.kappa.input=scaled", "model.kappa.u_warmup=0",
+                           "model.moe.route_scale=1.5"], ["parallel.ep=2"], 2),
+    "plain-softmax": (["model.kappa.enabled=false"], ["parallel.tp=2"], 2),
+    "mixtral-shaped": (["model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0"], [], 1),
+}
+
+
+def hf_env():
+    from test_training import env
+    return {**env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, sample_shards, world1):
+    """Each RUNS entry trained one step from randomised weights (every part matters: the zero-
+    initialised projections, κ's α and b, the gates and λ drawn at random), on the sample shards."""
+    from megatron_kappa.model.build import build_model
+    from test_nanochat_block import randomize
+    from test_training import free_port
+    made = {}
+
+    def get(name):
+        if name in made:
+            return made[name]
+        model_sets, layout_sets, nproc = RUNS[name]
+        folder = tmp_path_factory.mktemp(name)
+        data = [f"data.paths=[{sample_shards['train'][0]}]", f"data.tokenizer={sample_shards['tokenizer']}"]
+        sets = [*COMMON, *data, *model_sets]
+        torch.manual_seed(0)
+        model = build_model(load_config("configs/tiny.yaml", [*sets, "model.seq_length=32"]), "cpu")
+        randomize(model)
+        torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, folder / "init.pt")
+        head = [sys.executable] if nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        done = subprocess.run([*head, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets, *layout_sets,
+                               f"train.init_weights={folder / 'init.pt'}", f"run.dir={folder / 'run'}"],
+                              cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        made[name] = folder / "run"
+        return made[name]
+    return get
+
+
+def export(run, out, *args):
+    done = subprocess.run([sys.executable, "-m", "megatron_kappa.export", "--checkpoint", str(run), "--output", str(out),
+                           "--no-progress", *args], cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def tokens(vocab, b=2, s=24, seed=5):
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def training_logits(run, ids):
+    """The training model's logits (megatron-core, loaded by evaluation) on `ids`, float64."""
+    from megatron_kappa.evaluation.loading import load_model
+    model, cfg = load_model(run)
+    with torch.no_grad():
+        out = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    return out[..., :cfg.model.vocab_size].double()
+
+
+def hf_logits(folder, ids, **config_changes):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config, trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(ids).logits.double(), type(model).__name__
+
+
+def close(got, want):
+    return (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+

@@ -1,0 +1,80 @@
+"""Generation (megatron_kappa/evaluation/generation.py; issue 35): the key/value-cache path gives the
+tokens of recomputing the whole sequence at every step (the reference), κ and the nanochat block
+included; the sampling filters keep exactly the tokens a naive top-k / nucleus rule keeps.
+Negative control: a cache whose position is not advanced gives other tokens."""
+import pytest
+import torch
+
+from megatron_kappa.config import load_config
+from megatron_kappa.evaluation.generation import Sampling, generate, next_token
+from megatron_kappa.model.build import build_model
+
+
+def model_of(*sets):
+    from test_nanochat_block import randomize
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=48", "model.kappa.freeze_fraction=0", *sets])
+    torch.manual_seed(0)
+    model = build_model(cfg, "cpu").eval()
+    randomize(model)
+    return model, cfg
+
+
+def recomputed(model, prompt, n, vocab):
+    """Greedy tokens, the whole sequence run again for each one (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.tensor([ids])
+            ids.append(int(model(x, torch.arange(len(ids))[None], None)[0, -1, :vocab].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("sets", [[], ["model.block=nanochat", "model.moe.router=sigmoid"]], ids=["kappa", "nanochat"])
+def test_the_cache_gives_the_tokens_of_recomputing_everything(world1, sets, monkeypatch):
+    model, cfg = model_of(*sets)
+    prompt = torch.randint(0, cfg.model.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = recomputed(model, prompt, 10, cfg.model.vocab_size)
+    assert len(set(want)) > 1  # not one token repeated
+    assert generate(model, prompt, 10, cfg.model.vocab_size) == want
+    # stops at `stop` (included) and at max_length positions
+    assert generate(model, prompt, 10, cfg.model.vocab_size, stop=want[3]) == want[:want.index(want[3]) + 1]
+    assert generate(model, prompt, 10, cfg.model.vocab_size, max_length=len(prompt) + 4) == want[:4]
+    # negative control: every step written at the prompt's end (the position never advances)
+    from megatron.core.inference.contexts import StaticInferenceContext
+    monkeypatch.setattr(StaticInferenceContext, "sequence_len_offset",
+                        property(lambda self: 7 if getattr(self, "_started", False) else 0,
+                                 lambda self, value: setattr(self, "_started", value > 0)), raising=False)
+    assert generate(model, prompt, 10, cfg.model.vocab_size) != want
+
+
+def naive_allowed(logits, top_k, top_p):
+    """The tokens sampling may pick: the k best (ties kept), then the fewest best whose
+    probability reaches top_p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    keep = [i for i in order if top_k == 0 or logits[i] >= logits[order[top_k - 1]]]
+    probs = torch.tensor([logits[i] for i in keep]).softmax(0).tolist()
+    allowed, mass = [], 0.0
+    for i, p in zip(keep, probs):
+        if mass >= top_p:
+            break
+        allowed.append(i)
+        mass += p
+    return set(allowed)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.6), (4, 0.8), (1, 1.0)])
+def test_sampling_draws_only_and_all_of_what_the_filters_keep(top_k, top_p):
+    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0, 1.0, 0.0, 1.2, -0.5]])
+    allowed = naive_allowed(logits[0].tolist(), top_k, top_p)
+    sampling = Sampling(temperature=1.0, top_k=top_k, top_p=top_p)
+    gen = torch.Generator().manual_seed(0)
+    drawn = {int(next_token(logits, sampling, gen)) for _ in range(400)}
+    assert drawn == allowed
+    assert int(next_token(logits, Sampling(), None)) == 0  # greedy: the best
+
+
+def test_bad_sampling_settings_are_one_line_errors():
+    for bad, key in ((Sampling(temperature=-1), "--temperature"), (Sampling(temperature=1, top_k=-2), "--top-k"),
+                     (Sampling(temperature=1, top_p=0), "--top-p")):
+        with pytest.raises(ValueError, match=key):
+            bad.check()

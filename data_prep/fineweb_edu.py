@@ -261,7 +261,7 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
             # shutdown(cancel_futures=True) drops the queued units and lets the running ones end.
             pool = ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
                                        initializer=work.init, initargs=init_args)
-            submit = lambda unit: _submit_ignoring_ctrl_c(pool, unit)  # noqa: E731
+            submit = lambda unit: _submit_deferring_ctrl_c(pool, unit)  # noqa: E731
         else:
             work.init(*init_args)
             submit = lambda unit: _Done(work.process(unit))  # noqa: E731
@@ -293,19 +293,21 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _submit_ignoring_ctrl_c(pool, unit):
-    """pool.submit, with SIGINT ignored meanwhile: the workers are started inside submit (spawn: a
-    fresh interpreter each), and an ignored signal stays ignored across exec, so a Ctrl-C during
-    their start-up (before work.init ignores it) is not a traceback in each of them. Once all
-    are started (CPython's executor keeps them in `_processes`), submit is left alone: a Ctrl-C
-    then must reach this process."""
+def _submit_deferring_ctrl_c(pool, unit):
+    """pool.submit, with SIGINT blocked meanwhile: the workers are started inside submit (spawn: a
+    fresh interpreter each), and a blocked signal stays blocked across exec, so a Ctrl-C during
+    their start-up waits there until work.init ignores it (not a traceback in each of them).
+    Here it waits too, and arrives when submit returns: blocked, not ignored, so a Ctrl-C that
+    lands in this window is not lost (CPython's executor starts a worker only when none is idle,
+    so with a fast worker every submit can be such a window). Once all workers are started
+    (`_processes`), submit is left alone."""
     if len(getattr(pool, "_processes", None) or ()) >= pool._max_workers:  # all started: Ctrl-C is ours
         return pool.submit(work.process, unit)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         return pool.submit(work.process, unit)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class _Done:

@@ -2,6 +2,9 @@
 copy and the optimizer state shaped like them: loads into any layout) against format 1 (DeepSpeed's
 ZeRO files beside the rank files: one layout only), measured in the same run on the same trained
 engine. One process on the CPU (a world of one: no all-reduce cost in format 2's save here).
+Also torch.distributed.checkpoint (DCP, what torchtitan uses) writing and reading the same tensors
+format 2 holds (weights, master copy, moments), synchronously and with its async_save: DCP's I/O
+alone, as DCP could not restore them into ZeRO's flat partitions by itself (docs/checkpoints.md).
 
     python bench/checkpoint_io.py [--config configs/tiny.yaml] [--set key=value ...] [--repeat 3]
 
@@ -46,10 +49,42 @@ def measure(engine, model, device, ckpts, repeat: int, save_format2) -> dict:
         shutil.rmtree(ckpts.folder(step), ignore_errors=True)
         staging.rename(ckpts.folder(step))
 
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_kappa.checkpoint import optimizer_state
+
+    def format2_tensors():
+        moments, _ = optimizer_state.by_parameter(engine, model)
+        return {"weights": sharding.owned_state(model), "optimizer": moments}
+
+    def save_dcp(step, wait=None):
+        folder = ckpts.folder(step)
+        shutil.rmtree(folder, ignore_errors=True)
+        if wait is None:
+            dcp.save(format2_tensors(), checkpoint_id=str(folder))
+        else:  # async: the time until training could go on; the write finishes in the background
+            wait.append(dcp.async_save(format2_tensors(), checkpoint_id=str(folder)))
+
+    def load_dcp(step):  # into tensors of the right shapes (DCP loads in place)
+        def empty(tree):
+            return {k: empty(v) for k, v in tree.items()} if isinstance(tree, dict) else torch.empty_like(tree)
+        dcp.load(empty(format2_tensors()), checkpoint_id=str(ckpts.folder(step)))
+
+    pending = []
+
+    def save_dcp_async(step):
+        save_dcp(step, pending)
+
+    def load_after_async(step):
+        pending.pop().result()  # the background write done before reading it back
+        load_dcp(step)
+
     out = {}
     for name, save, load in (
             ("format 1 (DeepSpeed ZeRO files)", save1, lambda s: ckpts._load_format1(engine, model, s, device)),
-            ("format 2 (any layout)", save2, lambda s: ckpts.load(engine, model, s, device, True))):
+            ("format 2 (any layout)", save2, lambda s: ckpts.load(engine, model, s, device, True)),
+            ("DCP, same tensors (I/O only)", save_dcp, load_dcp),
+            ("DCP async_save (blocking part)", save_dcp_async, load_after_async)):
         saves, loads = [], []
         for i in range(repeat):
             step = 1000 + i
@@ -90,12 +125,11 @@ def main() -> int:
                                                "log.tensorboard=false", "eval.valid_every=0", *args.set,
                                                f"run.dir={tmp}/run"])
         run(cfg, log=lambda *a, **k: None)
-    (f1, r1), (f2, r2) = results.items()
-    print(f"{'':34s} {'save s':>8s} {'load s':>8s} {'bytes':>12s}")
+    r1 = next(iter(results.values()))
+    print(f"{'':34s} {'save s':>8s} {'load s':>8s} {'bytes':>12s} {'save/f1':>8s} {'load/f1':>8s} {'bytes/f1':>9s}")
     for name, r in results.items():
-        print(f"{name:34s} {r['save_s']:8.3f} {r['load_s']:8.3f} {r['bytes']:12,d}")
-    print(f"{'ratio format 2 / format 1':34s} {r2['save_s'] / r1['save_s']:8.2f} {r2['load_s'] / r1['load_s']:8.2f} "
-          f"{r2['bytes'] / r1['bytes']:12.3f}")
+        print(f"{name:34s} {r['save_s']:8.3f} {r['load_s']:8.3f} {r['bytes']:12,d} {r['save_s'] / r1['save_s']:8.2f} "
+              f"{r['load_s'] / r1['load_s']:8.2f} {r['bytes'] / r1['bytes']:9.3f}")
     return 0
 
 

@@ -52,6 +52,8 @@ CASES = {  # name: (processes, settings) before → after
     # Muon/Aurora orthogonalise each TP shard on its own (megatron_kappa/optim/muon.py): a TP change
     # changes the update itself, so Aurora moves between layouts that keep its matrices whole
     "aurora-ep2-to-dp2": ((2, ["parallel.ep=2", "train.optimizer=aurora"]), (2, ["train.optimizer=aurora"])),
+    # the SoftMoE router's learned per-layer budgets (θ) and its κ experts move with the weights
+    "softmoe-ep2-to-dp2": ((2, ["parallel.ep=2", "model.moe.router=softmoe"]), (2, ["model.moe.router=softmoe"])),
 }
 
 

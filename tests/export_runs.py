@@ -20,7 +20,8 @@ RUNS = {  # name: (model settings, layout settings, processes)
     "kappa-softmax-gqa": (["model.num_query_groups=2", "model.kappa.input=scaled", "model.kappa.u_warmup=0",
                            "model.moe.route_scale=1.5"], ["parallel.ep=2"], 2),
     "plain-softmax": (["model.kappa.enabled=false"], ["parallel.tp=2"], 2),
-    "mixtral-shaped": (["model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0"], [], 1),
+    "mixtral-shaped": (["model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0"],
+                       ["parallel.pp=2"], 2),
 }
 
 

@@ -56,7 +56,7 @@ def test_plain_experts_from_tp2_load_into_transformers_qwen3_moe_and_kappa_moe(r
 
 @pytest.mark.slow
 def test_a_mixtral_shaped_model_loads_into_transformers_mixtral(runs, tmp_path):
-    run = runs("mixtral-shaped")
+    run = runs("mixtral-shaped")  # trained with PP2: each stage's layers under the full model's numbers
     out = tmp_path / "hf"
     assert "mixtral" in export(run, out)
     ids = tokens(json.loads((out / "config.json").read_text())["vocab_size"])

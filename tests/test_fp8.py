@@ -388,3 +388,28 @@ def test_fp8_tp2_and_ep2_train_and_resume_exactly(tmp_path):
     for name in layouts:
         straight, resumed = losses(tmp_path / name), losses(tmp_path / f"{name}-resumed")
         assert len(straight) == 4 and straight == resumed, (name, straight, resumed)
+
+
+def test_mla_projections_run_in_fp8(world1):
+    """MLA's projections are FP8 linears under precision fp8: the layer's output stays within the
+    FP8 band of the same weights in bf16, and its backward runs; widths FP8 cannot take are refused."""
+    from megatron_kappa.model.build import build_model
+    mla = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
+           "model.mla.qk_head_dim=16", "model.mla.qk_pos_emb_head_dim=16", "model.mla.v_head_dim=16"]
+    models = {}
+    for precision in ("fp8", "bf16"):
+        torch.manual_seed(0)
+        models[precision] = build_model(load_config("configs/tiny.yaml", [*mla, f"precision={precision}"]), "cpu")
+    attention = {p: m.decoder.layers[1].self_attention for p, m in models.items()}
+    kinds = {n: type(mod).__name__ for n, mod in attention["fp8"].named_children() if n.startswith("linear_")}
+    assert sorted(kinds) == ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "linear_q_down_proj",
+                             "linear_q_up_proj"] and all(k.startswith("FP8") for k in kinds.values()), kinds
+    attention["fp8"].load_state_dict(attention["bf16"].state_dict())
+    h = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    out = {p: a(h, attention_mask=None)[0] for p, a in attention.items()}
+    error = ((out["fp8"] - out["bf16"]).float().abs().max() / out["bf16"].float().abs().max()).item()
+    assert 0 < error < 0.1, error  # FP8, not bf16 (0 would mean no FP8 GEMM ran), within its band
+    out["fp8"].float().sum().backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        load_config("configs/tiny.yaml", [*mla, "model.mla.kv_lora_rank=24", "precision=fp8"])

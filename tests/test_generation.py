@@ -11,11 +11,21 @@ from megatron_kappa.model.build import build_model
 
 
 def model_of(*sets):
-    from test_nanochat_block import randomize
+    """A tiny model whose every parameter is drawn here from one seed (not from megatron's RNG
+    state, which earlier tests in the process move): matrices at 1.5/√fan-in, κ's α and b at N(0, 1),
+    gains and λ near 1."""
     cfg = load_config("configs/tiny.yaml", ["model.seq_length=48", "model.kappa.freeze_fraction=0", *sets])
-    torch.manual_seed(0)
     model = build_model(cfg, "cpu").eval()
-    randomize(model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            draw = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if name.endswith(("kappa_alpha", "kappa_bias")):
+                p.copy_(draw)
+            elif p.dim() >= 2:
+                p.copy_(draw * 1.5 / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(1 + 0.2 * draw)
     return model, cfg
 
 
@@ -29,7 +39,12 @@ def recomputed(model, prompt, n, vocab):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("sets", [[], ["model.block=nanochat", "model.moe.router=sigmoid"]], ids=["kappa", "nanochat"])
+MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
+
+
+@pytest.mark.parametrize("sets", [[], ["model.block=nanochat", "model.moe.router=sigmoid"], MLA],
+                         ids=["kappa", "nanochat", "mla"])
 def test_the_cache_gives_the_tokens_of_recomputing_everything(world1, sets, monkeypatch):
     model, cfg = model_of(*sets)
     prompt = torch.randint(0, cfg.model.vocab_size, (7,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -39,12 +54,20 @@ def test_the_cache_gives_the_tokens_of_recomputing_everything(world1, sets, monk
     # stops at `stop` (included) and at max_length positions
     assert generate(model, prompt, 10, cfg.model.vocab_size, stop=want[3]) == want[:want.index(want[3]) + 1]
     assert generate(model, prompt, 10, cfg.model.vocab_size, max_length=len(prompt) + 4) == want[:4]
-    # negative control: every step written at the prompt's end (the position never advances)
+    # negative control: every step written at the prompt's end (the position never advances):
+    # the steps' logits (recorded as the sampler sees them) change
     from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_kappa.evaluation import generation
+    seen, sample = [], generation.next_token
+    monkeypatch.setattr(generation, "next_token", lambda logits, *a: seen.append(logits.clone()) or sample(logits, *a))
+    generate(model, prompt, 10, cfg.model.vocab_size)
+    good, seen[:] = list(seen), []
     monkeypatch.setattr(StaticInferenceContext, "sequence_len_offset",
                         property(lambda self: 7 if getattr(self, "_started", False) else 0,
                                  lambda self, value: setattr(self, "_started", value > 0)), raising=False)
-    assert generate(model, prompt, 10, cfg.model.vocab_size) != want
+    generate(model, prompt, 10, cfg.model.vocab_size)
+    assert max((a - b).abs().max().item() for a, b in zip(good[2:], seen[2:])) > 1e-3
 
 
 def naive_allowed(logits, top_k, top_p):

@@ -16,6 +16,8 @@ from megatron_kappa.plan import GIB, Layout
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 SHAPE = ["model.moe.shared_ffn_hidden_size=128", "model.qk_layernorm=true"]
+MLA = ("model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24")
 GRID = {  # name: (tp, pp, ep, etp) over 4 ranks
     "dp4": (1, 1, 1, 1), "tp2": (2, 1, 1, 2), "tp4": (4, 1, 1, 4), "ep4": (1, 1, 4, 1),
     "tp2_ep2_etp1": (2, 1, 2, 1), "tp2_ep2_etp2": (2, 1, 2, 2), "pp2": (1, 2, 1, 1), "pp4": (1, 4, 1, 1),
@@ -35,6 +37,8 @@ def built(tmp_path_factory):
         "model.layout=sandwich", "model.kappa.enabled=false", "model.moe.shared_ffn_hidden_size=null"))})
     for name, lay in (("nanochat_tp2_ep2_etp2", (2, 1, 2, 2)), ("nanochat_pp2_tp2", (2, 2, 1, 2))):
         cases.append({"name": name, "overrides": overrides(*lay, ("model.block=nanochat",))})
+    for name, lay in (("mla_tp2_ep2_etp1", (2, 1, 2, 1)), ("mla_pp2_tp2", (2, 2, 1, 2))):
+        cases.append({"name": name, "overrides": overrides(*lay, MLA)})
     (tmp / "plan.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -65,6 +69,7 @@ def test_parameter_counts_sum_to_the_full_model():
     distinct shards, the counts give the full model's count from megatron_kappa.summary."""
     for block in ("megatron", "nanochat"):
         _counts_sum_to_full(load_config("configs/tiny.yaml", [*SHAPE, f"model.block={block}"]))
+    _counts_sum_to_full(load_config("configs/tiny.yaml", [*SHAPE, *MLA]))
 
 
 def _counts_sum_to_full(cfg):

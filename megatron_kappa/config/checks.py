@@ -53,6 +53,8 @@ def validate(cfg: Config):
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={par.tp}")
     groups = m.num_query_groups or m.num_attention_heads
     need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
+    if m.mla.enabled:
+        _validate_mla(cfg, need)
     etp = par.expert_tp
     need(m.num_layers % par.pp == 0, "parallel.pp",
          f"model.num_layers={m.num_layers} is not divisible by pp={par.pp} (the stages split the layers evenly)")
@@ -99,6 +101,28 @@ def validate(cfg: Config):
         _validate_fp8(cfg, need)
 
 
+def _validate_mla(cfg: Config, need):
+    """model.mla: what megatron-core's MLASelfAttention and our SDPA core attention support."""
+    m, par, a = cfg.model, cfg.parallel, cfg.model.mla
+    need(m.num_query_groups is None, "model.num_query_groups",
+         "must be null with model.mla.enabled (MLA has one latent for all heads, no query groups)")
+    need(m.attention == "sdpa", "model.attention",
+         f"must be sdpa with model.mla.enabled (MLA's core attention takes separate key and value widths, which "
+         f"megatron's local attention does not), got {m.attention}")
+    need(not m.value_embeddings, "model.value_embeddings",
+         "must be false with model.mla.enabled (the value embedding is added to grouped-query attention's values)")
+    need(a.q_lora_rank is None or a.q_lora_rank % par.tp == 0, "model.mla.q_lora_rank",
+         f"must be null or divisible by tp={par.tp} (its down projection is split over TP), got {a.q_lora_rank}")
+    need((a.kv_lora_rank + a.qk_pos_emb_head_dim) % par.tp == 0, "model.mla.kv_lora_rank",
+         f"kv_lora_rank + qk_pos_emb_head_dim = {a.kv_lora_rank + a.qk_pos_emb_head_dim} must be divisible by "
+         f"tp={par.tp} (the key/value down projection is split over TP)")
+    need(a.q_lora_rank is not None or not m.qk_layernorm, "model.mla.q_lora_rank",
+         "null (no query latent) needs model.qk_layernorm: false: megatron-core 0.19 then norms the query "
+         "inside Transformer Engine's fused norm+linear, which the CPU path does not have")
+    need(a.qk_pos_emb_head_dim % 2 == 0, "model.mla.qk_pos_emb_head_dim",
+         f"must be even (RoPE rotates pairs), got {a.qk_pos_emb_head_dim}")
+
+
 FP8_ALIGN = 16  # FP8 GEMMs (torch._scaled_mm, _scaled_grouped_mm) want every width a multiple of 16
 
 
@@ -111,7 +135,20 @@ def fp8_gemm_widths(cfg: Config) -> dict[str, int]:
     widths = {"model.hidden_size": m.hidden_size,
               # the weight-gradient GEMMs reduce over the tokens of a micro-batch
               "model.seq_length × train.micro_batch": m.seq_length * cfg.train.micro_batch}
-    if f.attention:
+    if f.attention and m.mla.enabled:
+        a = m.mla
+        heads = m.num_attention_heads // par.tp
+        widths["model.num_attention_heads × (mla.qk_head_dim + mla.qk_pos_emb_head_dim) / tp"] = \
+            heads * (a.qk_head_dim + a.qk_pos_emb_head_dim)
+        widths["model.num_attention_heads × (mla.qk_head_dim + mla.v_head_dim) / tp"] = \
+            heads * (a.qk_head_dim + a.v_head_dim)
+        widths["model.num_attention_heads × mla.v_head_dim / tp"] = heads * a.v_head_dim
+        widths["(mla.kv_lora_rank + mla.qk_pos_emb_head_dim) / tp"] = (a.kv_lora_rank + a.qk_pos_emb_head_dim) // par.tp
+        widths["mla.kv_lora_rank"] = a.kv_lora_rank
+        if a.q_lora_rank:
+            widths["mla.q_lora_rank"] = a.q_lora_rank
+            widths["mla.q_lora_rank / tp"] = a.q_lora_rank // par.tp
+    elif f.attention:
         widths["model.num_attention_heads × head_dim / tp"] = m.num_attention_heads * head_dim // par.tp
         widths["model.num_query_groups × head_dim / tp"] = groups * head_dim // par.tp
     if f.dense_mlp:

@@ -160,6 +160,22 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """model.mla: multi-head latent attention (DeepSeek-V2/V3), megatron-core's MLASelfAttention."""
+    enabled: bool = _f(False, "multi-head latent attention instead of (grouped-query) attention: queries and keys/values "
+                              "projected through low-rank latents, a RoPE part of the key shared by all heads "
+                              "(model.num_query_groups and model.head_dim are not used; model.qk_layernorm norms "
+                              "the two latents, as DeepSeek-V3)")
+    q_lora_rank: Optional[int] = _f(None, "rank of the query latent (null: queries projected directly, as "
+                                          "DeepSeek-V2-Lite; DeepSeek-V3 and Kimi K2: 1536)")
+    kv_lora_rank: int = _f(512, "rank of the joint key/value latent (DeepSeek-V3: 512)")
+    qk_head_dim: int = _f(128, "per-head query/key width without position (DeepSeek-V3: 128)")
+    qk_pos_emb_head_dim: int = _f(64, "per-head query/key width that carries RoPE; the key's is one per token, "
+                                      "shared by the heads (DeepSeek-V3: 64)")
+    v_head_dim: int = _f(128, "per-head value width (DeepSeek-V3: 128)")
+
+
+@dataclass
 class ModelConfig:
     block: Literal["megatron", "nanochat"] = _f(
         "megatron", "the transformer block, a preset of the block keys below that the config does not set "
@@ -220,6 +236,7 @@ class ModelConfig:
         "sdpa", "core attention: torch's scaled_dot_product_attention (flash/cuDNN/memory-efficient "
                 "kernels), megatron's local DotProductAttention (materialises the scores; for "
                 "comparison), or Transformer Engine's (GPU, where TE imports)")
+    mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     kappa: KappaConfig = field(default_factory=KappaConfig)
     fp8: FP8Config = field(default_factory=FP8Config)

@@ -55,10 +55,11 @@ def kv_cache(model, batch: int, length: int):
     weight = next(model.parameters())
     for layer in model.decoder.layers:
         attention = layer.self_attention
-        shape = (length, batch, attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head)
+        # keys and values may differ in width (MLA: nope + rope dims for keys, v_head_dim for values)
+        shape = (length, batch, attention.num_query_groups_per_partition)
         context.key_value_memory_dict[attention.layer_number] = (
-            torch.empty(shape, dtype=weight.dtype, device=weight.device),
-            torch.empty(shape, dtype=weight.dtype, device=weight.device))
+            torch.empty(*shape, attention.key_hidden_size, dtype=weight.dtype, device=weight.device),
+            torch.empty(*shape, attention.val_hidden_size, dtype=weight.dtype, device=weight.device))
     return context
 
 

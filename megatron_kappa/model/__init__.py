@@ -18,6 +18,9 @@ Modules:
   layout.py            The model's shape decisions that need no torch: which layers are MoE, the
                        padded vocabulary, and where a pipeline stage's layers sit in the full model
   loss.py              The language-model loss, without the [tokens, vocab] logits in fp32 at once
+  mla.py               Multi-head latent attention (model.mla): megatron-core's MLASelfAttention
+                       with the key's RoPE part gathered so that its gradient is whole under tensor
+                       parallelism
   moe.py               κ-SwiGLU inside megatron-core's MoE layer, by subclassing (no forks)
   nanochat.py          The parts of the authors' nanochat block that megatron-core's GPT block
                        lacks, as subclasses its specs build (askerlee/kappa-swiglu 14c9b04

@@ -18,7 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 
 class SDPAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("model.attention: sdpa does not support context parallelism")
@@ -26,8 +26,10 @@ class SDPAttention(MegatronModule):
             parallel_state.get_tensor_model_parallel_world_size()
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.hidden_per_partition = config.kv_channels * self.heads
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # MLA: queries/keys of k_channels and values of v_channels per head (else both kv_channels)
+        k_channels, v_channels = k_channels or config.kv_channels, v_channels or config.kv_channels
+        self.hidden_per_partition = v_channels * self.heads
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attn_mask_type = attn_mask_type
 

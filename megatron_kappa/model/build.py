@@ -21,13 +21,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ModelConfig
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.attention import SDPAttention
+from megatron_kappa.model.mla import SequenceParallelMLA
 from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
@@ -93,6 +94,12 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         )
         # the router kind's own: score function, load balancing (megatron_kappa.routers)
         kwargs.update(routers.lookup(moe.router).megatron(cfg))
+    if m.mla.enabled:  # megatron's multi-latent attention; plain RoPE on its positional part (no YaRN)
+        a = m.mla
+        kwargs.update(multi_latent_attention=True, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                      qk_head_dim=a.qk_head_dim, qk_pos_emb_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
+                      rope_type="rope", rotary_base=m.rotary_base, kv_channels=None, num_query_groups=None)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -141,13 +148,20 @@ def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, layout: ModelLayou
         attn = dataclasses.replace(attn, module=nanochat.ValueEmbeddingAttention,
                                    params={**attn.params, "inputs": inputs, "vocab_size": layout.padded_vocab})
     norm = norm_spec(cfg.model)
-    qk = {name: norm for name in ("q_layernorm", "k_layernorm")
-          if getattr(attn.submodules, name) is not IdentityOp}
+    # q/k norms (MLA: the query and key/value latents' norms)
+    qk = {f.name: norm for f in dataclasses.fields(attn.submodules)
+          if f.name.endswith("layernorm") and getattr(attn.submodules, f.name) is not IdentityOp}
     core = core_attention(cfg.model)
     if core is not None:
         qk["core_attention"] = core
+    linears = dict(linear_qkv="column", linear_proj="row")
+    if m.mla.enabled:  # the down projections' FP8 is set on the built modules (model/mla.py)
+        attn = dataclasses.replace(attn, module=SequenceParallelMLA,
+                                   params={**attn.params, "down_fp8": fp8.settings(cfg, device, "attention")})
+        linears = dict(linear_q_proj="column", linear_q_up_proj="column", linear_kv_up_proj="column",
+                       linear_proj="row")
     attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
-                           linear_qkv="column", linear_proj="row")
+                           **linears)
     sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
                               self_attention=dataclasses.replace(attn, submodules=attn_sub))
     if dense:  # megatron's local spec: partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
@@ -235,7 +249,7 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     layout = layout or model_layout(cfg)
     inputs = inputs or nanochat.BlockInputs()
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
-                   normalization="RMSNorm")
+                   normalization="RMSNorm", multi_latent_attention=cfg.model.mla.enabled)
     dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True, layout=layout, inputs=inputs)
     moe = None
     if layout.has_moe:

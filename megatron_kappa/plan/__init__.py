@@ -83,6 +83,34 @@ def check(cfg: Config, layout: Layout):
 
 # --- parameters ---------------------------------------------------------------------------------
 
+def mla_matrices(cfg: Config, t: int) -> dict[str, int]:
+    """MLA's projections on one rank of TP t (each split over TP by its output, linear_proj by its
+    input): elements by megatron's module name."""
+    m, a = cfg.model, cfg.model.mla
+    h, n = m.hidden_size, m.num_attention_heads
+    q = n * (a.qk_head_dim + a.qk_pos_emb_head_dim)
+    out = {"linear_q_down_proj": a.q_lora_rank * h // t, "linear_q_up_proj": q * a.q_lora_rank // t} \
+        if a.q_lora_rank else {"linear_q_proj": q * h // t}
+    out["linear_kv_down_proj"] = (a.kv_lora_rank + a.qk_pos_emb_head_dim) * h // t
+    out["linear_kv_up_proj"] = n * (a.qk_head_dim + a.v_head_dim) * a.kv_lora_rank // t
+    out["linear_proj"] = h * n * a.v_head_dim // t
+    return out
+
+
+def attention_params(cfg: Config, t: int) -> tuple[int, int]:
+    """(attention matrices, q/k norm gains) of one layer on one rank of TP t."""
+    m = cfg.model
+    if m.mla.enabled:  # the latents' norms: the query's (with a query latent) and the key/value one
+        gains = ((m.mla.q_lora_rank or 0) + m.mla.kv_lora_rank) if m.qk_layernorm else 0
+        return sum(mla_matrices(cfg, t).values()), gains * m.norm_gains
+    h = m.hidden_size
+    head_dim = m.head_dim or h // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    matrices = h * head_dim * (m.num_attention_heads + 2 * groups) // t  # linear_qkv
+    matrices += h * head_dim * m.num_attention_heads // t  # linear_proj
+    return matrices, (2 * head_dim if m.qk_layernorm else 0) * m.norm_gains
+
+
 def layer_params(cfg: Config, layout: Layout, is_moe: bool, index: int = 0) -> dict[str, int]:
     """Layer `index`'s (0-based, global) parameters on one rank, by kind (megatron's sharding)."""
     m, moe, t = cfg.model, cfg.model.moe, layout.tp
@@ -90,9 +118,8 @@ def layer_params(cfg: Config, layout: Layout, is_moe: bool, index: int = 0) -> d
     head_dim = m.head_dim or h // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     out = dict.fromkeys(KINDS, 0)
-    out["attention"] = h * head_dim * (m.num_attention_heads + 2 * groups) // t  # linear_qkv
-    out["attention"] += h * head_dim * m.num_attention_heads // t  # linear_proj
-    out["norm"] = (2 * h + (2 * head_dim if m.qk_layernorm else 0)) * m.norm_gains  # input, pre-MLP (q, k) gains
+    out["attention"], qk_gains = attention_params(cfg, t)
+    out["norm"] = 2 * h * m.norm_gains + qk_gains  # input, pre-MLP (q, k or the MLA latents) gains
     out["norm"] += 2 * m.residual_scalars  # λ_resid, λ_x0
     if m.value_embeddings and has_value_embedding(index + 1, m.num_layers):
         # the table [vocab, kv heads · head_dim] and the gate [kv heads, 32], split by kv head
@@ -148,7 +175,8 @@ def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
     local_experts = moe.num_experts // layout.ep if moe.num_experts else 0
     vocab = model_shape(cfg, layout).padded_vocab // t * h
     return {"embedding": vocab, "output": vocab, "value_embedding": model_shape(cfg, layout).padded_vocab * groups * head_dim // t,
-            "attention": h * head_dim * (m.num_attention_heads + 2 * groups) // t,  # linear_qkv
+            "attention": max(mla_matrices(cfg, t).values()) if m.mla.enabled else
+            h * head_dim * (m.num_attention_heads + 2 * groups) // t,  # linear_qkv
             "dense_mlp": 2 * h * ffn // t,  # linear_fc1 [gate; up]
             "shared_experts": 2 * h * (moe.shared_ffn_hidden_size or 0) // t,
             "router": (moe.num_experts or 0) * h,
@@ -244,6 +272,7 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     Per layer and micro-batch, with s·b tokens, sequence parallelism (the tensors outside the
     attention and MLP cores split by TP) and SDPA (no s² scores kept):
       attention: norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
+        (MLA: the latents, q and k of nope + rope width per head, v: s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
       dense MLP: norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
       MoE: norm input and router input s·b·2h/tp, the s·b·k routed rows (capacity factor when
       set) with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
@@ -262,6 +291,12 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     per = m.num_layers // layout.pp
     core = tokens * head_dim * m.num_attention_heads / t
     attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
+    if m.mla.enabled:  # the latents, then q, k (nope + rope per head) and v; the core's output is v-wide
+        a = m.mla
+        core = tokens * a.v_head_dim * m.num_attention_heads / t
+        qk = a.qk_head_dim + a.qk_pos_emb_head_dim
+        latents = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_pos_emb_head_dim
+        attention = tokens * (3 * h + latents + m.num_attention_heads * (2 * qk + a.v_head_dim)) / t + core
     rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     shared = 3 * tokens * (moe.shared_ffn_hidden_size or 0) / t

@@ -1,0 +1,42 @@
+"""Multi-head latent attention (model.mla): megatron-core's MLASelfAttention with the key's RoPE
+part gathered so that its gradient is whole under tensor parallelism.
+
+In megatron's local spec the key/value down projection is a ColumnParallelLinear: each TP rank
+computes a slice of [c_kv; k_pe] for every token, megatron gathers the slices over TP and, with
+sequence parallelism, scatters c_kv back to this rank's tokens but keeps k_pe for every token.
+k_pe is then used by this rank's heads only, so its gradient differs per rank, and the gather's
+backward (a split, no sum) hands each rank its channels of a partial gradient: the down
+projection's RoPE rows miss the other ranks' heads (measured: TP2×EP2 left one process's loss by
+3e-5 at step 2). Here the gathered [c_kv; k_pe] is scattered to this rank's tokens whole, which
+is megatron's other path (a duplicated down projection): it gathers k_pe over the sequence with a
+reduce-scatter backward, which sums the heads' gradients over TP.
+
+FP8 (`down_fp8`): megatron accepts only its own ColumnParallelLinear for the two down projections
+(its constructor compares the spec's class), so the spec cannot name the FP8 subclass there; the
+built modules become FP8ColumnParallelLinear instead, a subclass that changes only the GEMM.
+"""
+from __future__ import annotations
+
+from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                    scatter_to_sequence_parallel_region)
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+
+class SequenceParallelMLA(MLASelfAttention):
+    def __init__(self, *args, down_fp8=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if down_fp8 is not None:
+            from megatron_kappa.model.fp8 import FP8ColumnParallelLinear
+            for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+                module = getattr(self, name, None)
+                if module is not None:
+                    module.__class__, module.fp8 = FP8ColumnParallelLinear, down_fp8
+
+    def _qkv_down_projection(self, hidden_states):
+        q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
+        whole = self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim
+        if kv_combined.size(-1) != whole:  # a TP slice, every token: whole channels, this rank's tokens
+            if not self.config.sequence_parallel:
+                raise ValueError("model.mla: tensor parallelism without sequence parallelism is not supported")
+            kv_combined = scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(kv_combined))
+        return q_compressed, kv_combined

@@ -132,9 +132,11 @@ def _softmax_megatron(cfg) -> dict:
 
 
 def _sigmoid_megatron(cfg) -> dict:
-    # Trinity: aux-loss-free balancing through a non-trained expert bias
-    return dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True,
+    # Trinity: aux-loss-free balancing through a non-trained expert bias; DeepSeek-V3 adds a small
+    # sequence-wise balance loss (model.moe.seq_aux_loss)
+    seq = cfg.model.moe.seq_aux_loss
+    return dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="seq_aux_loss" if seq else "none",
+                moe_aux_loss_coeff=seq, moe_router_enable_expert_bias=True,
                 moe_router_bias_update_rate=cfg.model.moe.bias_update_rate)
 
 

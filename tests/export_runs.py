@@ -14,12 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=1",
           "checkpoint.interval=1", "eval.valid_every=0", "log.tensorboard=false", "log.interval=1",
           "model.kappa.freeze_fraction=0", "data.mock=false"]
+MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
 RUNS = {  # name: (model settings, layout settings, processes)
     "kappa-nanochat-sigmoid": (["model.block=nanochat", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=32",
                                 "model.kappa.input=normalized", "model.kappa.u_warmup=0"], [], 1),
     "kappa-softmax-gqa": (["model.num_query_groups=2", "model.kappa.input=scaled", "model.kappa.u_warmup=0",
                            "model.moe.route_scale=1.5"], ["parallel.ep=2"], 2),
     "plain-softmax": (["model.kappa.enabled=false"], ["parallel.tp=2"], 2),
+    "deepseek-v3-shaped": ([*MLA, "model.kappa.enabled=false", "model.moe.router=sigmoid", "model.moe.num_groups=2",
+                            "model.moe.group_topk=1", "model.moe.route_scale=2.5", "model.moe.shared_ffn_hidden_size=256",
+                            "model.moe.seq_aux_loss=1e-4", "model.norm_eps=1e-6"], ["parallel.tp=2"], 2),
+    "kappa-mla-grouped": ([*MLA, "model.moe.router=sigmoid", "model.moe.num_groups=2", "model.moe.group_topk=1",
+                           "model.moe.shared_ffn_hidden_size=64"], ["parallel.ep=2"], 2),
     "mixtral-shaped": (["model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0"],
                        ["parallel.pp=2"], 2),
 }
@@ -49,6 +56,11 @@ def runs(tmp_path_factory, sample_shards, world1):
         torch.manual_seed(0)
         model = build_model(load_config("configs/tiny.yaml", [*sets, "model.seq_length=32"]), "cpu")
         randomize(model)
+        if "model.moe.router=sigmoid" in model_sets:  # ×4 saturates sigmoid scores at 1.0: exact ties, whose
+            with torch.no_grad():                     # order two top-k implementations may break differently
+                for name, p in model.named_parameters():
+                    if name.endswith("router.weight"):
+                        p.div_(4)
         torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, folder / "init.pt")
         head = [sys.executable] if nproc == 1 else \
             [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]

@@ -18,7 +18,7 @@ from export_runs import ROOT, export, hf_logits, runs, tokens, training_logits, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kappa-nanochat-sigmoid", "kappa-softmax-gqa"])
+@pytest.mark.parametrize("name", ["kappa-nanochat-sigmoid", "kappa-softmax-gqa", "kappa-mla-grouped"])
 def test_a_kappa_export_gives_the_training_models_logits(runs, tmp_path, name):
     run = runs(name)
     out = tmp_path / "hf"
@@ -52,6 +52,21 @@ def test_plain_experts_from_tp2_load_into_transformers_qwen3_moe_and_kappa_moe(r
     assert cls == "KappaMoeForCausalLM" and close(got, want), (got - want).abs().max()
     unnormalised, _ = hf_logits(native, ids, norm_topk_prob=False)  # negative control
     assert (unnormalised - want).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_shaped_model_loads_into_transformers_deepseek_v3(runs, tmp_path):
+    """MLA, the sigmoid router with its balance bias, group-limited routing, route scale 2.5, a shared
+    expert and a dense first layer, trained with TP2, through transformers' own DeepseekV3ForCausalLM."""
+    run = runs("deepseek-v3-shaped")
+    out = tmp_path / "hf"
+    assert "deepseek_v3" in export(run, out)
+    ids = tokens(json.loads((out / "config.json").read_text())["vocab_size"])
+    want = training_logits(run, ids)
+    got, cls = hf_logits(out, ids)
+    assert cls == "DeepseekV3ForCausalLM" and close(got, want), (got - want).abs().max()
+    unscaled, _ = hf_logits(out, ids, routed_scaling_factor=1.0)  # negative control: route scale 1
+    assert (unscaled - want).abs().max() > 1e-2
 
 
 @pytest.mark.slow
@@ -98,6 +113,15 @@ def test_softmoe_and_native_classes_refuse_what_they_cannot_hold():
     assert target("model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0") == "mixtral"
     assert target("model.kappa.enabled=false", "model.qk_layernorm=false") == "kappa_moe"  # a dense layer, no q/k norm
     assert target("model.kappa.enabled=false", "model.moe.router=sigmoid") == "kappa_moe"
+    mla = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16"]
+    deepseek = [*mla, "model.kappa.enabled=false", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=512",
+                "model.norm_eps=1e-6"]
+    assert target(*deepseek) == "deepseek_v3"
+    assert target(*deepseek, "model.norm_eps=1e-5") == "kappa_moe"  # its latent norms' epsilon is fixed
+    assert target(*deepseek, "model.moe.shared_ffn_hidden_size=300") == "kappa_moe"  # not n × the expert width
+    assert target(*mla) == "kappa_moe"  # κ with MLA: the project's file
+    with pytest.raises(ConfigError, match="model.mla.enabled is true"):
+        target(*mla, "model.kappa.enabled=false", requested="qwen3_moe")
     with pytest.raises(ConfigError, match="--target qwen3_moe: model.kappa.enabled is true"):
         target(requested="qwen3_moe")
     with pytest.raises(ConfigError, match="softmoe: the export does not implement"):

@@ -37,6 +37,7 @@ def validate(cfg: Config):
              f"model.moe.num_experts={moe.num_experts} is not divisible by ep={par.ep}")
         if router.validate is not None:  # the router's own rules (SoftMoE: model.moe.softmoe)
             router.validate(moe, need)
+        _validate_groups(moe, router, need)
         authors_losses = [key for key, value, default in (
             ("aux_loss_form", moe.aux_loss_form, "megatron"), ("aux_loss_warmup_steps", moe.aux_loss_warmup_steps, 0),
             ("z_loss_form", moe.z_loss_form, "megatron"), ("z_loss_input_grad_scale", moe.z_loss_input_grad_scale, 1.0))
@@ -99,6 +100,25 @@ def validate(cfg: Config):
     _validate_muon(cfg.train, need)
     if cfg.precision == "fp8":
         _validate_fp8(cfg, need)
+
+
+def _validate_groups(moe, router, need):
+    """model.moe.num_groups / group_topk (group-limited routing) and seq_aux_loss."""
+    grouped = moe.num_groups is not None or moe.group_topk is not None
+    if grouped:
+        need(moe.num_groups is not None and moe.group_topk is not None, "model.moe.group_topk",
+             "set model.moe.num_groups and group_topk together (or neither)")
+        need(router.topk, "model.moe.num_groups", f"group-limited routing needs a top-k router, not {moe.router}")
+        need(moe.num_experts % moe.num_groups == 0, "model.moe.num_groups",
+             f"must divide model.moe.num_experts={moe.num_experts}, got {moe.num_groups}")
+        need(moe.group_topk <= moe.num_groups and moe.topk % moe.group_topk == 0, "model.moe.group_topk",
+             f"must be at most num_groups={moe.num_groups} and divide model.moe.topk={moe.topk}, got {moe.group_topk}")
+        need(moe.topk // moe.group_topk <= moe.num_experts // moe.num_groups, "model.moe.group_topk",
+             f"a group is scored by its best topk / group_topk = {moe.topk // moe.group_topk} experts, more than "
+             f"the {moe.num_experts // moe.num_groups} it has")
+    need(moe.seq_aux_loss == 0 or moe.router == "sigmoid", "model.moe.seq_aux_loss",
+         f"is for the sigmoid router (beside its aux-free bias); the {moe.router} router balances with "
+         "model.moe.aux_loss")
 
 
 def _validate_mla(cfg: Config, need):

@@ -135,7 +135,14 @@ class MoEConfig:
     router_dtype: Literal["fp32", "params"] = _f(
         "fp32", "the router's logits in fp32, or in the parameters' dtype (bf16 under precision bf16, as the "
                 "authors' code runs its router)")
-    route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448)")
+    route_scale: float = _f(1.0, "constant multiplying the routing weights (Trinity-Large: 2.448; DeepSeek-V3: 2.5)")
+    num_groups: Optional[int] = _f(None, "group-limited routing (DeepSeek-V2/V3): the experts in this many equal "
+                                         "groups; a token picks its top-k among the experts of its group_topk best "
+                                         "groups, a group scored by the sum of its topk / group_topk best experts "
+                                         "(megatron's moe_router_num_groups; DeepSeek-V3: 8, one per node; null: none)")
+    group_topk: Optional[int] = _f(None, "groups each token may use under num_groups (DeepSeek-V3: 4)")
+    seq_aux_loss: float = _f(0.0, "weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4 beside its aux-free "
+                                  "bias; megatron's seq_aux_loss); sigmoid router")
     bias_update_rate: float = _f(1e-3, "expert-bias update rate (sigmoid router)")
     dispatcher: Literal["alltoall", "allgather", "sorted"] = _f(
         "alltoall", "token dispatcher: megatron-core's alltoall or allgather, or sorted (no host sync; "

@@ -8,6 +8,9 @@ Three targets (`target_for` picks one, or checks the one asked for):
   qwen3_moe   transformers' Qwen3MoeForCausalLM: plain SwiGLU experts, a softmax router, q/k norms
               with gains, no nanochat parts; dense layers are its `mlp_only_layers`
   mixtral     transformers' MixtralForCausalLM: the same without q/k norms, every layer MoE
+  deepseek_v3 transformers' DeepseekV3ForCausalLM: MLA with its latent norms, the sigmoid router
+              with its balance bias (group-limited or not), shared experts a multiple of an
+              expert's width, dense first layers, no κ
 The native classes are written in the hub's per-expert layout, which transformers and the
 serving tools that take those classes read as they are.
 
@@ -17,6 +20,7 @@ vocabulary padding (128 × TP) is cut off: the exported vocabulary is the tokeni
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -25,7 +29,7 @@ from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import ModelLayout, has_value_embedding
 
-TARGETS = ("auto", "kappa_moe", "qwen3_moe", "mixtral")
+TARGETS = ("auto", "kappa_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 CUSTOM_FILE = "modeling_kappa_moe.py"
 
 
@@ -35,13 +39,27 @@ def native_refusals(cfg: Config, layout: ModelLayout, target: str) -> list[str]:
     why = []
     need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
     need(not m.kappa.enabled, "model.kappa.enabled is true (κ-SwiGLU experts need the kappa_moe code)")
-    need(moe.router == "softmax", f"model.moe.router is {moe.router} (its router is a softmax top-k)")
-    need(moe.route_scale == 1.0, f"model.moe.route_scale is {moe.route_scale} (expected 1)")
-    need(not moe.shared_ffn_hidden_size, "model.moe.shared_ffn_hidden_size is set (it has no shared expert)")
     need(m.norm_gains, "model.norm_gains is false (its norms have gains)")
     for key in ("value_embeddings", "embedding_norm", "residual_scalars"):
         need(not getattr(m, key), f"model.{key} is true (a nanochat-block part it lacks)")
     need(not m.logit_softcap, "model.logit_softcap is set (it has no softcap)")
+    if target == "deepseek_v3":
+        need(m.mla.enabled, "model.mla.enabled is false (DeepSeek-V3 has multi-head latent attention)")
+        need(m.qk_layernorm, "model.qk_layernorm is false (DeepSeek-V3 norms its latents)")
+        # transformers builds the latent norms with RMSNorm's default epsilon, not rms_norm_eps
+        need(m.norm_eps == 1e-6, f"model.norm_eps is {m.norm_eps} (its latent norms use 1e-6, as published)")
+        need(moe.router == "sigmoid", f"model.moe.router is {moe.router} (its router is sigmoid with a balance bias)")
+        need(m.layout == "moe", f"model.layout is {m.layout} (its dense layers come first)")
+        expert = ffn_sizes(cfg)[1]
+        shared = moe.shared_ffn_hidden_size or 0
+        need(shared > 0 and shared % expert == 0, f"model.moe.shared_ffn_hidden_size is {shared or 'null'} (its "
+             f"shared experts are n × the expert width {expert})")
+        return why
+    need(not m.mla.enabled, "model.mla.enabled is true (it has no latent attention; --target deepseek_v3)")
+    need(moe.router == "softmax", f"model.moe.router is {moe.router} (its router is a softmax top-k)")
+    need(moe.route_scale == 1.0, f"model.moe.route_scale is {moe.route_scale} (expected 1)")
+    need(moe.num_groups is None, "model.moe.num_groups is set (it has no group-limited routing)")
+    need(not moe.shared_ffn_hidden_size, "model.moe.shared_ffn_hidden_size is set (it has no shared expert)")
     if target == "qwen3_moe":
         need(m.qk_layernorm, "model.qk_layernorm is false (Qwen3-MoE norms q and k)")
         need(layout.has_moe, "model.layout is dense (no MoE layer)")
@@ -53,7 +71,7 @@ def native_refusals(cfg: Config, layout: ModelLayout, target: str) -> list[str]:
 
 def target_for(cfg: Config, layout: ModelLayout, requested: str = "auto") -> str:
     """The export target: `requested`, checked, or for auto the native class that holds the model
-    (Qwen3-MoE, then Mixtral), else kappa_moe."""
+    (Qwen3-MoE, Mixtral, DeepSeek-V3), else kappa_moe."""
     if requested not in TARGETS:
         raise ConfigError(f"--target: expected one of {list(TARGETS)}, got {requested!r}")
     if cfg.model.moe.router == "softmoe" and layout.has_moe:
@@ -66,7 +84,7 @@ def target_for(cfg: Config, layout: ModelLayout, requested: str = "auto") -> str
         if why:
             raise ConfigError(f"--target {requested}: " + "; ".join(why))
         return requested
-    for native in ("qwen3_moe", "mixtral"):
+    for native in ("qwen3_moe", "mixtral", "deepseek_v3"):
         if not native_refusals(cfg, layout, native):
             return native
     return "kappa_moe"
@@ -102,6 +120,16 @@ def hf_config(cfg: Config, layout: ModelLayout, target: str, special: dict, kapp
         return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=expert,
                     num_local_experts=moe.num_experts, rope_parameters=rope, router_jitter_noise=0.0,
                     sliding_window=None)
+    if target == "deepseek_v3":
+        a = m.mla
+        return dict(common, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", intermediate_size=dense,
+                    moe_intermediate_size=expert, n_routed_experts=moe.num_experts,
+                    n_shared_experts=moe.shared_ffn_hidden_size // expert, routed_scaling_factor=moe.route_scale,
+                    n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1, norm_topk_prob=moe.topk > 1,
+                    first_k_dense_replace=m.first_dense, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                    qk_nope_head_dim=a.qk_head_dim, qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
+                    head_dim=a.qk_pos_emb_head_dim, rope_interleave=True, rope_parameters=rope,
+                    num_key_value_heads=heads, attention_bias=False, num_nextn_predict_layers=0)
     if target == "qwen3_moe":
         dense_layers = [i for i, is_moe in enumerate(layout.moe_layers) if not is_moe]
         return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=dense,
@@ -118,11 +146,13 @@ def hf_config(cfg: Config, layout: ModelLayout, target: str, special: dict, kapp
                 intermediate_size=dense, moe_intermediate_size=expert,
                 shared_expert_intermediate_size=moe.shared_ffn_hidden_size, num_experts=moe.num_experts,
                 mlp_layer_types=["moe" if x else "dense" for x in layout.moe_layers], router_score=moe.router,
-                route_scale=moe.route_scale, kappa=k, qk_norm=m.qk_layernorm, norm_gains=m.norm_gains,
+                route_scale=moe.route_scale, n_group=moe.num_groups, topk_group=moe.group_topk, kappa=k,
+                qk_norm=m.qk_layernorm, norm_gains=m.norm_gains,
                 embedding_norm=m.embedding_norm, residual_scalars=m.residual_scalars,
                 value_embedding_layers=[i for i in range(m.num_layers)
                                         if m.value_embeddings and has_value_embedding(i + 1, m.num_layers)],
-                logit_softcap=m.logit_softcap, rope_theta=float(m.rotary_base))
+                logit_softcap=m.logit_softcap, rope_theta=float(m.rotary_base),
+                mla=dataclasses.asdict(m.mla) if m.mla.enabled else None)
 
 
 def kappa_input_kind(name: str) -> str:
@@ -137,6 +167,12 @@ def kappa_input_kind(name: str) -> str:
                       "implements the built-in transforms only (logit, scaled, normalized)")
 
 
+# MLA: DeepSeek-V3's name ← megatron's (relative to self_attention.); the same tensors, same layouts
+MLA_NAMES = {"q_proj.weight": "linear_q_proj.weight", "q_a_proj.weight": "linear_q_down_proj.weight",
+             "q_a_layernorm.weight": "q_layernorm.weight", "q_b_proj.weight": "linear_q_up_proj.weight",
+             "kv_a_proj_with_mqa.weight": "linear_kv_down_proj.weight",
+             "kv_a_layernorm.weight": "kv_layernorm.weight", "kv_b_proj.weight": "linear_kv_up_proj.weight"}
+
 # megatron's per-layer names, relative to decoder.layers.<i>.
 QKV, PROJ = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"
 FC1, FC2 = "linear_fc1.weight", "linear_fc2.weight"
@@ -149,10 +185,15 @@ def layer_tensors(cfg: Config, layout: ModelLayout, target: str, i: int, get: Ca
     heads, kv, d = head_sizes(cfg)
     out = {}
     p = f"model.layers.{i}."
-    qkv = get(QKV).view(kv, heads // kv + 2, d, -1)
-    out[p + "self_attn.q_proj.weight"] = qkv[:, : heads // kv].reshape(heads * d, -1)
-    out[p + "self_attn.k_proj.weight"] = qkv[:, heads // kv].reshape(kv * d, -1)
-    out[p + "self_attn.v_proj.weight"] = qkv[:, heads // kv + 1].reshape(kv * d, -1)
+    if m.mla.enabled:  # megatron's MLA projections under DeepSeek-V3's names (the same layouts)
+        for hf, mg in MLA_NAMES.items():
+            if (t := get("self_attention." + mg)) is not None:
+                out[p + "self_attn." + hf] = t
+    else:
+        qkv = get(QKV).view(kv, heads // kv + 2, d, -1)
+        out[p + "self_attn.q_proj.weight"] = qkv[:, : heads // kv].reshape(heads * d, -1)
+        out[p + "self_attn.k_proj.weight"] = qkv[:, heads // kv].reshape(kv * d, -1)
+        out[p + "self_attn.v_proj.weight"] = qkv[:, heads // kv + 1].reshape(kv * d, -1)
     out[p + "self_attn.o_proj.weight"] = get(PROJ)
     optional = {"input_layernorm.weight": "input_layernorm.weight",
                 "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
@@ -160,6 +201,8 @@ def layer_tensors(cfg: Config, layout: ModelLayout, target: str, i: int, get: Ca
                 "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
                 "self_attn.value_gate.weight": "self_attention.value_gate",
                 "resid_lambda": "resid_lambda", "x0_lambda": "x0_lambda"}
+    if m.mla.enabled:  # q_layernorm is the query latent's norm there (MLA_NAMES)
+        del optional["self_attn.q_norm.weight"], optional["self_attn.k_norm.weight"]
     for hf, mg in optional.items():
         if (t := get(mg)) is not None:
             out[p + hf] = t
@@ -170,7 +213,7 @@ def layer_tensors(cfg: Config, layout: ModelLayout, target: str, i: int, get: Ca
     else:
         out[p + "mlp.gate.weight"] = get("mlp.router.weight")
         if (t := get("mlp.router.expert_bias")) is not None:
-            out[p + "mlp.expert_bias"] = t
+            out[p + "mlp.gate.e_score_correction_bias"] = t
         for e in range(m.moe.num_experts):
             pre = f"mlp.experts.local_experts.{e}."
             out.update(swiglu(f"{p}mlp.experts.{e}.", get(pre + FC1), get(pre + FC2)))
@@ -178,7 +221,7 @@ def layer_tensors(cfg: Config, layout: ModelLayout, target: str, i: int, get: Ca
             if (t := get("mlp.experts." + name)) is not None:
                 out[p + "mlp." + name] = t
         if m.moe.shared_ffn_hidden_size:
-            out.update(swiglu(p + "mlp.shared_expert.", get("mlp.shared_experts." + FC1),
+            out.update(swiglu(p + "mlp.shared_experts.", get("mlp.shared_experts." + FC1),
                               get("mlp.shared_experts." + FC2)))
     if target == "mixtral":  # the hub's Mixtral names
         renames = (("mlp.gate.", "block_sparse_moe.gate."), ("mlp.experts.", "block_sparse_moe.experts."),

@@ -11,8 +11,9 @@ Per layer, as megatron-core runs it (pre-norm, RMSNorm, no biases, RoPE rotate-h
     x += W_o·attention(q, k, v)
     x += MLP(n(x)):  dense SwiGLU, or MoE: Σ_{e ∈ top-k} p_e · FFN_e(x) (+ a shared SwiGLU expert)
 
-The router: softmax over the top-k logits, or sigmoid scores picked by score + expert_bias and
-divided by their sum; both times route_scale. A κ expert's activation is
+The router: softmax over the top-k logits, or sigmoid scores picked by score + the balance bias and
+divided by their sum; both times route_scale; with n_group, a token picks among the experts of its
+topk_group best groups (DeepSeek-V3's group-limited routing). A κ expert's activation is
 h = g·σ(κ g)·u with κ = U^tanh(gain·(α_e·(scale·s) + b_e)), s the token's router logit for that
 expert (kappa_input normalized: 6·s divided by a per-expert norm of the router weight). Logits
 are c·tanh(logits/c) with logit_softcap. Every token runs through its experts: no capacity drops.
@@ -36,9 +37,10 @@ class KappaMoeConfig(PreTrainedConfig):
     def __init__(self, vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=None, head_dim=None, intermediate_size=256, moe_intermediate_size=256,
                  shared_expert_intermediate_size=None, num_experts=4, num_experts_per_tok=2, mlp_layer_types=None,
-                 router_score="softmax", route_scale=1.0, kappa=None, qk_norm=True, norm_gains=True,
+                 router_score="softmax", route_scale=1.0, n_group=None, topk_group=None, kappa=None, qk_norm=True,
+                 norm_gains=True,
                  rms_norm_eps=1e-5, embedding_norm=False, residual_scalars=False, value_embedding_layers=(),
-                 logit_softcap=None, rope_theta=10000.0, max_position_embeddings=2048, **kwargs):
+                 logit_softcap=None, rope_theta=10000.0, max_position_embeddings=2048, mla=None, **kwargs):
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
@@ -48,6 +50,7 @@ class KappaMoeConfig(PreTrainedConfig):
         self.num_experts, self.num_experts_per_tok = num_experts, num_experts_per_tok
         self.mlp_layer_types = list(mlp_layer_types or ["moe"] * num_hidden_layers)  # "dense" | "moe"
         self.router_score, self.route_scale = router_score, route_scale  # "softmax" | "sigmoid"
+        self.n_group, self.topk_group = n_group, topk_group  # group-limited routing (None: off)
         # None: plain SwiGLU experts; else {U, logit_scale, tanh_gain, use_alpha, use_bias, input}
         self.kappa = dict(kappa) if kappa else None
         self.qk_norm, self.norm_gains, self.rms_norm_eps = qk_norm, norm_gains, rms_norm_eps
@@ -55,6 +58,9 @@ class KappaMoeConfig(PreTrainedConfig):
         self.value_embedding_layers = list(value_embedding_layers)
         self.logit_softcap, self.rope_theta = logit_softcap, rope_theta
         self.max_position_embeddings = max_position_embeddings
+        # None: (grouped-query) attention; else multi-head latent attention:
+        # {q_lora_rank (or None), kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim}
+        self.mla = dict(mla) if mla else None
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -94,6 +100,58 @@ def rope(x, positions, theta: float):
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     rotated = torch.cat([-x2, x1], -1)
     return (x.float() * angle.cos() + rotated.float() * angle.sin()).to(x.dtype)
+
+
+def rope_pairs(x, positions, theta: float):
+    """RoPE of the pairs (x_2i, x_2i+1), as MLA applies it: evens then odds, then rotate-half (the
+    output's channel order is the same for queries and keys, so their products are the pairs')."""
+    return rope(torch.cat([x[..., 0::2], x[..., 1::2]], -1), positions, theta)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), with DeepSeek-V3's module names:
+    c_q = n(q_a_proj·h), q = q_b_proj·c_q (or q_proj·h);  [c_kv; k_pe] = kv_a_proj_with_mqa·h,
+    [k_nope; v] = kv_b_proj·n(c_kv) per head;  q_pe, k_pe roped (k_pe shared by the heads)."""
+
+    def __init__(self, config: KappaMoeConfig, layer: int):
+        super().__init__()
+        c, a = config, config.mla
+        self.layer, self.heads, self.theta = layer, c.num_attention_heads, c.rope_theta
+        self.dq, self.dr, self.dv, self.kv_rank = a["qk_head_dim"], a["qk_pos_emb_head_dim"], a["v_head_dim"], a["kv_lora_rank"]
+        q_width = self.heads * (self.dq + self.dr)
+        if a.get("q_lora_rank"):
+            self.q_a_proj = nn.Linear(c.hidden_size, a["q_lora_rank"], bias=False)
+            self.q_a_layernorm = RMSNorm(a["q_lora_rank"], c.rms_norm_eps, c.norm_gains) if c.qk_norm else None
+            self.q_b_proj = nn.Linear(a["q_lora_rank"], q_width, bias=False)
+        else:
+            self.q_proj = nn.Linear(c.hidden_size, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, self.kv_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, c.rms_norm_eps, c.norm_gains) if c.qk_norm else None
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.heads * (self.dq + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.dv, c.hidden_size, bias=False)
+
+    def forward(self, h, input_ids, positions, mask, cache):
+        b, s, _ = h.shape
+        norm = lambda module, x: x if module is None else module(x)  # noqa: E731
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(norm(self.q_a_layernorm, self.q_a_proj(h)))
+        q_nope, q_pe = q.view(b, s, self.heads, self.dq + self.dr).transpose(1, 2).split([self.dq, self.dr], -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(h).split([self.kv_rank, self.dr], -1)
+        kv = self.kv_b_proj(norm(self.kv_a_layernorm, c_kv)).view(b, s, self.heads, self.dq + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dq, self.dv], -1)
+        q_pe = rope_pairs(q_pe, positions, self.theta)
+        k_pe = rope_pairs(k_pe[:, None], positions, self.theta).expand(-1, self.heads, -1, -1)
+        q, k = torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer)
+        scale = (self.dq + self.dr) ** -0.5
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class Attention(nn.Module):
@@ -149,26 +207,39 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         self.topk, self.score, self.route_scale, self.kappa = c.num_experts_per_tok, c.router_score, c.route_scale, c.kappa
+        self.groups, self.group_topk = c.n_group, c.topk_group
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
-        self.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False) \
-            if c.router_score == "sigmoid" else None
+        if c.router_score == "sigmoid":  # the aux-free balance bias, under DeepSeek-V3's name
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
         self.experts = nn.ModuleList(SwiGLU(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
         k = c.kappa or {}
         shape = (c.num_experts, c.moe_intermediate_size)
         self.kappa_alpha = nn.Parameter(torch.zeros(shape)) if k.get("use_alpha") else None
         self.kappa_bias = nn.Parameter(torch.zeros(shape)) if k.get("use_bias") else None
-        self.shared_expert = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size) \
+        self.shared_experts = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size) \
             if c.shared_expert_intermediate_size else None
+
+    def limit_to_groups(self, choice):
+        """choice [T, E] with the experts outside each token's topk_group best groups at -inf; a
+        group scores the sum of its topk / topk_group best entries."""
+        if not self.groups:
+            return choice
+        t, e = choice.shape
+        grouped = choice.view(t, self.groups, e // self.groups)
+        best = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(-1)  # [T, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, best.topk(self.group_topk, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
 
     def route(self, x):
         """(weights [T, k], experts [T, k], router logits [T, E]) of tokens x [T, H]."""
         logits = F.linear(x.float(), self.gate.weight.float())
         if self.score == "softmax":
-            top, experts = torch.topk(logits, self.topk, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+            _, experts = torch.topk(self.limit_to_groups(logits), self.topk, dim=-1)
+            weights = torch.softmax(logits.gather(1, experts), dim=-1)
         else:
             scores = torch.sigmoid(logits)
-            _, experts = torch.topk(scores + self.expert_bias.float(), self.topk, dim=-1)
+            bias = self.gate.e_score_correction_bias.float()
+            _, experts = torch.topk(self.limit_to_groups(scores + bias), self.topk, dim=-1)
             weights = scores.gather(1, experts)
             if self.topk > 1:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -201,8 +272,8 @@ class MoE(nn.Module):
             if rows.numel():
                 y = self.expert(e, x[rows], s[rows, e])
                 out.index_add_(0, rows, y.float() * weights[rows, slot, None])
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x).float()
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
         return out.to(x.dtype).view(shape)
 
 
@@ -211,7 +282,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_gains)
-        self.self_attn = Attention(c, layer)
+        self.self_attn = LatentAttention(c, layer) if c.mla else Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_gains)
         self.mlp = MoE(c) if c.mlp_layer_types[layer] == "moe" else SwiGLU(c.hidden_size, c.intermediate_size)
         if c.residual_scalars:

@@ -91,6 +91,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
             moe_expert_capacity_factor=moe.capacity_factor,
             moe_grouped_gemm=moe.grouped_gemm, moe_permute_fusion=False, moe_router_fusion=False,
             moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size,
+            moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk,
         )
         # the router kind's own: score function, load balancing (megatron_kappa.routers)
         kwargs.update(routers.lookup(moe.router).megatron(cfg))

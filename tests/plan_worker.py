@@ -22,8 +22,11 @@ def kind(name: str) -> str:
         return "embedding"
     if name.startswith("output_layer"):
         return "output"
-    if "layernorm" in name or "final_norm" in name or name.endswith(("resid_lambda", "x0_lambda")):
+    if "layernorm" in name or "final_norm" in name or name.endswith(("resid_lambda", "x0_lambda", "enorm.weight",
+                                                                      "hnorm.weight")):
         return "norm"
+    if name.endswith("eh_proj.weight"):  # model.mtp's projection: the planner counts it with the attention matrices
+        return "attention"
     if name.endswith("self_attention.value_embedding"):
         return "value_embedding"
     if ".self_attention." in name:

@@ -56,6 +56,16 @@ def validate(cfg: Config):
     need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
     if m.mla.enabled:
         _validate_mla(cfg, need)
+    if m.mtp.num_layers:
+        for key in ("value_embeddings", "residual_scalars", "embedding_norm"):
+            need(not getattr(m, key), f"model.{key}",
+                 "must be false with model.mtp.num_layers (megatron's MTP layers are built without the nanochat "
+                 "block's inputs)")
+        need(m.recompute != "full", "model.recompute", "full recompute is not supported with model.mtp.num_layers")
+        need(par.pp == 1, "parallel.pp",
+             "must be 1 with model.mtp.num_layers: megatron keeps a second copy of the input embedding on the last "
+             "stage for the MTP modules, kept equal through an embedding group whose gradients this trainer does "
+             "not reduce yet")
     etp = par.expert_tp
     need(m.num_layers % par.pp == 0, "parallel.pp",
          f"model.num_layers={m.num_layers} is not divisible by pp={par.pp} (the stages split the layers evenly)")

@@ -26,6 +26,7 @@ RANGES = {
     "model.rotary_base": POSITIVE, "model.init_std": POSITIVE, "model.cross_entropy_chunk": NON_NEGATIVE,
     "model.mla.q_lora_rank": POSITIVE, "model.mla.kv_lora_rank": POSITIVE, "model.mla.qk_head_dim": POSITIVE,
     "model.mla.qk_pos_emb_head_dim": POSITIVE, "model.mla.v_head_dim": POSITIVE,
+    "model.mtp.num_layers": NON_NEGATIVE, "model.mtp.loss_weight": NON_NEGATIVE,
     "model.moe.num_experts": POSITIVE, "model.moe.topk": POSITIVE, "model.moe.ffn_hidden_size": POSITIVE,
     "model.moe.shared_ffn_hidden_size": POSITIVE, "model.moe.aux_loss": NON_NEGATIVE,
     "model.moe.z_loss": NON_NEGATIVE, "model.moe.aux_loss_warmup_scale": NON_NEGATIVE,

@@ -183,6 +183,16 @@ class MLAConfig:
 
 
 @dataclass
+class MTPConfig:
+    """model.mtp: multi-token prediction (DeepSeek-V3), megatron-core's MultiTokenPredictionBlock."""
+    num_layers: int = _f(0, "MTP modules after the model, each predicting one token further: the previous depth's "
+                            "hidden state and the next token's embedding, normed, projected, through one layer of the "
+                            "last layer's kind, into the shared output layer (DeepSeek-V3: 1; 0: none)")
+    loss_weight: float = _f(0.3, "λ: the MTP losses' mean, times this, joins the objective (DeepSeek-V3: 0.3, "
+                                 "then 0.1 for the last 4.8T tokens)")
+
+
+@dataclass
 class ModelConfig:
     block: Literal["megatron", "nanochat"] = _f(
         "megatron", "the transformer block, a preset of the block keys below that the config does not set "
@@ -244,6 +254,7 @@ class ModelConfig:
                 "kernels), megatron's local DotProductAttention (materialises the scores; for "
                 "comparison), or Transformer Engine's (GPU, where TE imports)")
     mla: MLAConfig = field(default_factory=MLAConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     kappa: KappaConfig = field(default_factory=KappaConfig)
     fp8: FP8Config = field(default_factory=FP8Config)

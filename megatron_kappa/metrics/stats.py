@@ -68,3 +68,15 @@ def router_losses(config, micro_batches: int, device: torch.device) -> dict:
     tracker.clear()
     aux, z = dp_mean(pipeline_sum(totals) / micro_batches).tolist()  # each stage has its layers
     return {"aux_loss": aux, "z_loss": z}
+
+
+def mtp_loss(micro_batches: int, device: torch.device) -> dict:
+    """The multi-token-prediction loss (model.mtp; unweighted, mean over its depths and micro-batches,
+    DP-averaged) from megatron's MTP tracker, which it then clears; {} without MTP."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    values = MTPLossLoggingHelper.tracker.get("loss_values")
+    if values is None:
+        return {}
+    total = values.to(device).sum() / (values.numel() * micro_batches)
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    return {"mtp_loss": dp_mean(pipeline_sum(total)).item()}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -95,6 +95,8 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         )
         # the router kind's own: score function, load balancing (megatron_kappa.routers)
         kwargs.update(routers.lookup(moe.router).megatron(cfg))
+    if m.mtp.num_layers:  # multi-token prediction: the block on the last stage, its loss × λ into the objective
+        kwargs.update(mtp_num_layers=m.mtp.num_layers, mtp_loss_scaling_factor=m.mtp.loss_weight)
     if m.mla.enabled:  # megatron's multi-latent attention; plain RoPE on its positional part (no YaRN)
         a = m.mla
         kwargs.update(multi_latent_attention=True, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
@@ -266,6 +268,18 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg.model))
 
 
+def mtp_block_spec(cfg: Config, tconfig, device, layout: ModelLayout, inputs):
+    """megatron's MTP block spec (model.mtp) for the last layer's kind, with our norms: megatron's
+    local ones refuse sequence parallelism."""
+    spec = get_gpt_mtp_block_spec(tconfig, layer_specs(cfg, device, None, layout, inputs), use_transformer_engine=False)
+    if spec is None:  # not the last pipeline stage
+        return None
+    norm = norm_spec(cfg.model)
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, enorm=norm, hnorm=norm, layer_norm=norm)) for layer in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layers)
+
+
 def build_model(cfg: Config, device: torch.device | str | None = None, meta: bool = False,
                 layout: ModelLayout | None = None) -> GPTModel:
     """The GPT model of `cfg` on this rank, on `device` (the caller's: the trainer passes the one
@@ -293,9 +307,12 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
         stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         if stages != cfg.parallel.pp:
             raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
+        specs = layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs)
+        if m.mtp.num_layers:  # one layer of the model's last layer's kind per MTP depth, on the last stage
+            model_class = partial(model_class, mtp_block_spec=mtp_block_spec(cfg, tconfig, device, layout, inputs))
         model = model_class(
             config=tconfig,
-            transformer_layer_spec=layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs),
+            transformer_layer_spec=specs,
             pre_process=stage == 0, post_process=stage == stages - 1,
             vocab_size=layout.padded_vocab, max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",

@@ -153,6 +153,13 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
     if stage == layout.pp - 1:
         total["output"] += vocab
         total["norm"] += cfg.model.hidden_size * cfg.model.norm_gains  # the final norm's gain
+        last = cfg.model.num_layers - 1
+        h = cfg.model.hidden_size
+        for _ in range(cfg.model.mtp.num_layers):  # model.mtp: a layer of the last layer's kind each, on this stage
+            for kind, n in layer_params(cfg, layout, shape.moe_layers[last], last).items():
+                total[kind] += n
+            total["attention"] += 2 * h * h // layout.tp  # eh_proj [h, 2h], TP-split like the attention matrices
+            total["norm"] += 3 * h * cfg.model.norm_gains  # enorm, hnorm, its final norm
     return total
 
 

@@ -71,9 +71,10 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
     pipeline stages `combine` (by category, input embedding) → the same summed over the stages."""
     by = {k: 0 for k in ("embedding", "value_embedding", "attention", "dense_mlp", "router", "experts", "norm",
                          "scalars")}
+    mtp = dict.fromkeys(by, 0)  # model.mtp's modules, counted apart as DeepSeek-V3 reports them (671 B + 14 B)
     input_embedding = 0
     for name, p in model.named_parameters():
-        by[_category(name)] += numel(name, p)
+        (mtp if name.startswith("mtp.") else by)[_category(name)] += numel(name, p)
         if "word_embeddings" in name:
             input_embedding += numel(name, p)
     if combine is not None:
@@ -100,6 +101,10 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
         "layout": ["moe" if m else "dense" for m in layout.moe_layers],
         "experts": E if has_moe else 0, "topk": k if has_moe else 0,
         "kappa": cfg.model.kappa.enabled and has_moe,
+        # the MTP modules (their layers of the last layer's kind; the embedding and output layer are the
+        # model's, shared): beside the totals above, which they are not part of
+        "mtp_params": sum(mtp.values()),
+        "mtp_active_params": int(round(sum(mtp.values()) - mtp["experts"] + mtp["experts"] * ratio)),
     }
 
 
@@ -187,6 +192,8 @@ def render(s: dict) -> str:
           if "auto_batch_tokens" in s else []),
         f"layers (d dense, M MoE) {layout}",
         f"experts                 {'κ-SwiGLU' if s['kappa'] else 'SwiGLU'}",
+        *([f"MTP modules (apart)     {_fmt(s['mtp_params'])}  ({_fmt(s['mtp_active_params'])} active per token)"]
+          if s.get("mtp_params") else []),
         "by category             " + ", ".join(f"{k} {_fmt(v)}" for k, v in s["by_category"].items()),
     ])
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
 from megatron_kappa import routers
 from megatron_kappa.checkpoint import resume
@@ -42,7 +43,7 @@ from megatron_kappa.summary import count
 from megatron_kappa.optim import muon, optimizer as optim, schedule
 from megatron_kappa.metrics import paper_analyses, throughput
 from megatron_kappa.metrics.log import MetricsLog
-from megatron_kappa.metrics.stats import kappa_stats, router_losses
+from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
 from megatron_kappa.train import pipeline, recipe
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.preemption import Preempted, StopAgreement
@@ -116,6 +117,7 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
 def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
     """What a logging step records beyond the loss (collectives; numbers read on the host)."""
     return {**router_losses(model.config, grad_accumulation(cfg), device),
+            **(mtp_loss(grad_accumulation(cfg), device) if cfg.model.mtp.num_layers else {}),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
             **kappa_stats(model, device), **paper_analyses.analysis_stats(model, cfg, device),
@@ -215,6 +217,10 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (), 1.0 / grad_accum,
                                                    device=device))
+    # the MTP loss's likewise (model.mtp); its process-wide tracker starts empty (an earlier model's
+    # training forwards in this process would otherwise count in the first step's mtp_loss)
+    MTPLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (), 1.0 / grad_accum, device=device))
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
     core = None
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset

@@ -1,0 +1,116 @@
+"""Multi-token prediction (model.mtp; issue 36): its loss weight enters the gradient linearly and, at
+0, leaves the model's gradients those of the model without MTP (negative control: the MTP modules'
+gradient is 0 then, and not otherwise); its modules are counted apart by the summary, as DeepSeek-V3
+reports them; in training, TP2×EP2 matches one process from the same weights, resumes exactly, and
+evaluation loads it as one process. Pipeline stages are refused with MTP (docs/frontier.md)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.model.build import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def gradients(weight: float | None, state=None):
+    """(gradients by name, state dict) of one forward/backward of the tiny model with one MTP depth
+    of loss weight `weight` (None: no MTP), from `state` when given."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    # no router losses: the MTP layer's MoE router adds its own (as megatron's MTP layers do), apart from λ
+    sets = ["model.kappa.freeze_fraction=0", "model.moe.aux_loss=0", "model.moe.z_loss=0"] + (
+        [] if weight is None else ["model.mtp.num_layers=1",
+                                   f"model.mtp.loss_weight={weight}"])
+    torch.manual_seed(0)
+    model = build_model(load_config("configs/tiny.yaml", sets), "cpu")
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+    model(ids, torch.arange(24).expand(2, -1), None, labels=labels).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, model.state_dict()
+
+
+def test_the_mtp_loss_weight_enters_the_gradient_linearly(world1):
+    g0, state = gradients(0.0)
+    g3, _ = gradients(0.3, state)
+    g6, _ = gradients(0.6, state)
+    plain, _ = gradients(None, state)
+    main = [n for n in plain if not n.startswith("mtp.")]
+    # weight 0: the model's own gradients, as without MTP; the MTP modules get none
+    assert max((g0[n] - plain[n]).abs().max().item() for n in main) <= 1e-6
+    assert all(g0.get(n, torch.zeros(1)).abs().max() == 0 for n in g3 if n.startswith("mtp."))
+    # weight λ: the MTP part of every gradient (the shared embedding and output layer included) is λ × one
+    for n in g3:
+        part3, part6 = g3[n] - g0.get(n, 0), g6[n] - g0.get(n, 0)
+        assert (part6 - 2 * part3).abs().max() <= 1e-5 * max(1e-3, part6.abs().max().item()), n
+    assert (g3["embedding.word_embeddings.weight"] - g0["embedding.word_embeddings.weight"]).abs().max() > 1e-6
+    assert any(n.startswith("mtp.") and g3[n].abs().max() > 0 for n in g3)
+
+
+def test_the_summary_counts_mtp_apart(world1):
+    from megatron_kappa.summary import summarize
+    plain = summarize(load_config("configs/tiny.yaml"))
+    with_mtp = summarize(load_config("configs/tiny.yaml", ["model.mtp.num_layers=2"]))
+    assert with_mtp["total_params"] == plain["total_params"] and plain["mtp_params"] == 0
+    model = build_model(load_config("configs/tiny.yaml", ["model.mtp.num_layers=2"]), meta=True)
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert with_mtp["mtp_params"] == mtp > 0
+    # per depth: a layer like the last (MoE) one, the [h, 2h] projection and three norms
+    last = sum(p.numel() for n, p in model.named_parameters() if n.startswith("decoder.layers.3."))
+    assert mtp == 2 * (last + 2 * 64 * 64 + 3 * 64)
+    with pytest.raises(ConfigError, match="model.value_embeddings"):
+        load_config("configs/tiny.yaml", ["model.mtp.num_layers=1", "model.block=nanochat"])
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(world1, tmp_path_factory):
+    from test_pipeline import COMMON, launch
+    from megatron_kappa.train.loop import run
+    from weights import save_init_weights
+    tmp = tmp_path_factory.mktemp("mtp")
+    sets = COMMON + ["model.mtp.num_layers=1", "model.mtp.loss_weight=0.5"]
+    init = save_init_weights(tmp / "init.pt", sets)
+    sets = sets + [f"train.init_weights={init}"]
+    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
+    layout = ["parallel.tp=2", "parallel.ep=2", "eval.valid_iters=2", "checkpoint.interval=1", "checkpoint.keep=3"]
+    launch(tmp, [{"overrides": sets + layout + [f"run.dir={tmp / 'tp2_ep2'}"]}], 4)
+    return tmp, sets + layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2_ep2"])
+def test_mtp_layouts_match_one_process(mtp_runs, name):
+    from test_pipeline import STEPS, records
+    tmp, _ = mtp_runs
+    ref, got = records(tmp / "ref"), records(tmp / name)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for r, g in zip(ref, got):
+        for key in ("loss", "mtp_loss"):
+            assert abs(r[key] - g[key]) <= 1e-5, (name, key, r[key], g[key])
+        assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
+    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_mtp_resume_and_evaluation(mtp_runs):
+    import shutil
+
+    from test_pipeline import STEPS, launch, records
+
+    from megatron_kappa.evaluation.loading import load_model_for_eval
+    tmp, sets = mtp_runs
+    resumed = tmp / "resumed"  # the TP2×EP2 run from its step-1 checkpoint
+    shutil.copytree(tmp / "tp2_ep2", resumed)
+    for step in range(2, STEPS + 1):
+        shutil.rmtree(resumed / f"checkpoints/step_{step}")
+    out = launch(tmp, [{"overrides": sets + [f"run.dir={resumed}"], "log": True}], 4)
+    assert f"resumed from {resumed}/checkpoints/step_1" in out
+    assert [(r["loss"], r["mtp_loss"]) for r in records(resumed)] == \
+        [(r["loss"], r["mtp_loss"]) for r in records(tmp / "tp2_ep2")]
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
+    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("tp2_ep2", "ref")}
+    assert (logits["tp2_ep2"] - logits["ref"]).abs().max().item() < 1e-4

@@ -206,6 +206,73 @@ def test_nanochat_pipeline_resume_is_exact(nanochat_runs):
     assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
 
 
+def test_uneven_stages_split_as_megatron_does(monkeypatch):
+    """ModelLayout.stage_layers (what the specs, the planner and the checks use) against megatron's
+    get_transformer_layer_offset for first/last stage counts set, unset or both; the checks refuse
+    splits that do not add up."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import transformer_layer
+    from megatron_kappa.model.layout import model_layout
+    for layers, pp, first, last in ((5, 2, 3, None), (5, 2, None, 1), (61, 16, 4, 1), (10, 4, 1, 3), (7, 3, 1, None),
+                                    (8, 4, None, None)):
+        sets = [f"model.num_layers={layers}", f"parallel.pp={pp}", "model.layout=moe", "model.first_dense=1",
+                f"parallel.first_stage_layers={first if first else 'null'}",
+                f"parallel.last_stage_layers={last if last else 'null'}"]
+        shape = model_layout(load_config("configs/tiny.yaml", sets))
+        config = SimpleNamespace(pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=None,
+                                 num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                 num_layers=layers, virtual_pipeline_model_parallel_size=None,
+                                 account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+        offsets = [transformer_layer.get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)]
+        assert [shape.stage_layers(r)[0] for r in range(pp)] == offsets, (layers, pp, first, last)
+        assert shape.stage_layers(pp - 1)[1] == layers and sum(shape.stage_counts()) == layers
+    for sets in (["model.num_layers=5", "parallel.pp=2", "parallel.first_stage_layers=5"],
+                 ["model.num_layers=10", "parallel.pp=4", "parallel.first_stage_layers=2"],
+                 ["parallel.first_stage_layers=2"]):
+        with pytest.raises(ConfigError, match="parallel.first_stage_layers"):
+            load_config("configs/tiny.yaml", sets)
+
+
+# 5 layers on 2 stages, 3 on the first (the layer numbers, the MoE pattern and the checkpoint
+# coordinates follow megatron's uneven split)
+UNEVEN = ["model.num_layers=5", "parallel.pp=2", "parallel.first_stage_layers=3"]
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(world1, tmp_path_factory):
+    from megatron_kappa.train.loop import run
+    from weights import save_init_weights
+    tmp = tmp_path_factory.mktemp("pipeline_uneven")
+    init = save_init_weights(tmp / "init.pt", COMMON + ["model.num_layers=5"])
+    sets = COMMON + ["model.num_layers=5", f"train.init_weights={init}"]
+    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
+    launch(tmp, [{"overrides": sets + UNEVEN[1:] + [f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
+                                                    "checkpoint.keep=3"]}], 2)
+    return tmp, sets + UNEVEN[2:]
+
+
+@pytest.mark.slow
+def test_uneven_stages_match_one_process_resume_and_consolidate(uneven_runs):
+    import torch
+
+    from megatron_kappa.evaluation.loading import load_model_for_eval
+    tmp, sets = uneven_runs
+    ref, got = records(tmp / "ref"), records(tmp / "pp2")
+    assert len(got) == len(ref) == STEPS
+    for r, g in zip(ref, got):
+        assert abs(r["loss"] - g["loss"]) <= 1e-5 and abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1, r["grad_norm"])
+    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5
+    resumed = resume_from_step_1(tmp, sets)
+    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
+    weights = {run: final_weights(tmp / run) for run in ("ref", "pp2")}
+    assert weights["pp2"].keys() == weights["ref"].keys() and any(".layers.4." in k for k in weights["ref"])
+    assert max((weights["pp2"][k] - weights["ref"][k]).abs().max().item() for k in weights["ref"]) < 1e-5
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
+    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("pp2", "ref")}
+    assert (logits["pp2"] - logits["ref"]).abs().max().item() < 1e-4
+
+
 def test_pipeline_refusals():
     for setting, message in (("zero.stage=2", "zero.stage: 2 with parallel.pp=2: ZeRO-2"),
                              ("eval.core_every=10", "eval.core_every"),

@@ -67,8 +67,7 @@ def validate(cfg: Config):
              "stage for the MTP modules, kept equal through an embedding group whose gradients this trainer does "
              "not reduce yet")
     etp = par.expert_tp
-    need(m.num_layers % par.pp == 0, "parallel.pp",
-         f"model.num_layers={m.num_layers} is not divisible by pp={par.pp} (the stages split the layers evenly)")
+    _validate_stage_split(m.num_layers, par, need)
     shared = moe.shared_ffn_hidden_size
     need(shared is None or (shared > 0 and shared % par.tp == 0), "model.moe.shared_ffn_hidden_size",
          f"must be positive and divisible by tp={par.tp} (or null: no shared expert), got {shared}")
@@ -110,6 +109,25 @@ def validate(cfg: Config):
     _validate_muon(cfg.train, need)
     if cfg.precision == "fp8":
         _validate_fp8(cfg, need)
+
+
+def _validate_stage_split(layers: int, par, need):
+    """parallel.pp with first_stage_layers / last_stage_layers: megatron's split must add up."""
+    first, last = par.first_stage_layers, par.last_stage_layers
+    if first is None and last is None:
+        need(layers % par.pp == 0, "parallel.pp",
+             f"model.num_layers={layers} is not divisible by pp={par.pp} (the stages split the layers evenly; "
+             "parallel.first_stage_layers / last_stage_layers make them uneven)")
+        return
+    key = "parallel.first_stage_layers" if first is not None else "parallel.last_stage_layers"
+    need(par.pp > 1, key, "needs parallel.pp > 1")
+    middle_stages = par.pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    need(middle_stages >= 0 and rest >= 0, key, f"more stages or layers than model.num_layers={layers} and "
+         f"parallel.pp={par.pp} have")
+    need((rest == 0) if middle_stages == 0 else (rest > 0 and rest % middle_stages == 0), key,
+         f"the {rest} layers left for the {middle_stages} other stage(s) do not split evenly "
+         f"(model.num_layers={layers}, parallel.pp={par.pp})")
 
 
 def _validate_groups(moe, router, need):

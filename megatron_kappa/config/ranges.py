@@ -42,6 +42,7 @@ RANGES = {
     "model.kappa.lr": NON_NEGATIVE, "model.kappa.lr_end": NON_NEGATIVE, "model.kappa.warmup": NON_NEGATIVE,
     "model.kappa.l2_alpha": NON_NEGATIVE, "model.kappa.l2_bias": NON_NEGATIVE,
     "parallel.tp": POSITIVE, "parallel.ep": POSITIVE, "parallel.etp": POSITIVE, "parallel.pp": POSITIVE,
+    "parallel.first_stage_layers": POSITIVE, "parallel.last_stage_layers": POSITIVE,
     "parallel.timeout_s": POSITIVE,
     "train.steps": POSITIVE, "train.seed": NON_NEGATIVE, "train.micro_batch": POSITIVE,
     "train.global_batch": POSITIVE, "train.tokens_per_param": POSITIVE, "train.lr": NON_NEGATIVE,

@@ -265,9 +265,16 @@ class ParallelConfig:
     tp: int = _f(1, "tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = _f(1, "expert parallel size")
     etp: Optional[int] = _f(None, "expert tensor parallel size (null: same as tp)")
-    pp: int = _f(1, "pipeline parallel size: model.num_layers split evenly over pp stages, the embedding on "
+    pp: int = _f(1, "pipeline parallel size: model.num_layers split evenly over pp stages (or as first_stage_layers / "
+                    "last_stage_layers say), the embedding on "
                     "the first and the output layer on the last; megatron-core's 1F1B schedule with ZeRO-1 "
                     "(ZeRO-2, softmoe and eval.core_every are refused with pp > 1; docs/pipeline.md)")
+    first_stage_layers: Optional[int] = _f(
+        None, "uneven pipeline stages: layers on the first stage (megatron's num_layers_in_first_pipeline_stage; "
+              "the stages without a set count split the rest evenly; null: an even split)")
+    last_stage_layers: Optional[int] = _f(
+        None, "layers on the last stage (megatron's num_layers_in_last_pipeline_stage), e.g. fewer, to leave room "
+              "for the output layer and the loss")
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
 

@@ -19,7 +19,9 @@ class ModelLayout:
     moe_layers: tuple[int, ...]  # 1 for an MoE layer, 0 for a dense one, per layer
     num_experts: int  # routed experts of each MoE layer (model.moe.num_experts)
     padded_vocab: int  # the vocabulary padded to a multiple of 128 × TP
-    pp: int  # pipeline stages; each holds num_layers / pp consecutive layers
+    pp: int  # pipeline stages; each holds consecutive layers (stage_layers)
+    first_stage_layers: int | None = None  # uneven stages: parallel.first_stage_layers / last_stage_layers
+    last_stage_layers: int | None = None
 
     @property
     def has_moe(self) -> bool:
@@ -36,10 +38,27 @@ class ModelLayout:
         return self.num_experts if self.has_moe else None
 
     def stage_layers(self, stage: int) -> tuple[int, int]:
-        """The [start, stop) layer numbers of a pipeline stage: an even split, as megatron makes it
-        without a custom pipeline layout."""
-        per = len(self.moe_layers) // self.pp
-        return stage * per, (stage + 1) * per
+        """The [start, stop) layer numbers of a pipeline stage, as megatron splits them
+        (get_transformer_layer_offset): the first and last stages hold first_stage_layers and
+        last_stage_layers where set, the other stages an even share of the rest."""
+        counts = self.stage_counts()
+        start = sum(counts[:stage])
+        return start, start + counts[stage]
+
+    def stage_counts(self) -> list[int]:
+        """The number of layers on each pipeline stage."""
+        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
+        if pp == 1:
+            return [len(self.moe_layers)]
+        middle_stages = pp - (first is not None) - (last is not None)
+        rest = len(self.moe_layers) - (first or 0) - (last or 0)
+        per = rest // middle_stages if middle_stages else 0
+        counts = [per] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
 
     def stage_moe_layers(self, stage: int) -> tuple[int, ...]:
         start, stop = self.stage_layers(stage)
@@ -47,8 +66,10 @@ class ModelLayout:
 
 
 def model_layout(cfg: Config) -> ModelLayout:
+    par = cfg.parallel
     return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg)), num_experts=cfg.model.moe.num_experts,
-                       padded_vocab=padded_vocab_size(cfg), pp=cfg.parallel.pp)
+                       padded_vocab=padded_vocab_size(cfg), pp=par.pp, first_stage_layers=par.first_stage_layers,
+                       last_stage_layers=par.last_stage_layers)
 
 
 def moe_layer_pattern(cfg: Config) -> list[int]:

@@ -56,7 +56,11 @@ def layout_of(cfg: Config, world: int) -> Layout:
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
-    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
+    """`cfg` in `layout`; the config's uneven stage split only for its own number of stages."""
+    same_pp = layout.pp == cfg.parallel.pp
+    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
+                              first_stage_layers=cfg.parallel.first_stage_layers if same_pp else None,
+                              last_stage_layers=cfg.parallel.last_stage_layers if same_pp else None)
     return dataclasses.replace(cfg, parallel=par)
 
 
@@ -295,7 +299,7 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     groups = m.num_query_groups or m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * h
     size = value_bytes(cfg.precision)
-    per = m.num_layers // layout.pp
+    per = model_shape(cfg, layout).stage_counts()[stage]
     core = tokens * head_dim * m.num_attention_heads / t
     attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
     if m.mla.enabled:  # the latents, then q, k (nope + rope per head) and v; the core's output is v-wide

@@ -23,7 +23,7 @@ SHAPES_STATE = (
     "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.layout", "model.first_dense",
     "model.qk_layernorm", "model.norm_gains", "model.value_embeddings", "model.residual_scalars",
     "model.moe.num_experts", "model.moe.ffn_hidden_size", "model.moe.shared_ffn_hidden_size",
-    "model.moe.router", "model.moe.grouped_gemm",
+    "model.moe.router", "model.moe.grouped_gemm", "model.mla", "model.mtp.num_layers",
     "model.kappa.enabled", "model.kappa.use_alpha", "model.kappa.use_bias",
     "precision", "train.optimizer", "train.router_optimizer",
 )

@@ -91,7 +91,8 @@ def test_every_key_that_changes_the_model_or_optimizer_groups_is_refused(world1)
                     assert resume._covered(key, resume.SHAPES_STATE), (base, key, value)
     # and the refused list holds nothing that changes neither (negative control of the listing)
     listed = set(resume.SHAPES_STATE) - STATE_ONLY
-    assert listed <= changed | {"model.head_dim", "model.num_query_groups"}, sorted(listed - changed)
+    # (model.mla: turning MLA on needs several keys at once, which this one-key sweep never gives)
+    assert listed <= changed | {"model.head_dim", "model.num_query_groups", "model.mla"}, sorted(listed - changed)
 
 
 def test_refusal_names_the_keys_and_allows_the_rest():

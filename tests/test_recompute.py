@@ -5,8 +5,12 @@ import torch
 import parity
 
 
-def train(recompute, kappa, grouped, state=None):
-    cfg = parity.make_cfg(kappa=kappa, grouped=grouped, overrides=(f"model.recompute={recompute}",))
+MLA = ("model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24")
+
+
+def train(recompute, kappa, grouped, state=None, extra=()):
+    cfg = parity.make_cfg(kappa=kappa, grouped=grouped, overrides=(f"model.recompute={recompute}", *extra))
     from megatron_kappa.parallel.groups import init_distributed
     init_distributed(cfg.parallel, seed=5, device="cpu")
     model = parity.build(cfg)
@@ -32,3 +36,12 @@ def test_recompute_settings_give_identical_losses(world1, kappa, grouped):
             assert all(getattr(e, "recompute_activation", False) == grouped for e in experts)
         else:
             assert model.config.recompute_granularity == "full"
+
+
+def test_recompute_with_mla_gives_identical_losses(world1):
+    """model.mla under selective (its core attention) and full recompute: the same numbers."""
+    losses, grads, state, _ = train("none", True, True, extra=MLA)
+    for mode in ("selective", "full"):
+        got, got_grads, _, _ = train(mode, True, True, state, extra=MLA)
+        assert got == losses, (mode, got, losses)
+        assert all(torch.equal(got_grads[k], g) for k, g in grads.items()), mode

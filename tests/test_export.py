@@ -54,30 +54,31 @@ def test_plain_experts_from_tp2_load_into_transformers_qwen3_moe_and_kappa_moe(r
     assert (unnormalised - want).abs().max() > 1e-2
 
 
+def native_export_matches(run, tmp_path, target: str, cls_name: str):
+    """Export `run` (auto picks `target`), load it into transformers' `cls_name` and compare its logits
+    with the training model's; (folder, tokens, training logits)."""
+    out = tmp_path / "hf"
+    assert target in export(run, out)
+    ids = tokens(json.loads((out / "config.json").read_text())["vocab_size"])
+    want = training_logits(run, ids)
+    got, cls = hf_logits(out, ids)
+    assert cls == cls_name and close(got, want), (got - want).abs().max()
+    return out, ids, want
+
+
 @pytest.mark.slow
 def test_a_deepseek_v3_shaped_model_loads_into_transformers_deepseek_v3(runs, tmp_path):
     """MLA, the sigmoid router with its balance bias, group-limited routing, route scale 2.5, a shared
     expert and a dense first layer, trained with TP2, through transformers' own DeepseekV3ForCausalLM."""
-    run = runs("deepseek-v3-shaped")
-    out = tmp_path / "hf"
-    assert "deepseek_v3" in export(run, out)
-    ids = tokens(json.loads((out / "config.json").read_text())["vocab_size"])
-    want = training_logits(run, ids)
-    got, cls = hf_logits(out, ids)
-    assert cls == "DeepseekV3ForCausalLM" and close(got, want), (got - want).abs().max()
+    out, ids, want = native_export_matches(runs("deepseek-v3-shaped"), tmp_path, "deepseek_v3", "DeepseekV3ForCausalLM")
     unscaled, _ = hf_logits(out, ids, routed_scaling_factor=1.0)  # negative control: route scale 1
     assert (unscaled - want).abs().max() > 1e-2
 
 
 @pytest.mark.slow
 def test_a_mixtral_shaped_model_loads_into_transformers_mixtral(runs, tmp_path):
-    run = runs("mixtral-shaped")  # trained with PP2: each stage's layers under the full model's numbers
-    out = tmp_path / "hf"
-    assert "mixtral" in export(run, out)
-    ids = tokens(json.loads((out / "config.json").read_text())["vocab_size"])
-    want = training_logits(run, ids)
-    got, cls = hf_logits(out, ids)
-    assert cls == "MixtralForCausalLM" and close(got, want), (got - want).abs().max()
+    # trained with PP2: each stage's layers under the full model's numbers
+    native_export_matches(runs("mixtral-shaped"), tmp_path, "mixtral", "MixtralForCausalLM")
     with pytest.raises(ConfigError, match="model.kappa.enabled is true"):
         from megatron_kappa.export.convert import target_for
         from megatron_kappa.model.layout import model_layout

@@ -84,15 +84,9 @@ def mtp_runs(world1, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2_ep2"])
 def test_mtp_layouts_match_one_process(mtp_runs, name):
-    from test_pipeline import STEPS, records
+    from test_pipeline import assert_same_run, records
     tmp, _ = mtp_runs
-    ref, got = records(tmp / "ref"), records(tmp / name)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for r, g in zip(ref, got):
-        for key in ("loss", "mtp_loss"):
-            assert abs(r[key] - g[key]) <= 1e-5, (name, key, r[key], g[key])
-        assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
-    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5
+    assert_same_run(records(tmp / "ref"), records(tmp / name), name, keys=("loss", "mtp_loss"))
 
 
 @pytest.mark.slow

@@ -58,19 +58,26 @@ def runs(world1, tmp_path_factory):
     return tmp, sets
 
 
+def assert_same_run(ref: list, got: list, name: str, keys=("loss",)):
+    """A run in another layout against the one-process run's records: every step, the `keys` and
+    the gradient norm ≤ 1e-5 (with clipping active in the reference), the validation loss."""
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for r, g in zip(ref, got):
+        for key in keys:
+            assert abs(r[key] - g[key]) <= 1e-5, (name, key, r[key], g[key])
+        assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
+    assert all(r["grad_norm"] > 0.05 for r in ref)  # clipping was active: the norms decided the updates
+    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5, (name, ref[-1], got[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_layout_matches_one_process(runs, name):
     tmp, _ = runs
     ref, got = records(tmp / "ref"), records(tmp / name)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert_same_run(ref, got, name)  # validation through the stages' forward-only schedule included
     for r, g in zip(ref, got):
-        assert abs(r["loss"] - g["loss"]) <= 1e-5, (name, r["loss"], g["loss"])
-        assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
         assert abs(r["aux_loss"] - g["aux_loss"]) <= 1e-6 and abs(r["kappa_l2"] - g["kappa_l2"]) <= 1e-9
-    assert all(r["grad_norm"] > 0.05 for r in ref)  # clipping was active: the norms decided the updates
-    # validation through the stages' forward-only schedule
-    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5, (name, ref[-1], got[-1])
     # κ's α and b of every MoE layer, merged from the stages under the full model's layer numbers
     # (the routed-token statistics sample the last micro-batch, which depends on the DP split)
     kappa = [k for k in ref[-1] if k.endswith(("/alpha_abs", "/bias_abs"))]
@@ -258,11 +265,7 @@ def test_uneven_stages_match_one_process_resume_and_consolidate(uneven_runs):
 
     from megatron_kappa.evaluation.loading import load_model_for_eval
     tmp, sets = uneven_runs
-    ref, got = records(tmp / "ref"), records(tmp / "pp2")
-    assert len(got) == len(ref) == STEPS
-    for r, g in zip(ref, got):
-        assert abs(r["loss"] - g["loss"]) <= 1e-5 and abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1, r["grad_norm"])
-    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5
+    assert_same_run(records(tmp / "ref"), records(tmp / "pp2"), "uneven pp2")
     resumed = resume_from_step_1(tmp, sets)
     assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
     weights = {run: final_weights(tmp / run) for run in ("ref", "pp2")}

@@ -26,6 +26,19 @@ from megatron_kappa.parallel.launch_env import exit_process
 
 
 def run_case(case):
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_kappa.model import mla
+    fixed = mla.SequenceParallelMLA._qkv_down_projection
+    if case.get("negative") == "mla_stock_tp":  # megatron's own down-projection path (k_pe's gradient partial)
+        mla.SequenceParallelMLA._qkv_down_projection = MLASelfAttention._qkv_down_projection
+    try:
+        return _run_case(case)
+    finally:
+        mla.SequenceParallelMLA._qkv_down_projection = fixed
+
+
+def _run_case(case):
     cfg = parity.make_cfg(**case["model"], **case["layout"])
     init_distributed(cfg.parallel, seed=5, num_experts=cfg.model.moe.num_experts)
     model = parity.build(cfg)

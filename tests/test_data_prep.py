@@ -305,8 +305,11 @@ def test_ctrl_c_is_one_line_and_the_rerun_finishes(work, tmp_path):
     with the uninterrupted run's bytes."""
     inputs, args, prep_cli, env = _two_worker_prep(work)
     out = tmp_path / "stopped"
+    # SIGINT at its default, as in a terminal: a job started in the background by a non-interactive
+    # shell (`cmd &`, as a CI harness may run `make test`) inherits it ignored, and Python keeps it so
     proc = subprocess.Popen([*prep_cli, "--output", str(out), *args], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _signal_after_shards(proc, out, 1, signal.SIGINT)  # what a terminal's Ctrl-C does
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]

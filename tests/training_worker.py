@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
-"x0_not_sent_back" | "mla_stock_tp", "log": false}; each
+"x0_not_sent_back", "log": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines).
 """
@@ -47,12 +47,6 @@ def main(plan_path):
                 if self.inputs.x0 is not None and not self.pre_process:
                     self.inputs.x0 = self.inputs.x0.detach()
             nanochat.NanochatGPTModel.set_input_tensor = detached
-        if case.get("negative") == "mla_stock_tp":
-            # negative control: megatron's own MLASelfAttention, whose k_pe gradient is partial under TP
-            from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-            from megatron_kappa.model import mla
-            mla.SequenceParallelMLA._qkv_down_projection = MLASelfAttention._qkv_down_projection
         if case.get("negative") == "zero2_pipeline":
             # negative control: ZeRO-2 with pipeline stages, set past the config check that refuses it
             cfg = load_config("configs/tiny.yaml", [o for o in case["overrides"] if not o.startswith("zero.stage=")])

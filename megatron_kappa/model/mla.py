@@ -6,8 +6,9 @@ computes a slice of [c_kv; k_pe] for every token, megatron gathers the slices ov
 sequence parallelism, scatters c_kv back to this rank's tokens but keeps k_pe for every token.
 k_pe is then used by this rank's heads only, so its gradient differs per rank, and the gather's
 backward (a split, no sum) hands each rank its channels of a partial gradient: the down
-projection's RoPE rows miss the other ranks' heads (measured: TP2×EP2 left one process's loss by
-3e-5 at step 2). Here the gathered [c_kv; k_pe] is scattered to this rank's tokens whole, which
+projection's RoPE rows miss the other ranks' heads (tests/test_parallel.py: with megatron's class
+the TP2 gradients leave one process's; AdamW's sign-like first steps hide much of it in the loss).
+Here the gathered [c_kv; k_pe] is scattered to this rank's tokens whole, which
 is megatron's other path (a duplicated down projection): it gathers k_pe over the sequence with a
 reduce-scatter backward, which sums the heads' gradients over TP.
 

@@ -108,3 +108,19 @@ def test_mtp_resume_and_evaluation(mtp_runs):
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
     logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("tp2_ep2", "ref")}
     assert (logits["tp2_ep2"] - logits["ref"]).abs().max().item() < 1e-4
+
+
+def test_a_logged_steps_mtp_loss_is_its_own(world1, tmp_path):
+    """With log.interval 2 the logged mtp_loss is step 2's alone, as with log.interval 1 (negative
+    control of the tracker's per-step clearing: without it step 1's loss would be added in)."""
+    from megatron_kappa.train.loop import run
+    sets = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=2",
+            "eval.valid_every=0", "log.tensorboard=false", "model.mtp.num_layers=1", "checkpoint.interval=100"]
+    logged = {}
+    for interval in (1, 2):
+        run(load_config("configs/tiny.yaml", [*sets, f"log.interval={interval}", f"run.dir={tmp_path / str(interval)}"]),
+            log=lambda *a: None)
+        from test_pipeline import records
+        logged[interval] = {r["step"]: r["mtp_loss"] for r in records(tmp_path / str(interval))}
+    assert list(logged[2]) == [2] and abs(logged[2][2] - logged[1][2]) <= 1e-6, logged
+    assert abs(logged[1][1] + logged[1][2] - logged[2][2]) > 1  # what an uncleared tracker would give

@@ -114,6 +114,13 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     return dp_mean(torch.stack(losses).mean()), l2
 
 
+def discard_step_metrics():
+    """Empty megatron's process-wide loss trackers (router losses, MTP) after a step that is not
+    logged, so that a logged step reports its own losses only."""
+    get_moe_metrics_tracker().clear()
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+
+
 def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
     """What a logging step records beyond the loss (collectives; numbers read on the host)."""
     return {**router_losses(model.config, grad_accumulation(cfg), device),
@@ -245,7 +252,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         stopping = stop.poll() and done < steps  # every step, on every rank: same answer everywhere
         saving = done % cfg.checkpoint.interval == 0 or done == steps or stopping
         if not (logging or saving):
-            get_moe_metrics_tracker().clear()  # router losses are reduced only on logged steps
+            discard_step_metrics()  # router and MTP losses are reduced only on logged steps
             continue
         loss_value = step_loss.item()  # the step's one host sync, on logging/checkpoint steps
         if not math.isfinite(loss_value):
@@ -272,7 +279,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
                 + (f" valid {record['valid_loss']:.4f}" if "valid_loss" in record else ""))
             window_start, window_steps = time.perf_counter(), 0
         else:
-            get_moe_metrics_tracker().clear()
+            discard_step_metrics()
         if saving:
             ckpts.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
                        device)

@@ -1,8 +1,9 @@
 """Multi-token prediction (model.mtp; issue 36): its loss weight enters the gradient linearly and, at
 0, leaves the model's gradients those of the model without MTP (negative control: the MTP modules'
 gradient is 0 then, and not otherwise); its modules are counted apart by the summary, as DeepSeek-V3
-reports them; in training, TP2×EP2 matches one process from the same weights, resumes exactly, and
-evaluation loads it as one process. Pipeline stages are refused with MTP (docs/frontier.md)."""
+reports them; in training, TP2×EP2 and PP2×EP2 (the MTP modules and their copy of the input
+embedding on the last stage) match one process from the same weights, resume exactly, and
+evaluation loads them as one process."""
 import sys
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def test_the_summary_counts_mtp_apart(world1):
 
 @pytest.fixture(scope="module")
 def mtp_runs(world1, tmp_path_factory):
-    from test_pipeline import COMMON, launch
+    from test_pipeline import COMMON, LAYOUTS, launch
     from megatron_kappa.train.loop import run
     from weights import save_init_weights
     tmp = tmp_path_factory.mktemp("mtp")
@@ -77,16 +78,45 @@ def mtp_runs(world1, tmp_path_factory):
     sets = sets + [f"train.init_weights={init}"]
     run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
     layout = ["parallel.tp=2", "parallel.ep=2", "eval.valid_iters=2", "checkpoint.interval=1", "checkpoint.keep=3"]
-    launch(tmp, [{"overrides": sets + layout + [f"run.dir={tmp / 'tp2_ep2'}"]}], 4)
+    launch(tmp, [{"overrides": sets + layout + [f"run.dir={tmp / 'tp2_ep2'}"]},
+                 {"overrides": sets + LAYOUTS["pp2_ep2"][1] + [f"run.dir={tmp / 'pp2_ep2'}"]},
+                 {"overrides": sets + LAYOUTS["pp2_ep2"][1] + [f"run.dir={tmp / 'unsynced'}"],
+                  "negative": "embedding_copy_unsynced"}], 4)
     return tmp, sets + layout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2_ep2"])
+@pytest.mark.parametrize("name", ["tp2_ep2", "pp2_ep2"])
 def test_mtp_layouts_match_one_process(mtp_runs, name):
+    """The losses, mtp_loss and gradient norms of every step and the validation loss. With PP2 the
+    last stage's embedding copy must take the first stage's update: left with its own gradient
+    (the MTP part only: the negative control), the MTP loss leaves the 1e-5 band."""
     from test_pipeline import assert_same_run, records
     tmp, _ = mtp_runs
-    assert_same_run(records(tmp / "ref"), records(tmp / name), name, keys=("loss", "mtp_loss"))
+    ref, got = records(tmp / "ref"), records(tmp / name)
+    assert_same_run(ref, got, name, keys=("loss", "mtp_loss"))
+    # the MTP depth's κ statistics under its own name, not a decoder layer's
+    mtp_kappa = [k for k in ref[-1] if k in ("kappa/mtp0/alpha_abs", "kappa/mtp0/bias_abs")]
+    assert len(mtp_kappa) == 2 and all(got[-1][k] == pytest.approx(ref[-1][k], rel=1e-5) for k in mtp_kappa)
+    if name == "pp2_ep2":
+        unsynced = records(tmp / "unsynced")
+        assert max(abs(r["mtp_loss"] - u["mtp_loss"]) for r, u in zip(ref, unsynced)) > 1e-4
+
+
+@pytest.mark.slow
+def test_the_embedding_copy_stays_the_first_stages(mtp_runs):
+    """PP2×EP2 after 3 steps: the last stage's copy of the input embedding equals the first
+    stage's bit for bit on every rank, and both equal the one-process run's embedding."""
+    from megatron_kappa.checkpoint.store import Checkpoints
+    tmp, _ = mtp_runs
+    run = Checkpoints(tmp / "pp2_ep2")
+    step = run.latest()
+    files = run.rank_files(step)
+    name = "embedding.word_embeddings.weight"
+    copies = {f["coords"]["pp"][0]: f["weights"][name] for f in files if name in f["weights"]}
+    assert sorted(copies) == [0, 1] and torch.equal(copies[0], copies[1])
+    ref = Checkpoints(tmp / "ref")
+    assert (copies[1].float() - ref.weights(ref.latest(), {name})[name].float()).abs().max() <= 1e-5
 
 
 @pytest.mark.slow
@@ -106,8 +136,9 @@ def test_mtp_resume_and_evaluation(mtp_runs):
     assert [(r["loss"], r["mtp_loss"]) for r in records(resumed)] == \
         [(r["loss"], r["mtp_loss"]) for r in records(tmp / "tp2_ep2")]
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
-    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("tp2_ep2", "ref")}
+    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("tp2_ep2", "pp2_ep2", "ref")}
     assert (logits["tp2_ep2"] - logits["ref"]).abs().max().item() < 1e-4
+    assert (logits["pp2_ep2"] - logits["ref"]).abs().max().item() < 1e-4
 
 
 def test_a_logged_steps_mtp_loss_is_its_own(world1, tmp_path):

@@ -291,13 +291,18 @@ def test_pipeline_refusals():
 def test_layer_names_shift_by_the_stage_offset():
     from types import SimpleNamespace
 
-    from megatron_kappa.model.layout import global_layer_index, shift_layers
+    from megatron_kappa.model.layout import global_layer_index, layer_label, shift_layers
     assert shift_layers("decoder.layers.0.mlp.experts.fc1_weight", 2) == "decoder.layers.2.mlp.experts.fc1_weight"
     assert shift_layers("decoder.layers.1.self_attention.linear_qkv.weight", 0) == \
         "decoder.layers.1.self_attention.linear_qkv.weight"
     assert shift_layers("embedding.word_embeddings.weight", 2) == "embedding.word_embeddings.weight"
     # only the first `layers.<i>.` is the decoder's (a module could hold layers of its own)
     assert shift_layers("decoder.layers.1.mlp.layers.0.w", 2) == "decoder.layers.3.mlp.layers.0.w"
+    # an MTP module's depth is not a decoder layer (it sits on the last stage, whatever its offset)
+    assert shift_layers("mtp.layers.0.transformer_layer.mlp.router.weight", 2) == \
+        "mtp.layers.0.transformer_layer.mlp.router.weight"
     stage = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=3)]))  # first layer 2
     assert global_layer_index(stage, "decoder.layers.1.mlp.experts") == 3
     assert global_layer_index(stage, "module.decoder.layers.0.mlp") == 2
+    assert layer_label(stage, "decoder.layers.1.mlp") == "layer3"
+    assert layer_label(stage, "mtp.layers.0.transformer_layer.mlp") == "mtp0"

@@ -40,6 +40,7 @@ def built(tmp_path_factory):
     for name, lay in (("mla_tp2_ep2_etp1", (2, 1, 2, 1)), ("mla_pp2_tp2", (2, 2, 1, 2))):
         cases.append({"name": name, "overrides": overrides(*lay, MLA)})
     cases.append({"name": "mtp_tp2_ep2_etp2", "overrides": overrides(2, 1, 2, 2, ("model.mtp.num_layers=2",))})
+    cases.append({"name": "mtp_pp2_tp2", "overrides": overrides(2, 2, 1, 2, ("model.mtp.num_layers=1",))})
     cases.append({"name": "uneven_pp2_tp2", "overrides": overrides(2, 2, 1, 2, (
         "model.num_layers=5", "parallel.first_stage_layers=3"))})
     (tmp / "plan.json").write_text(json.dumps(cases))

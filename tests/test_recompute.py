@@ -38,10 +38,18 @@ def test_recompute_settings_give_identical_losses(world1, kappa, grouped):
             assert model.config.recompute_granularity == "full"
 
 
-def test_recompute_with_mla_gives_identical_losses(world1):
-    """model.mla under selective (its core attention) and full recompute: the same numbers."""
-    losses, grads, state, _ = train("none", True, True, extra=MLA)
+MTP = ("model.mtp.num_layers=1", "model.mtp.loss_weight=0.5")
+
+
+@pytest.mark.parametrize("extra", [MLA, MTP], ids=["mla", "mtp"])
+def test_recompute_with_mla_or_mtp_gives_identical_losses(world1, extra):
+    """model.mla under selective (its core attention) and full recompute, and model.mtp under full
+    recompute (megatron checkpoints each MTP depth like a layer): the same numbers."""
+    losses, grads, state, _ = train("none", True, True, extra=extra)
+    if extra is MTP:  # the MTP modules are trained (their gradients are compared too)
+        assert any(k.startswith("mtp.") and g.abs().max() > 0 for k, g in grads.items())
     for mode in ("selective", "full"):
-        got, got_grads, _, _ = train(mode, True, True, state, extra=MLA)
+        got, got_grads, _, model = train(mode, True, True, state, extra=extra)
         assert got == losses, (mode, got, losses)
         assert all(torch.equal(got_grads[k], g) for k, g in grads.items()), mode
+        assert model.config.recompute_granularity == mode

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
-"x0_not_sent_back", "log": false}; each
+"x0_not_sent_back" | "embedding_copy_unsynced", "log": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines).
 """
@@ -47,6 +47,11 @@ def main(plan_path):
                 if self.inputs.x0 is not None and not self.pre_process:
                     self.inputs.x0 = self.inputs.x0.detach()
             nanochat.NanochatGPTModel.set_input_tensor = detached
+        from megatron_kappa.model import embedding_copy
+        sync = embedding_copy.all_reduce_grads
+        if case.get("negative") == "embedding_copy_unsynced":
+            # negative control: MTP's embedding copy on the last stage keeps its own gradient
+            embedding_copy.all_reduce_grads = lambda model: None
         if case.get("negative") == "zero2_pipeline":
             # negative control: ZeRO-2 with pipeline stages, set past the config check that refuses it
             cfg = load_config("configs/tiny.yaml", [o for o in case["overrides"] if not o.startswith("zero.stage=")])
@@ -54,6 +59,7 @@ def main(plan_path):
         else:
             cfg = load_config("configs/tiny.yaml", case["overrides"])
         loop.run(cfg, log=log)
+        embedding_copy.all_reduce_grads = sync
     engine.wire_experts = wire
     groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit
 

@@ -61,11 +61,6 @@ def validate(cfg: Config):
             need(not getattr(m, key), f"model.{key}",
                  "must be false with model.mtp.num_layers (megatron's MTP layers are built without the nanochat "
                  "block's inputs)")
-        need(m.recompute != "full", "model.recompute", "full recompute is not supported with model.mtp.num_layers")
-        need(par.pp == 1, "parallel.pp",
-             "must be 1 with model.mtp.num_layers: megatron keeps a second copy of the input embedding on the last "
-             "stage for the MTP modules, kept equal through an embedding group whose gradients this trainer does "
-             "not reduce yet")
     etp = par.expert_tp
     _validate_stage_split(m.num_layers, par, need)
     shared = moe.shared_ffn_hidden_size

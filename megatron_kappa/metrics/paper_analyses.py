@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.experts import gate_weights
-from megatron_kappa.model.layout import global_layer_index
+from megatron_kappa.model.layout import LAYER, global_layer_index, layer_label
 from megatron_kappa.parallel.groups import merge_stages, stage_group
 
 TOKENS = 256        # routed tokens sampled per rank and layer
@@ -47,10 +47,16 @@ _QUANTILES = (0.05, 0.95)
 
 
 def moe_layers(model) -> list[tuple[int, MoELayer]]:
-    """(global layer index, layer) of every MoE layer this rank's model holds, in model order
+    """(global layer index, layer) of every MoE layer of this rank's decoder, in model order
     (`decoder.layers.<i>` counts from the pipeline stage's first layer)."""
-    return [(global_layer_index(model, name), m) for name, m in model.named_modules()
-            if isinstance(m, MoELayer)]
+    return [(global_layer_index(model, name + "."), m) for name, m in model.named_modules()
+            if isinstance(m, MoELayer) and LAYER.search(name + ".")]
+
+
+def labelled_moe_layers(model) -> list[tuple[str, MoELayer]]:
+    """(metrics label, layer) of every MoE layer this rank holds: `layer<i>` for the decoder's,
+    `mtp<d>` for an MTP depth's (model.mtp)."""
+    return [(layer_label(model, name + "."), m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
 def _remember(router, args, output):
@@ -59,7 +65,7 @@ def _remember(router, args, output):
 
 def watch_routers(model):
     """Hook every MoE router so that its last input and routing map stay readable."""
-    for _, layer in moe_layers(model):
+    for _, layer in labelled_moe_layers(model):
         if getattr(layer.router, "_analysis_hook", None) is None:
             layer.router.last_routing = None
             layer.router._analysis_hook = layer.router.register_forward_hook(_remember)
@@ -162,8 +168,7 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
     gen = torch.Generator().manual_seed(0)
     variant = kappa_inputs.resolve(cfg.model.kappa)
     scale, transform = variant.logit_scale, variant.transform  # as κ uses them (input scaled: 0.15)
-    for index, layer in moe_layers(model):
-        p = f"layer{index}"
+    for p, layer in labelled_moe_layers(model):
         table = expert_table(layer)
         cos, alpha, bias = table["cos"], table["alpha"], table["bias"]
         # router-gate alignment: the same full table on every rank, so no further gathering

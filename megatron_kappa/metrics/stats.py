@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from megatron_kappa.model.experts import KappaExpertActivation, routed_logits
-from megatron_kappa.model.layout import global_layer_index
+from megatron_kappa.model.layout import layer_label
 from megatron_kappa.parallel.groups import dp_mean, merge_stages, pipeline_sum, stage_group
 
 _SAMPLE = 20000  # κ values per rank and layer used for the quantiles
@@ -45,7 +45,7 @@ def kappa_stats(model, device: torch.device) -> dict:
                 sums[2 * i + 1] = p.numel()
         dist.all_reduce(sums, group=group)  # replicas count equally, so the mean is unchanged by them
         sums = sums.cpu()
-        prefix = f"kappa/layer{global_layer_index(model, name)}"
+        prefix = f"kappa/{layer_label(model, name + '.')}"
         if kappa.numel():
             q = torch.quantile(kappa.double(), torch.tensor([0.05, 0.95], dtype=torch.float64))
             out.update({f"{prefix}/mean": kappa.mean().item(), f"{prefix}/bottom5": q[0].item(),

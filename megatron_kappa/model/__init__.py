@@ -4,6 +4,8 @@ Modules:
   attention.py         Core attention through `torch.nn.functional.scaled_dot_product_attention`
   build.py             Config → megatron-core TransformerConfig + layer specs → GPTModel
   capacity.py          Expert capacity in training and in evaluation, as the authors run it
+  embedding_copy.py    The last pipeline stage's copy of the input embedding (model.mtp with
+                       parallel.pp > 1)
   experts.py           Routed experts: κ-SwiGLU's α, b and activation, megatron's SequentialMLP with
                        that activation, and grouped-GEMM experts (κ or plain SwiGLU) that replace
                        the per-expert loop

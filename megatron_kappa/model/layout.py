@@ -104,7 +104,8 @@ def layer_offset(model) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")  # the `layers.<i>.` of a parameter or module name
+LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")  # the `decoder.layers.<i>.` of a parameter or module name
+MTP_DEPTH = re.compile(r"(^|\.)mtp\.layers\.(\d+)\.")  # an MTP module's `mtp.layers.<depth>.` (not a decoder layer)
 
 
 def global_layer_index(model, local_name: str) -> int:
@@ -112,8 +113,18 @@ def global_layer_index(model, local_name: str) -> int:
     return layer_offset(model) + int(LAYER.search(local_name).group(2))
 
 
+def layer_label(model, local_name: str) -> str:
+    """The metrics' name of the layer a module or parameter belongs to: `layer<i>` (global index)
+    for a decoder layer, `mtp<d>` for the MTP module of depth d (model.mtp)."""
+    depth = MTP_DEPTH.search(local_name)
+    if depth:
+        return f"mtp{depth.group(2)}"
+    return f"layer{global_layer_index(model, local_name)}"
+
+
 def shift_layers(name: str, offset: int) -> str:
-    """A pipeline stage's local `decoder.layers.<i>` name as the full model's (i + offset)."""
+    """A pipeline stage's local `decoder.layers.<i>` name as the full model's (i + offset); the MTP
+    modules' `mtp.layers.<d>` are numbered by depth, not shifted."""
     if not offset:
         return name
-    return LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}.", name, count=1)
+    return LAYER.sub(lambda m: f"{m.group(1)}decoder.layers.{int(m.group(2)) + offset}.", name, count=1)

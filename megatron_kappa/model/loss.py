@@ -17,6 +17,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_kappa.model import embedding_copy
+
 
 class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -93,6 +95,13 @@ class ChunkedLossGPTModel(GPTModel):
     def __init__(self, *args, cross_entropy_chunk: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.cross_entropy_chunk = cross_entropy_chunk
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        # with MTP on pipeline stages megatron's own moves the last stage's embedding copy with
+        # .cuda(): ours starts it on the weight's device (megatron_kappa.model.embedding_copy)
+        if embedding_copy.needs_copy(self):
+            return embedding_copy.setup(self)
+        return super().setup_embeddings_and_output_layer()
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """labels [b, s], logits [s, b, V/TP] → loss [b, s], as the method it overrides (megatron's

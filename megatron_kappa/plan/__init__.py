@@ -159,6 +159,8 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
         total["norm"] += cfg.model.hidden_size * cfg.model.norm_gains  # the final norm's gain
         last = cfg.model.num_layers - 1
         h = cfg.model.hidden_size
+        if cfg.model.mtp.num_layers and layout.pp > 1:  # the MTP modules' copy of the input embedding
+            total["embedding"] += vocab
         for _ in range(cfg.model.mtp.num_layers):  # model.mtp: a layer of the last layer's kind each, on this stage
             for kind, n in layer_params(cfg, layout, shape.moe_layers[last], last).items():
                 total[kind] += n

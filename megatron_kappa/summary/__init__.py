@@ -74,6 +74,8 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
     mtp = dict.fromkeys(by, 0)  # model.mtp's modules, counted apart as DeepSeek-V3 reports them (671 B + 14 B)
     input_embedding = 0
     for name, p in model.named_parameters():
+        if getattr(p, "ds_pipe_replicated", False):  # MTP's copy of the input embedding (model.embedding_copy)
+            continue
         (mtp if name.startswith("mtp.") else by)[_category(name)] += numel(name, p)
         if "word_embeddings" in name:
             input_embedding += numel(name, p)

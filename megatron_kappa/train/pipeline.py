@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kappa.config import Config
+from megatron_kappa.model import embedding_copy
 from megatron_kappa.model.nanochat import pipeline_seq_length
 from megatron_kappa.parallel.groups import dp_mean, pipeline_sum
 from megatron_kappa.train import recipe
@@ -66,6 +67,7 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     batches = [batch_at(train_ds, train_first_sample(step, micro, cfg, dp_rank, dp), cfg.train.micro_batch, device)
                for micro in range(micro_batches)]
     loss = run_schedule(engine.module, batches, cfg, position_ids, forward_only=False)
+    embedding_copy.all_reduce_grads(model)  # MTP's embedding copy on the last stage steps with the first's
     l2 = recipe.kappa_l2(model, cfg, device)
     if l2.requires_grad:  # this stage holds α, b
         (l2 * recipe.l2_scale()).backward()

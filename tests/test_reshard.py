@@ -4,7 +4,6 @@ steps have the losses of the run that went on in its own layout (which resumes b
 tests/test_preemption.py). Negative control: the optimizer moments reset instead of loaded."""
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,16 +22,6 @@ COMMON = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train
 
 def losses(run_dir) -> dict:
     return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
-
-
-def train(run_dir, nproc: int, sets: list[str]):
-    from test_training import env, free_port
-    head = [sys.executable] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    done = subprocess.run([*head, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *COMMON, *sets,
-                           f"run.dir={run_dir}"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
 
 
 def back_to_step_2(run_dir, into):
@@ -57,31 +46,57 @@ CASES = {  # name: (processes, settings) before → after
 }
 
 
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory):
+    """Every case's run in its first layout, then its copy at step 2 resumed in the second: the runs
+    of one process count share a launch (tests/training_worker.py; the imports dominate on CPU).
+    Also the straight EP2 run of the one-process test below. Returns (folder, {case: the resumed
+    run's log})."""
+    from test_pipeline import launch
+    tmp = tmp_path_factory.mktemp("reshard")
+    for nproc in (2, 4):
+        plan = [{"overrides": COMMON + before + [f"run.dir={tmp / case / 'straight'}"]}
+                for case, ((n, before), _) in CASES.items() if n == nproc]
+        if nproc == 2:
+            plan.append({"overrides": COMMON + TO_ONE + [f"run.dir={tmp / 'to_one' / 'straight'}"]})
+        launch(tmp, plan, nproc)
+    logs = {}
+    for nproc in (2, 4):
+        names = [case for case, (_, (n, _)) in CASES.items() if n == nproc]
+        for case in names:
+            back_to_step_2(tmp / case / "straight", tmp / case / "moved")
+        out = launch(tmp, [{"overrides": COMMON + CASES[case][1][1] + [f"run.dir={tmp / case / 'moved'}"], "log": True}
+                           for case in names], nproc)
+        for i, case in enumerate(names):  # each run's log follows "== case <i>" (once per rank)
+            logs[case] = out.split(f"== case {i}\n", 1)[1].split(f"== case {i + 1}\n", 1)[0]
+    return tmp, logs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_in_another_layout_continues_the_run(tmp_path, case):
-    (n_before, before), (n_after, after) = CASES[case]
-    train(tmp_path / "straight", n_before, before)
-    back_to_step_2(tmp_path / "straight", tmp_path / "moved")
-    out = train(tmp_path / "moved", n_after, after)
-    assert f"resumed from {tmp_path / 'moved'}/checkpoints/step_2 (written with" in out, out[-2000:]
-    ref, got = losses(tmp_path / "straight"), losses(tmp_path / "moved")
+def test_resume_in_another_layout_continues_the_run(moved, case):
+    tmp, logs = moved
+    assert f"resumed from {tmp / case / 'moved'}/checkpoints/step_2 (written with" in logs[case], logs[case][-2000:]
+    ref, got = losses(tmp / case / "straight"), losses(tmp / case / "moved")
     assert sorted(got) == list(range(1, STEPS + 1))
     gaps = {s: abs(got[s] - ref[s]) for s in range(3, STEPS + 1)}
     assert max(gaps.values()) <= 1e-5, (gaps, ref, got)
 
 
+TO_ONE = ["parallel.ep=2", "model.moe.router=sigmoid"]
+
+
 @pytest.mark.slow
-def test_two_processes_to_one_and_moments_reset_differ(tmp_path, monkeypatch, world1):
+def test_two_processes_to_one_and_moments_reset_differ(moved, tmp_path, monkeypatch, world1):
     """EP2 on 2 processes → 1 process, in this process: the losses continue; with the moments
     (and steps) reset instead of loaded they do not (negative control)."""
     from megatron_kappa.checkpoint import optimizer_state
     from megatron_kappa.train.loop import run
-    train(tmp_path / "straight", 2, ["parallel.ep=2", "model.moe.router=sigmoid"])
-    ref = losses(tmp_path / "straight")
+    straight = moved[0] / "to_one" / "straight"
+    ref = losses(straight)
 
     def resumed(name):
-        back_to_step_2(tmp_path / "straight", tmp_path / name)
+        back_to_step_2(straight, tmp_path / name)
         run(load_config("configs/tiny.yaml", [*COMMON, "model.moe.router=sigmoid", f"run.dir={tmp_path / name}"]),
             log=lambda *a, **k: None)
         got = losses(tmp_path / name)

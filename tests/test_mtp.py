@@ -155,3 +155,28 @@ def test_a_logged_steps_mtp_loss_is_its_own(world1, tmp_path):
         logged[interval] = {r["step"]: r["mtp_loss"] for r in records(tmp_path / str(interval))}
     assert list(logged[2]) == [2] and abs(logged[2][2] - logged[1][2]) <= 1e-6, logged
     assert abs(logged[1][1] + logged[1][2] - logged[2][2]) > 1  # what an uncleared tracker would give
+
+
+@pytest.mark.slow
+def test_an_export_leaves_the_mtp_modules_behind(mtp_runs, tmp_path):
+    """The PP2×EP2 run exported (kappa_moe): no MTP tensor in it, and its logits are the training
+    model's, as evaluation loads it."""
+    import json
+
+    from export_runs import close, export, hf_logits, tokens, training_logits
+    tmp, _ = mtp_runs
+    out = tmp_path / "hf"
+    export(tmp / "pp2_ep2", out, "--target", "kappa_moe")
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] \
+        if (out / "model.safetensors.index.json").exists() else _safetensor_names(out / "model.safetensors")
+    assert names and not any("mtp" in n for n in names)
+    ids = tokens(json.loads((out / "config.json").read_text())["vocab_size"])
+    want = training_logits(tmp / "pp2_ep2", ids)
+    got, _ = hf_logits(out, ids)
+    assert close(got, want), (got - want).abs().max()
+
+
+def _safetensor_names(path):
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())

@@ -119,7 +119,9 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
             first_dtype = first_dtype or next(iter(tensors.values())).dtype
             shards.add({k: v.to(cast) if cast else v for k, v in tensors.items()})
             del state, tensors
-        outer = ckpts.weights(step, lambda n: not n.startswith("decoder.layers."))
+        # model.mtp's modules stay behind: inference uses the main model (transformers' DeepSeek-V3
+        # loads no MTP layer either), and they would be read whole here
+        outer = ckpts.weights(step, lambda n: not n.startswith(("decoder.layers.", "mtp.")))
         shards.add({k: v.to(cast) if cast else v for k, v in convert.outer_tensors(cfg, outer.get).items()})
         shards.finish()
         config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[cast or first_dtype]

@@ -44,18 +44,64 @@ def launch(tmp_path, plan, nproc, check=True):
 
 
 @pytest.fixture(scope="module")
-def runs(world1, tmp_path_factory):
+def stage_runs(world1, tmp_path_factory):
+    """The pipeline runs of this file and their one-process references, {name: (folder, settings)}:
+    "base" (PP2 with checkpoints at every step, PP2×EP2, PP2×DP2, PP4), "nanochat" (PP2 and its
+    negative control) and "uneven" (5 layers on 2 stages). The runs of one process count share a
+    launch (the imports dominate on CPU); the PP2 runs are resumed by `resumed`."""
     from megatron_kappa.train.loop import run
+    out = {"base": base_sets(tmp_path_factory.mktemp("pipeline")),
+           "nanochat": nanochat_sets(tmp_path_factory.mktemp("pipeline_nanochat")),
+           "uneven": uneven_sets(tmp_path_factory.mktemp("pipeline_uneven"))}
+    for tmp, sets in out.values():
+        run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
+    every_step = ["checkpoint.interval=1", "checkpoint.keep=3"]  # the resume tests start from step 1's
+    (base, sets), (nano, nano_sets), (uneven, uneven_sets_) = out["base"], out["nanochat"], out["uneven"]
+    launch(base, [{"overrides": sets + PP2["base"] + [f"run.dir={base / 'pp2'}", *every_step]},
+                  {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'pp2'}", *every_step]},
+                  {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'neg'}"], "negative": "x0_not_sent_back"},
+                  {"overrides": uneven_sets_ + PP2["uneven"] + [f"run.dir={uneven / 'pp2'}", *every_step]}], 2)
+    launch(base, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={base / name}"]}
+                  for name in ("pp2_ep2", "pp2_dp2", "pp4")], 4)
+    return out
+
+
+def resume_from_step_1(tmp, sets):
+    """The PP2 run in tmp/pp2 resumed from its step-1 checkpoint in tmp/pp2-resumed; its log."""
+    resumed = tmp / "pp2-resumed"
+    shutil.copytree(tmp / "pp2", resumed)
+    for step in range(2, STEPS + 1):
+        shutil.rmtree(resumed / f"checkpoints/step_{step}")
+    out = launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={resumed}"], "log": True}], 2)
+    assert f"resumed from {resumed}/checkpoints/step_1" in out
+    return resumed
+
+
+def base_sets(tmp):
     from weights import save_init_weights
-    tmp = tmp_path_factory.mktemp("pipeline")
     init = save_init_weights(tmp / "init.pt", COMMON)
-    sets = COMMON + [f"train.init_weights={init}"]
-    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
-    # PP2 on 2 ranks, with checkpoints at every step (the resume test starts from step 1's)
-    launch(tmp, [{"overrides": sets + LAYOUTS["pp2"][1] + [f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
-                                                           "checkpoint.keep=3"]}], 2)
-    launch(tmp, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={tmp / name}"]} for name in ("pp2_ep2", "pp2_dp2", "pp4")], 4)
-    return tmp, sets
+    return tmp, COMMON + [f"train.init_weights={init}"]
+
+
+@pytest.fixture(scope="module")
+def runs(stage_runs):
+    return stage_runs["base"]
+
+
+@pytest.fixture(scope="module")
+def resumed(stage_runs):
+    """Each PP2 run of stage_runs resumed from its step-1 checkpoint (one launch), {name: folder}."""
+    folders, plan = {}, []
+    for name, (tmp, sets) in stage_runs.items():
+        folders[name] = tmp / "pp2-resumed"
+        shutil.copytree(tmp / "pp2", folders[name])
+        for step in range(2, STEPS + 1):
+            shutil.rmtree(folders[name] / f"checkpoints/step_{step}")
+        plan.append({"overrides": sets + PP2[name] + [f"run.dir={folders[name]}"], "log": True})
+    out = launch(stage_runs["base"][0], plan, 2)
+    for folder in folders.values():
+        assert f"resumed from {folder}/checkpoints/step_1" in out
+    return folders
 
 
 def assert_same_run(ref: list, got: list, name: str, keys=("loss",)):
@@ -99,23 +145,12 @@ def test_negative_control_zero2_with_stages_fails(runs):
         assert "KeyError" in done.stdout + done.stderr
 
 
-def resume_from_step_1(tmp, sets):
-    """The PP2 run in tmp/pp2 resumed from its step-1 checkpoint in tmp/pp2-resumed; its log."""
-    resumed = tmp / "pp2-resumed"
-    shutil.copytree(tmp / "pp2", resumed)
-    for step in range(2, STEPS + 1):
-        shutil.rmtree(resumed / f"checkpoints/step_{step}")
-    out = launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={resumed}"], "log": True}], 2)
-    assert f"resumed from {resumed}/checkpoints/step_1" in out
-    return resumed
-
-
 @pytest.mark.slow
-def test_pipeline_resume_is_exact(runs):
-    tmp, sets = runs
-    resumed = resume_from_step_1(tmp, sets)
-    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
-    assert json.loads((resumed / "checkpoints/step_3/meta.json").read_text())["layout"]["pp"] == 2
+def test_pipeline_resume_is_exact(runs, resumed):
+    tmp, _ = runs
+    folder = resumed["base"]
+    assert [r["loss"] for r in records(folder)] == [r["loss"] for r in records(tmp / "pp2")]
+    assert json.loads((folder / "checkpoints/step_3/meta.json").read_text())["layout"]["pp"] == 2
 
 
 @pytest.mark.slow
@@ -156,13 +191,10 @@ def test_evaluation_of_a_pipeline_checkpoint(runs):
 NANOCHAT = ["model.block=nanochat"]
 
 
-@pytest.fixture(scope="module")
-def nanochat_runs(world1, tmp_path_factory):
+def nanochat_sets(tmp):
     import torch
 
-    from megatron_kappa.train.loop import run
     from weights import save_init_weights
-    tmp = tmp_path_factory.mktemp("pipeline_nanochat")
     init = save_init_weights(tmp / "init.pt", COMMON + NANOCHAT)
     state, gen = torch.load(init), torch.Generator().manual_seed(7)
     for name, value in state.items():  # the zero-initialised parts drawn, so that each has a gradient at step 1
@@ -171,12 +203,12 @@ def nanochat_runs(world1, tmp_path_factory):
         if name.endswith("x0_lambda"):  # x0 weighs like the residual stream: its gradient path matters
             state[name] = torch.full_like(value, 1.5)
     torch.save(state, init)
-    sets = COMMON + NANOCHAT + [f"train.init_weights={init}"]
-    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
-    launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
-                                       "checkpoint.keep=3"]},
-                 {"overrides": sets + ["parallel.pp=2", f"run.dir={tmp / 'neg'}"], "negative": "x0_not_sent_back"}], 2)
-    return tmp, sets
+    return tmp, COMMON + NANOCHAT + [f"train.init_weights={init}"]
+
+
+@pytest.fixture(scope="module")
+def nanochat_runs(stage_runs):
+    return stage_runs["nanochat"]
 
 
 @pytest.mark.slow
@@ -207,10 +239,9 @@ def final_weights(run_dir):
 
 
 @pytest.mark.slow
-def test_nanochat_pipeline_resume_is_exact(nanochat_runs):
-    tmp, sets = nanochat_runs
-    resumed = resume_from_step_1(tmp, sets)
-    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
+def test_nanochat_pipeline_resume_is_exact(nanochat_runs, resumed):
+    tmp, _ = nanochat_runs
+    assert [r["loss"] for r in records(resumed["nanochat"])] == [r["loss"] for r in records(tmp / "pp2")]
 
 
 def test_uneven_stages_split_as_megatron_does(monkeypatch):
@@ -244,30 +275,29 @@ def test_uneven_stages_split_as_megatron_does(monkeypatch):
 # 5 layers on 2 stages, 3 on the first (the layer numbers, the MoE pattern and the checkpoint
 # coordinates follow megatron's uneven split)
 UNEVEN = ["model.num_layers=5", "parallel.pp=2", "parallel.first_stage_layers=3"]
+PP2 = {"base": LAYOUTS["pp2"][1], "nanochat": ["parallel.pp=2"], "uneven": UNEVEN[1:]}  # stage_runs' PP2 runs
+
+
+def uneven_sets(tmp):
+    from weights import save_init_weights
+    init = save_init_weights(tmp / "init.pt", COMMON + UNEVEN[:1])
+    return tmp, COMMON + UNEVEN[:1] + [f"train.init_weights={init}"]
 
 
 @pytest.fixture(scope="module")
-def uneven_runs(world1, tmp_path_factory):
-    from megatron_kappa.train.loop import run
-    from weights import save_init_weights
-    tmp = tmp_path_factory.mktemp("pipeline_uneven")
-    init = save_init_weights(tmp / "init.pt", COMMON + ["model.num_layers=5"])
-    sets = COMMON + ["model.num_layers=5", f"train.init_weights={init}"]
-    run(load_config("configs/tiny.yaml", sets + [f"run.dir={tmp / 'ref'}"]), log=lambda *a: None)
-    launch(tmp, [{"overrides": sets + UNEVEN[1:] + [f"run.dir={tmp / 'pp2'}", "checkpoint.interval=1",
-                                                    "checkpoint.keep=3"]}], 2)
+def uneven_runs(stage_runs):
+    tmp, sets = stage_runs["uneven"]
     return tmp, sets + UNEVEN[2:]
 
 
 @pytest.mark.slow
-def test_uneven_stages_match_one_process_resume_and_consolidate(uneven_runs):
+def test_uneven_stages_match_one_process_resume_and_consolidate(uneven_runs, resumed):
     import torch
 
     from megatron_kappa.evaluation.loading import load_model_for_eval
-    tmp, sets = uneven_runs
+    tmp, _ = uneven_runs
     assert_same_run(records(tmp / "ref"), records(tmp / "pp2"), "uneven pp2")
-    resumed = resume_from_step_1(tmp, sets)
-    assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in records(tmp / "pp2")]
+    assert [r["loss"] for r in records(resumed["uneven"])] == [r["loss"] for r in records(tmp / "pp2")]
     weights = {run: final_weights(tmp / run) for run in ("ref", "pp2")}
     assert weights["pp2"].keys() == weights["ref"].keys() and any(".layers.4." in k for k in weights["ref"])
     assert max((weights["pp2"][k] - weights["ref"][k]).abs().max().item() for k in weights["ref"]) < 1e-5

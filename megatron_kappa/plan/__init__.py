@@ -10,6 +10,10 @@ estimate per recompute mode. docs/plan.md says where each number comes from.
 
 Modules:
   __main__.py  `python -m megatron_kappa.plan`: the command line of megatron_kappa.plan
+  search.py    `--search`: the layouts that fit, fastest first, each at its fastest micro-batch and
+               recompute mode (the step-time estimate of megatron_kappa.plan.speed)
+  speed.py     A step-time estimate per layout: compute from FLOPs, the pipeline bubble, and the
+               traffic of tensor, expert, pipeline and data parallelism at stated bandwidths
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import dataclasses
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout
+from megatron_kappa.plan import speed
 
 GIB = 2 ** 30
 # norm: also model.residual_scalars' λ; attention: also the value-embedding gates
@@ -352,8 +357,10 @@ def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = 
             "activations_by_recompute": activations, "recompute": recompute, "total_bytes": total}
 
 
-def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8) -> dict:
-    """The most-loaded rank of `layout` (by total bytes, over the pipeline stages) and a verdict."""
+def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8,
+         rates: speed.Rates = speed.Rates()) -> dict:
+    """The most-loaded rank of `layout` (by total bytes, over the pipeline stages), a verdict, and
+    the estimated step time (megatron_kappa.plan.speed)."""
     check(cfg, layout)
     stages = [plan_stage(cfg, layout, s) for s in range(layout.pp)]
     worst = max(stages, key=lambda r: r["total_bytes"])
@@ -364,37 +371,9 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "stage_totals_gib": [r["total_bytes"] / GIB for r in stages],
             "fits": worst["total_bytes"] <= budget, "budget_gib": budget / GIB,
             "ep_inside_node": layout.ep * layout.etp <= gpus_per_node,
-            "tp_inside_node": layout.tp <= gpus_per_node}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(cfg: Config, world: int, gpus_per_node: int):
-    """Every layout of `world` ranks the model can be split by, TP within a node."""
-    has_moe = model_layout(cfg).has_moe
-    experts = cfg.model.moe.num_experts if has_moe else 1
-    for tp in (d for d in _divisors(world) if d <= gpus_per_node):
-        for pp in _divisors(world // tp):
-            for ep in _divisors(experts) if has_moe else [1]:
-                for etp in sorted({1, tp}) if has_moe else [tp]:
-                    layout = Layout(world, tp, pp, ep, etp)
-                    try:
-                        check(cfg, layout)
-                    except ConfigError:
-                        continue
-                    yield layout
-
-
-def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int = 10) -> list[dict]:
-    """Feasible layouts, best first: EP (× ETP) inside a node, then fewer pipeline stages, then
-    less TP, then the most memory left."""
-    fitting = [p for p in (plan(cfg, layout, gpu_mem_gib, gpus_per_node)
-                           for layout in candidates(cfg, world, gpus_per_node)) if p["fits"]]
-    fitting.sort(key=lambda p: (not p["ep_inside_node"], p["layout"]["pp"], p["layout"]["tp"],
-                                p["most_loaded"]["total_bytes"]))
-    return fitting[:top]
+            "tp_inside_node": layout.tp <= gpus_per_node,
+            "micro_batch": cfg.train.micro_batch,
+            "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages])}
 
 
 def render(p: dict) -> str:
@@ -413,15 +392,8 @@ def render(p: dict) -> str:
     lines.append(f"  total       {w['total_bytes'] / GIB:>9.2f} GiB of {p['gpu_mem_gib']:g} GiB "
                  f"({HEADROOM:.0%} usable: {p['budget_gib']:.1f})")
     lines.append(f"verdict       {'fits' if p['fits'] else 'does NOT fit'}")
+    v = p["speed"]
+    lines.append(f"step time     {v['seconds']:.3f} s estimated ({v['tokens_per_s']:,.0f} tokens/s, "
+                 f"{v['tokens_per_s_per_gpu']:,.0f} per GPU; micro-batch {p['micro_batch']}, "
+                 f"{v['micro_batches']} per step): " + ", ".join(f"{k} {t:.3f}" for k, t in v["terms"].items()))
     return "\n".join(lines)
-
-
-def render_search(rows: list[dict]) -> str:
-    if not rows:
-        return "no layout fits"
-    out = [f"{'layout':<42}{'GiB':>8}  params/rank  EP in node"]
-    for p in rows:
-        w = p["most_loaded"]
-        out.append(f"{p['label']:<42}{w['total_bytes'] / GIB:>8.1f}  {w['param_count'] / 1e9:>9.2f} B  "
-                   f"{'yes' if p['ep_inside_node'] else 'no'}")
-    return "\n".join(out)

@@ -6,6 +6,7 @@ import json
 import sys
 
 from megatron_kappa import plan as planner
+from megatron_kappa.plan import search
 from megatron_kappa.cli_types import positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
 
@@ -16,7 +17,14 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=positive_int, required=True, help="GPUs (ranks) in the job")
     ap.add_argument("--gpu-mem", type=positive_float, default=80.0, help="GiB of memory per GPU")
     ap.add_argument("--gpus-per-node", type=positive_int, default=8)
-    ap.add_argument("--search", action="store_true", help="rank the layouts that fit (EP inside nodes first)")
+    ap.add_argument("--search", action="store_true",
+                    help="rank the layouts that fit by estimated tokens/s (micro-batch and recompute searched too)")
+    defaults = planner.speed.Rates()
+    ap.add_argument("--tflops", type=positive_float, default=defaults.tflops,
+                    help="achievable dense bf16 TFLOP/s per GPU (fp8 GEMMs: twice)")
+    ap.add_argument("--nvlink-gbs", type=positive_float, default=defaults.nvlink_gbs,
+                    help="GB/s per GPU, one way, inside a node")
+    ap.add_argument("--ib-gbs", type=positive_float, default=defaults.ib_gbs, help="GB/s per GPU across nodes")
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
@@ -24,13 +32,14 @@ def main(argv=None) -> int:
     for name in ("world", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:
-            rows = planner.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top)
-            print(json.dumps(rows, indent=1) if args.json else planner.render_search(rows))
+            rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates)
+            print(json.dumps(rows, indent=1) if args.json else search.render_search(rows))
             return 0 if rows else 1
-        result = planner.plan(cfg, planner.layout_of(cfg, args.world), args.gpu_mem, args.gpus_per_node)
+        result = planner.plan(cfg, planner.layout_of(cfg, args.world), args.gpu_mem, args.gpus_per_node, rates)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,140 @@
+"""A step-time estimate per layout: compute from FLOPs, the pipeline bubble, and the traffic of
+tensor, expert, pipeline and data parallelism at stated bandwidths.
+
+Per step, for one rank of the slowest pipeline stage:
+  compute   the stage's matmul FLOPs for the rank's tokens (forward, 2x in backward, one more
+            forward of each layer under full recompute, of the core attention under selective)
+            at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
+            of its s² scores, as flash attention computes them
+  bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
+            stages (planned only: the trainer runs v = 1)
+  tensor    sequence parallelism's all-gather and reduce-scatter around attention and the MLP:
+            4 collectives forward and 4 backward per layer of the rank's tokens x hidden
+  expert    the token dispatcher's all-to-all, dispatch and combine, forward and backward: 4 x
+            the rank's routed rows x hidden per MoE layer, the share (EP - 1) / EP leaving the rank
+  pipeline  each micro-batch's activation forward and its gradient backward between stages
+  data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, 2 bytes
+            per parameter each, (D - 1) / D of it on the wire (experts over EDP)
+A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron
+orders the ranks TP, DP, PP for dense groups (DP ranks TP apart, stages TP·DP apart) and ETP, EP,
+EDP, PP for the experts' (EP ranks ETP apart, EDP ranks EP·ETP apart). Nothing overlaps (this trainer's DeepSpeed runs without
+overlap_comm, and 1F1B does not hide the all-to-all): the step is compute + bubble + traffic.
+Bytes are 2 per value (bf16, and fp8 layers keep bf16 activations on the wire).
+
+Arithmetic only, like the memory plan; docs/plan.md gives the defaults' sources.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_kappa.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What the estimate divides by (the planner's --tflops, --nvlink-gbs, --ib-gbs)."""
+    tflops: float = 400.0  # achievable dense bf16 TFLOP/s per GPU: ~40 % of an H100/H200's 989
+    nvlink_gbs: float = 450.0  # GB/s one way per GPU inside a node (NVLink 4: 900 GB/s both ways)
+    ib_gbs: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NDR link per GPU)
+
+
+WIRE_BYTES = 2
+
+
+def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int) -> dict[str, float]:
+    """Forward matmul FLOPs of one layer on one rank for `tokens` tokens of its data-parallel
+    replica (TP ranks share them), by part: "matmul" (projections, MLP, experts, router) and
+    "scores" (the attention cores' QKᵀ and AV, causal: half of s²). Routed experts at balanced
+    load: the stage's routed rows spread evenly over its ranks, whatever EP and ETP are."""
+    m, moe = cfg.model, cfg.model.moe
+    h, s, n = m.hidden_size, m.seq_length, m.num_attention_heads
+    if m.mla.enabled:
+        a = m.mla
+        qk, v = a.qk_head_dim + a.qk_pos_emb_head_dim, a.v_head_dim
+        q = (h * a.q_lora_rank + a.q_lora_rank * n * qk) if a.q_lora_rank else h * n * qk
+        per_token = q + h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + a.kv_lora_rank * n * (a.qk_head_dim + v) \
+            + n * v * h
+        score_width = n * (qk + v)
+    else:
+        d = m.head_dim or h // n
+        groups = m.num_query_groups or n
+        per_token = h * d * (n + 2 * groups) + n * d * h
+        score_width = 2 * n * d
+    matmul = 2 * tokens * per_token / tp
+    scores = 2 * tokens * s * score_width / tp * 0.5  # QKᵀ and AV over the causal half
+    ffn = m.ffn_hidden_size or 4 * h
+    if not is_moe:
+        matmul += 2 * tokens * 3 * h * ffn / tp
+    else:
+        rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
+        matmul += 2 * tokens * h * moe.num_experts / tp  # the router, on the rank's sequence-parallel share
+        matmul += 2 * rows * 3 * h * (moe.ffn_hidden_size or ffn) / tp
+        matmul += 2 * tokens * 3 * h * (moe.shared_ffn_hidden_size or 0) / tp
+    return {"matmul": matmul, "scores": scores}
+
+
+def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str) -> float:
+    """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute)."""
+    m = cfg.model
+    total = 0.0
+    moe_layers = shape.stage_moe_layers(stage)
+    for is_moe in moe_layers:
+        f = layer_flops(cfg, is_moe, tokens, tp)
+        forward = f["matmul"] + f["scores"]
+        again = {"full": forward, "selective": f["scores"]}.get(recompute, 0.0)
+        total += 3 * forward + again
+    if stage == shape.pp - 1:
+        output = 2 * tokens * m.hidden_size * shape.padded_vocab / tp
+        total += 3 * output
+        last = shape.moe_layers[-1]
+        for _ in range(m.mtp.num_layers):  # a layer of the last kind, eh_proj and the output layer again
+            f = layer_flops(cfg, last, tokens, tp)
+            total += 3 * (f["matmul"] + f["scores"] + 2 * tokens * 2 * m.hidden_size ** 2 / tp + output)
+    return total
+
+
+def _span(group: int, stride: int, gpus_per_node: int) -> bool:
+    """Whether a group of `group` ranks `stride` apart crosses a node."""
+    return group > 1 and group * stride > gpus_per_node
+
+
+def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
+              virtual_stages: int = 1) -> dict:
+    """Seconds per optimizer step by term on the slowest stage, and tokens per second.
+    `stage_params`: each stage's parameters by kind on one rank (the memory plan's)."""
+    from megatron_kappa.plan import EXPERT_KINDS, model_shape
+    m, train = cfg.model, cfg.train
+    shape = model_shape(cfg, layout)
+    t, p, ep, etp, dp, edp = layout.tp, layout.pp, layout.ep, layout.etp, layout.dp, layout.edp
+    tokens = train.global_batch * m.seq_length / dp  # this rank's data-parallel replica's share
+    micro = train.global_batch // (train.micro_batch * dp)
+    rate = rates.tflops * 1e12 * (2.0 if cfg.precision == "fp8" else 1.0)
+    nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
+
+    per_stage = []
+    for stage in range(p):
+        compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute) / rate
+        layers = shape.stage_moe_layers(stage)
+        act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
+        tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink)
+        rows = tokens * m.moe.topk * (m.moe.capacity_factor or 1.0) / t
+        a2a_bytes = 4 * sum(layers) * rows * m.hidden_size * WIRE_BYTES * (ep - 1) / ep
+        expert = a2a_bytes / (ib if _span(ep, etp, gpus_per_node) else nvlink)
+        boundaries = (stage > 0) + (stage < p - 1)
+        pipeline = boundaries * 2 * act / t / (ib if _span(p, t * dp, gpus_per_node) else nvlink) if p > 1 else 0.0
+        params = stage_params[stage]
+        dense = sum(v for k, v in params.items() if k not in EXPERT_KINDS)
+        experts = sum(v for k, v in params.items() if k in EXPERT_KINDS)
+        data = (2 * WIRE_BYTES * dense * (dp - 1) / dp / (ib if _span(dp, t, gpus_per_node) else nvlink)
+                + 2 * WIRE_BYTES * experts * (edp - 1) / edp
+                / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink))
+        per_stage.append({"compute": compute, "tensor": tensor, "expert": expert, "pipeline": pipeline,
+                          "data": data})
+    slowest = max(per_stage, key=lambda r: r["compute"] + r["tensor"] + r["expert"] + r["pipeline"])
+    busy = slowest["compute"] + slowest["tensor"] + slowest["expert"] + slowest["pipeline"]
+    bubble = busy * (p - 1) / (virtual_stages * micro)
+    terms = {**slowest, "bubble": bubble, "data": max(r["data"] for r in per_stage)}
+    seconds = sum(terms.values())
+    return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": virtual_stages,
+            "tokens_per_s": train.global_batch * m.seq_length / seconds,
+            "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}

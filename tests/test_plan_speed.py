@@ -1,0 +1,126 @@
+"""The planner's step-time estimate (megatron_kappa.plan.speed): its FLOPs against torch's own
+count of a real forward and backward (torch.utils.flop_counter), each traffic term and the bubble
+against a hand computation, and --search ranking by it."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_kappa import plan as planner
+from megatron_kappa.plan import search
+from megatron_kappa.config import load_config
+from megatron_kappa.plan import Layout, speed
+
+MLA = ("model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24")
+# per-expert matmuls (torch's counter has no formula for grouped_mm), 2 sequences of 64 tokens
+SHAPE = ("model.moe.grouped_gemm=false", "model.seq_length=64", "train.global_batch=2", "train.micro_batch=2",
+         "model.moe.shared_ffn_hidden_size=32")
+
+
+def counted(cfg, recompute="none"):
+    """torch's FLOP count of one forward (attention through the math kernel, whose matmuls it
+    counts) and of the backward of the tiny model of `cfg` (matmuls only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_kappa.model.build import build_model
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=recompute))
+    model = build_model(cfg, "cpu")
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(cfg.model.seq_length).expand(2, -1)
+    with FlopCounterMode(display=False) as forward, sdpa_kernel(SDPBackend.MATH):
+        loss = model(ids, positions, None, labels=ids)
+    with FlopCounterMode(display=False) as backward:
+        loss.mean().backward()
+    return forward.get_total_flops(), backward.get_flop_counts()["Global"]
+
+
+@pytest.mark.parametrize("extra", [(), MLA], ids=["gqa", "mla"])
+def test_forward_flops_equal_torchs_count(world1, extra):
+    """Every matmul of a forward pass (attention projections or MLA's latents, the causal scores
+    counted whole by the math kernel, dense MLP, router, routed and shared experts, output layer)."""
+    cfg = load_config("configs/tiny.yaml", [*SHAPE, *extra])
+    shape = planner.model_shape(cfg, Layout(1))
+    tokens = 2 * cfg.model.seq_length
+    layers = [speed.layer_flops(cfg, is_moe, tokens, 1) for is_moe in shape.moe_layers]
+    output = 2 * tokens * cfg.model.hidden_size * shape.padded_vocab
+    # the math kernel computes the whole s x s score matrix; the estimate counts the causal half
+    want = sum(f["matmul"] + 2 * f["scores"] for f in layers) + output
+    got, _ = counted(cfg)
+    assert got == want
+    assert got != sum(f["matmul"] + f["scores"] for f in layers) + output  # the causal half is visible
+
+
+def test_backward_is_twice_the_forward_and_full_recompute_adds_one(world1):
+    """Backward's matmuls are 2x the forward's; full recompute adds each layer's forward once more
+    (not the output layer's), as stage_flops counts them."""
+    cfg = load_config("configs/tiny.yaml", list(SHAPE))
+    shape = planner.model_shape(cfg, Layout(1))
+    tokens = 2 * cfg.model.seq_length
+    layers = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["matmul"] for is_moe in shape.moe_layers)
+    output = 2 * tokens * cfg.model.hidden_size * shape.padded_vocab
+    # the projections' matmuls (aten.mm); the scores' (bmm, from the forward's math kernel) are left out
+    mm = lambda counts: sum(v for k, v in counts.items() if str(k) == "aten.mm")  # noqa: E731
+    _, plain = counted(cfg, "none")
+    _, full = counted(cfg, "full")
+    assert mm(plain) == 2 * (layers + output)
+    assert mm(full) - mm(plain) == layers
+    # stage_flops: 3 x forward, plus the layers once more under full recompute (scores included)
+    scores = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["scores"] for is_moe in shape.moe_layers)
+    assert speed.stage_flops(cfg, shape, 0, tokens, 1, "none") == 3 * (layers + scores + output)
+    assert speed.stage_flops(cfg, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + layers + scores
+    assert speed.stage_flops(cfg, shape, 0, tokens, 1, "selective") == 3 * (layers + scores + output) + scores
+
+
+def test_step_terms_by_hand():
+    """A small MoE on 16 GPUs, 4 per node, TP2 PP2 EP2 (DP4, EDP4), worked out on paper."""
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25)
+    params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+    got = speed.step_time(cfg, layout, rates, 4, params)
+    h, k = 64, 2  # tiny: hidden 64, top-2, 4 layers (the first dense), 2 per stage
+    assert (cfg.model.hidden_size, cfg.model.moe.topk, cfg.model.num_layers, cfg.model.first_dense) == (h, k, 4, 1)
+    tokens = 32 * 1024 / 4  # a DP4 replica's tokens per step: 8192
+    micro = 32 // (2 * 4)  # 4 micro-batches per rank
+    assert got["micro_batches"] == micro
+    # tensor: 8 collectives per layer of tokens x h x 2 bytes, half of it on the wire, NVLink (TP2 in a node)
+    tensor = 8 * 2 * tokens * h * 2 * 0.5 / 200e9
+    # expert: stage 1 has 2 MoE layers (stage 0 one): 4 x rows x h x 2 bytes x (EP - 1)/EP, rows =
+    # tokens x k / TP; EP2 ranks 1 apart (ETP1) stay in a node
+    expert = 4 * 2 * (tokens * k / 2) * h * 2 * 0.5 / 200e9
+    # pipeline: stage 1 has one boundary, an activation forward and a gradient back, tokens x h x 2 / TP;
+    # stages are TP x DP = 8 ranks apart: across nodes
+    pipeline = 2 * tokens * h * 2 / 2 / 25e9
+    flops = speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none")
+    compute = flops / 100e12
+    t = got["terms"]
+    assert t["tensor"] == pytest.approx(tensor) and t["expert"] == pytest.approx(expert)
+    assert t["pipeline"] == pytest.approx(pipeline) and t["compute"] == pytest.approx(compute)
+    # the bubble: (p - 1) / (v m) of the stage's busy time
+    assert t["bubble"] == pytest.approx((compute + tensor + expert + pipeline) * 1 / micro)
+    # data: ZeRO-1's reduce-scatter and all-gather, 2 bytes each per parameter, (D - 1)/D on the wire;
+    # DP4 ranks TP2 apart and EDP4 ranks EP x ETP = 2 apart both span 8 ranks: across nodes
+    data = [2 * 2 * sum(p.values()) * 3 / 4 / 25e9 for p in params]
+    assert t["data"] == pytest.approx(max(data))
+    assert got["seconds"] == pytest.approx(sum(t.values()))
+    assert got["tokens_per_s"] == pytest.approx(32 * 1024 / got["seconds"])
+
+
+def test_search_ranks_by_estimated_speed_and_lets_ep_cross_nodes():
+    """--search sorts by tokens/s and picks each layout's fastest fitting micro-batch and
+    recompute; with fast links between nodes, a layout whose EP crosses nodes can lead (the old
+    rule put every such layout last)."""
+    cfg = load_config("configs/moe8.yaml")
+    slow = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=2, top=100)
+    speeds = [r["speed"]["tokens_per_s"] for r in slow]
+    assert speeds == sorted(speeds, reverse=True)
+    assert len({(r["layout"]["tp"], r["layout"]["pp"], r["layout"]["ep"], r["layout"]["etp"]) for r in slow}) == len(slow)
+    fast = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=2, top=100,
+                          rates=speed.Rates(ib_gbs=speed.Rates().nvlink_gbs))
+    assert not fast[0]["ep_inside_node"] or any(not r["ep_inside_node"] for r in fast[:3])
+    # memory still decides what is listed: on 24 GiB GPUs only recompute or small micro-batches fit
+    tight = search.search(cfg, 16, gpu_mem_gib=24, gpus_per_node=8, top=100)
+    assert all(r["fits"] for r in tight)

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from analysis.study_table import markdown, write_table
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.paths import folder_problem
 
 VARIANTS = {"swiglu": ["model.kappa.enabled=false"], "kappa": ["model.kappa.enabled=true"],
             "kappa-no-alpha": ["model.kappa.enabled=true", "model.kappa.use_alpha=false"],
@@ -111,13 +112,9 @@ def _check_flags(args):
     """The flags that are not config keys: one line each, before any config is read."""
     if not Path(args.config).is_file():
         raise StudyError(f"--config: {args.config}: no such file")
-    existing = Path(args.dir).resolve()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise StudyError(f"--dir: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise StudyError(f"--dir: {existing} is not writable")
+    problem = folder_problem(Path(args.dir).resolve())
+    if problem:
+        raise StudyError(f"--dir: {problem}")
     try:
         shlex.split(args.sbatch_args)
     except ValueError as e:

@@ -23,6 +23,7 @@ from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import largest_token_id, read_index
 from megatron_kappa.parallel import launch_env
 from megatron_kappa.parallel.layout import check_layout, layout_record
+from megatron_kappa.paths import folder_problem
 
 # --- layout -------------------------------------------------------------------------------------
 
@@ -176,14 +177,9 @@ def check_run_dir(cfg: Config):
     asked on rank 0, which takes the lock)."""
     from megatron_kappa.train.run_lock import RunLock
     path = os.path.abspath(cfg.run.dir)
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"config: run.dir: {existing} is a file, not a folder" +
-                          ("" if existing == path else f" (under which {path} would go)"))
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"config: run.dir: {existing} is not writable")
+    problem = folder_problem(path)
+    if problem:
+        raise ConfigError(f"config: run.dir: {problem}")
     env = launch_env.from_environment()
     if env is None or env["rank"] == 0:  # the rank that takes the lock: only it can tell a holder
         RunLock(path).check()            # of its own host that died (the other hosts' ranks cannot)

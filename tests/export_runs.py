@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
+from test_mla import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=1",
           "checkpoint.interval=1", "eval.valid_every=0", "log.tensorboard=false", "log.interval=1",
           "model.kappa.freeze_fraction=0", "data.mock=false"]
-MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
 RUNS = {  # name: (model settings, layout settings, processes)
     "kappa-nanochat-sigmoid": (["model.block=nanochat", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=32",
                                 "model.kappa.input=normalized", "model.kappa.u_warmup=0"], [], 1),

@@ -137,6 +137,12 @@ def test_an_export_refuses_an_existing_output_or_a_folder_that_is_not_a_run(tmp_
     with pytest.raises(ConfigError, match="no config.yaml"):
         writer.export(tmp_path / "run", tmp_path / "new")
     assert not (tmp_path / "new").exists() and not (tmp_path / "new.tmp").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"--output: .*/file is a file, not a folder \(under which"):
+        writer.export(tmp_path / "run", tmp_path / "file" / "deeper" / "hf")
+    # a folder whose parents do not exist yet is fine: the check reaches the run's own error
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        writer.export(tmp_path / "run", tmp_path / "not" / "yet" / "hf")
 
 
 def test_the_modeling_file_pads_left_and_caches_like_one_full_forward():

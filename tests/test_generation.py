@@ -8,6 +8,7 @@ import torch
 from megatron_kappa.config import load_config
 from megatron_kappa.evaluation.generation import Sampling, generate, next_token
 from megatron_kappa.model.build import build_model
+from test_mla import MLA  # the tiny MLA settings
 
 
 def model_of(*sets):
@@ -37,10 +38,6 @@ def recomputed(model, prompt, n, vocab):
             x = torch.tensor([ids])
             ids.append(int(model(x, torch.arange(len(ids))[None], None)[0, -1, :vocab].argmax()))
     return ids[len(prompt):]
-
-
-MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
 
 
 @pytest.mark.parametrize("sets", [[], ["model.block=nanochat", "model.moe.router=sigmoid"], MLA],

@@ -14,7 +14,7 @@ PACKAGE = ROOT / "megatron_kappa"
 # loop comes after evaluation because it runs the CORE subset and validation while it trains;
 # the preflight comes last because it checks the inputs of every stage before any of them runs.
 STAGES = [
-    ("megatron_kappa.quiet", "megatron_kappa.cli_types"),  # the package's first import; argparse types
+    ("megatron_kappa.quiet", "megatron_kappa.cli_types", "megatron_kappa.paths"),  # the first import; argparse types; folder checks
     ("megatron_kappa.kappa",),
     ("megatron_kappa.config", "megatron_kappa.routers"),  # the router kinds: torch-free, read by the config
     ("megatron_kappa.model",),

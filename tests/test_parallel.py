@@ -64,9 +64,8 @@ def cases():
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-fp8-NEG-fp8_sp_grad", "tp2ep2_etp2", fp8, "fp8_sp_grad"))
     # multi-head latent attention: the latents split over TP and sequence; the negative control is
     # megatron's own MLASelfAttention, whose key RoPE gradient is partial under TP (model/mla.py)
-    mla = dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=(
-        "model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-        "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"))
+    from test_mla import MLA
+    mla = dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=tuple(MLA))
     for layout in ("tp2", "tp2ep2_etp2"):
         out.append((f"{layout}-kappa-softmax-alltoall-mla", layout, mla, None))
     out.append(("tp2-kappa-softmax-alltoall-mla-NEG-mla_stock_tp", "tp2", mla, "mla_stock_tp"))

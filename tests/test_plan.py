@@ -13,12 +13,11 @@ from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.plan import GIB, Layout
+from test_mla import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 SHAPE = ["model.moe.shared_ffn_hidden_size=128", "model.qk_layernorm=true"]
-MLA = ("model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24")
 GRID = {  # name: (tp, pp, ep, etp) over 4 ranks
     "dp4": (1, 1, 1, 1), "tp2": (2, 1, 1, 2), "tp4": (4, 1, 1, 4), "ep4": (1, 1, 4, 1),
     "tp2_ep2_etp1": (2, 1, 2, 1), "tp2_ep2_etp2": (2, 1, 2, 2), "pp2": (1, 2, 1, 1), "pp4": (1, 4, 1, 1),

@@ -10,9 +10,8 @@ from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
 from megatron_kappa.config import load_config
 from megatron_kappa.plan import Layout, speed
+from test_mla import MLA  # the tiny MLA settings
 
-MLA = ("model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24")
 # per-expert matmuls (torch's counter has no formula for grouped_mm), 2 sequences of 64 tokens
 SHAPE = ("model.moe.grouped_gemm=false", "model.seq_length=64", "train.global_batch=2", "train.micro_batch=2",
          "model.moe.shared_ffn_hidden_size=32")

@@ -3,10 +3,7 @@ import pytest
 import torch
 
 import parity
-
-
-MLA = ("model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24")
+from test_mla import MLA  # the tiny MLA settings
 
 
 def train(recompute, kappa, grouped, state=None, extra=()):

@@ -261,7 +261,8 @@ def test_study_flags_are_checked_before_any_config(tmp_path):
     (tmp_path / "file").write_text("")
     base = ["--config", str(ROOT / "configs/tiny.yaml"), "--dir", str(tmp_path / "study")]
     cases = [(["--config", str(tmp_path / "none.yaml")], "--config: " + str(tmp_path / "none.yaml") + ": no such file"),
-             (["--dir", str(tmp_path / "file" / "study")], f"--dir: {tmp_path / 'file'} is a file, not a folder"),
+             (["--dir", str(tmp_path / "file" / "study")],
+              f"--dir: {tmp_path / 'file'} is a file, not a folder (under which {tmp_path / 'file' / 'study'} would go)"),
              (["--sbatch-args", "-p 'gpu"], "--sbatch-args: No closing quotation in \"-p 'gpu\"")]
     for flags, message in cases:
         with pytest.raises(study.StudyError) as e:

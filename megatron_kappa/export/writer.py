@@ -17,6 +17,7 @@ import torch
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.export import convert
+from megatron_kappa.paths import folder_problem
 
 DTYPES = {"checkpoint": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -96,8 +97,9 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
     output = Path(output)
     if output.exists():
         raise ConfigError(f"--output: {output} exists (remove it or choose another folder)")
-    if not os.access(output.parent if output.parent.exists() else Path("."), os.W_OK):
-        raise ConfigError(f"--output: {output.parent} is not a writable folder")
+    problem = folder_problem(output)
+    if problem:
+        raise ConfigError(f"--output: {problem}")
     cfg, layout, target, ckpts, step, tok_file = plan(run_dir, target, tokenizer)
     cast = DTYPES[dtype]
     tmp = output.with_name(output.name + ".tmp")

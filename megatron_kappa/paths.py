@@ -1,0 +1,19 @@
+"""Whether a folder can be made where a command line or a config says (one check for run.dir,
+the study's --dir and the export's --output, before any work)."""
+from __future__ import annotations
+
+import os
+
+
+def folder_problem(path) -> str | None:
+    """Why a folder at `path` could not be made or written (its nearest existing ancestor is a
+    file, or not writable), as the end of a one-line error; None when it can."""
+    path = os.path.abspath(path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder" + ("" if existing == path else f" (under which {path} would go)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None

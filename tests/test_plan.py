@@ -125,6 +125,29 @@ def test_activations_by_recompute_and_pipeline_depth():
     assert last == planner.activation_bytes(single, pp2, 1, "none", 2)
 
 
+def test_activations_drop_what_each_recompute_module_recomputes():
+    """model.recompute_modules against a hand count on tiny (fp32: 4 bytes; one micro-batch of 2 x
+    128 tokens; one dense layer of ffn 256, three MoE layers of 4 experts, top-2, ffn 256, a shared
+    expert of 32): each module drops its tensors from every layer that has it."""
+    def act(*modules, extra=()):
+        sets = ["model.recompute=selective", f"model.recompute_modules=[{','.join(modules)}]",
+                "model.moe.shared_ffn_hidden_size=32", "train.micro_batch=2", "train.global_batch=2", *extra]
+        cfg = load_config("configs/tiny.yaml", sets)
+        return planner.activation_bytes(cfg, Layout(1), 0, "selective", 2)
+    tokens, size = 2 * 128, 4
+    assert (cfg := load_config("configs/tiny.yaml")).model.moe.topk == 2 and cfg.model.first_dense == 1
+    assert act("core_attn", "mlp") - act("core_attn") == -1 * tokens * 3 * 256 * size  # the dense layer's fc1 out, act
+    assert act("core_attn", "moe_act", extra=["model.moe.grouped_gemm=true"]) - act("core_attn") == \
+        -3 * tokens * 2 * 256 * size  # the experts' activation, top-2 rows per token
+    assert act("core_attn", "shared_experts") - act("core_attn") == -3 * tokens * 3 * 32 * size
+    # moe: every routed row's fc1 input, output and activation, and the shared expert's
+    assert act("core_attn", "moe") - act("core_attn") == -3 * (tokens * 2 * (64 + 3 * 256) + tokens * 3 * 32) * size
+    heads = cfg.model.num_attention_heads
+    assert MLA[3:] == ["model.mla.qk_head_dim=16", "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
+    assert act("core_attn", "mla_up_proj", extra=MLA) - act("core_attn", extra=MLA) == \
+        -4 * tokens * heads * (2 * (16 + 8) + 24) * size  # q, k (nope + rope) and v of every layer
+
+
 def test_verdict_and_search():
     cfg = load_config("configs/moe8.yaml")
     small = planner.plan(cfg, Layout(8, 1, 1, 8, 1), gpu_mem_gib=80)

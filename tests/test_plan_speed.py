@@ -17,14 +17,14 @@ SHAPE = ("model.moe.grouped_gemm=false", "model.seq_length=64", "train.global_ba
          "model.moe.shared_ffn_hidden_size=32")
 
 
-def counted(cfg, recompute="none"):
+def counted(cfg, recompute="none", modules=None):
     """torch's FLOP count of one forward (attention through the math kernel, whose matmuls it
     counts) and of the backward of the tiny model of `cfg` (matmuls only)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_kappa.model.build import build_model
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=recompute))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=recompute, recompute_modules=modules))
     model = build_model(cfg, "cpu")
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(cfg.model.seq_length).expand(2, -1)
@@ -70,6 +70,25 @@ def test_backward_is_twice_the_forward_and_full_recompute_adds_one(world1):
     assert speed.stage_flops(cfg, shape, 0, tokens, 1, "none") == 3 * (layers + scores + output)
     assert speed.stage_flops(cfg, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + layers + scores
     assert speed.stage_flops(cfg, shape, 0, tokens, 1, "selective") == 3 * (layers + scores + output) + scores
+
+
+@pytest.mark.parametrize("modules,extra", [(["mlp"], ()), (["moe"], ()), (["shared_experts"], ()),
+                                           (["mla_up_proj"], MLA)], ids=["mlp", "moe", "shared_experts", "mla_up_proj"])
+def test_selective_modules_add_their_forward_matmuls(world1, modules, extra):
+    """Each recompute module's extra backward matmuls, as torch counts them, are the parts
+    recomputed_flops charges for it."""
+    from megatron_kappa.model.layout import recompute_modules
+    cfg = load_config("configs/tiny.yaml", [*SHAPE, *extra])
+    shape = planner.model_shape(cfg, Layout(1))
+    tokens = 2 * cfg.model.seq_length
+    mm = lambda counts: sum(v for k, v in counts.items() if str(k) == "aten.mm")  # noqa: E731
+    _, plain = counted(cfg, "none")
+    _, chosen = counted(cfg, "selective", modules)
+    chosen_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
+                                                                     recompute_modules=modules))
+    want = sum(speed.recomputed_flops(speed.layer_flops(cfg, is_moe, tokens, 1), "selective",
+                                      recompute_modules(chosen_cfg.model, True)) for is_moe in shape.moe_layers)
+    assert want > 0 and mm(chosen) - mm(plain) == want
 
 
 def test_step_terms_by_hand():

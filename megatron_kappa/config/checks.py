@@ -45,6 +45,7 @@ def validate(cfg: Config):
         need(router.topk or not authors_losses, f"model.moe.{authors_losses[0] if authors_losses else ''}",
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
     _validate_block(cfg, need)
+    _validate_recompute(cfg.model, need)
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")
@@ -243,6 +244,28 @@ def _validate_muon(t: TrainConfig, need):
     need(t.optimizer == "adamw" or t.clip == 0, "train.grad_clip",
          f"must be 0 or null with train.optimizer={t.optimizer}: DeepSpeed's ZeRO would clip the "
          f"orthogonalised update, not the gradient (got {t.grad_clip})")
+
+
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
+
+
+def _validate_recompute(m, need):
+    """model.recompute_modules: megatron's module names that run here (its layernorm recompute
+    needs Transformer Engine's FP8 state), each where it exists, with selective recompute."""
+    mods = m.recompute_modules
+    if mods is None:
+        return
+    need(m.recompute == "selective", "model.recompute_modules",
+         f"applies to model.recompute: selective (got {m.recompute})")
+    need(isinstance(mods, list) and len(mods) > 0 and all(x in RECOMPUTE_MODULES for x in mods)
+         and len(set(mods)) == len(mods), "model.recompute_modules",
+         f"expected a non-empty list of distinct names from {list(RECOMPUTE_MODULES)} (megatron's layernorm "
+         f"needs Transformer Engine), got {mods!r}")
+    need("mla_up_proj" not in mods or m.mla.enabled, "model.recompute_modules", "mla_up_proj needs model.mla")
+    need("moe_act" not in mods or m.moe.grouped_gemm, "model.recompute_modules",
+         "moe_act needs model.moe.grouped_gemm (megatron recomputes the grouped experts' activation)")
+    need("shared_experts" not in mods or m.moe.shared_ffn_hidden_size, "model.recompute_modules",
+         "shared_experts needs model.moe.shared_ffn_hidden_size")
 
 
 def _validate_block(cfg: Config, need):

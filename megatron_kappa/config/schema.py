@@ -249,6 +249,11 @@ class ModelConfig:
         "none", "activation recomputation: none; selective (core attention, and the experts' "
                 "activation with grouped GEMMs, recomputed in backward); full (every layer's input "
                 "kept, the layer recomputed: megatron's uniform method, one layer per checkpoint)")
+    recompute_modules: list | None = _f(
+        None, "with recompute: selective, megatron's modules to recompute in backward (null: core_attn, and "
+              "moe_act with grouped GEMMs): core_attn (the attention core), mla_up_proj (MLA's up-projections; "
+              "model.mla), moe_act (the experts' activation; grouped GEMMs), mlp (a dense layer's MLP), moe (the "
+              "whole MoE layer), shared_experts. megatron's layernorm needs Transformer Engine")
     attention: Literal["sdpa", "local", "te"] = _f(
         "sdpa", "core attention: torch's scaled_dot_product_attention (flash/cuDNN/memory-efficient "
                 "kernels), megatron's local DotProductAttention (materialises the scores; for "

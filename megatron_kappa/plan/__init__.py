@@ -21,7 +21,8 @@ import dataclasses
 
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout
+from megatron_kappa.model.layout import (VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout,
+                                         recompute_modules)
 from megatron_kappa.plan import speed
 
 GIB = 2 ** 30
@@ -294,8 +295,10 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
       dense MLP: norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
       MoE: norm input and router input s·b·2h/tp, the s·b·k routed rows (capacity factor when
       set) with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
-    in 2 bytes (4 in fp32). selective recompute drops the experts' activation output (megatron's
-    "moe_act") and the core attention's; full keeps only each layer's input (s·b·h/tp) plus one
+    in 2 bytes (4 in fp32). selective recompute drops what its modules (model.recompute_modules)
+    would keep: core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts'
+    activation, mlp a dense MLP's fc1 output and activation, moe the routed rows' tensors and the
+    shared expert's, shared_experts the shared expert's; full keeps only each layer's input (s·b·h/tp) plus one
     layer's activations while it is recomputed. The output layer's logits add one loss chunk
     (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32. Under 1F1B the first
     stage holds pp micro-batches in flight, stage i holds pp − i (at most the micro-batches
@@ -315,18 +318,27 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
         qk = a.qk_head_dim + a.qk_pos_emb_head_dim
         latents = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_pos_emb_head_dim
         attention = tokens * (3 * h + latents + m.num_attention_heads * (2 * qk + a.v_head_dim)) / t + core
+    up = 0.0  # MLA's q, k and v (the up-projections' outputs)
+    if m.mla.enabled:
+        up = tokens * m.num_attention_heads * (2 * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim)
+                                               + m.mla.v_head_dim) / t
     rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     shared = 3 * tokens * (moe.shared_ffn_hidden_size or 0) / t
     shape = model_shape(cfg, layout)
+    modules = set(recompute_modules(m, shape.has_moe))
     layers = []
     for is_moe in shape.stage_moe_layers(stage):
+        dropped = core * ("core_attn" in modules) + up * ("mla_up_proj" in modules)
         if is_moe:
             mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + shared
-            dropped = rows * expert_ffn + core  # moe_act, core_attn
+            if "moe" in modules:
+                dropped += rows * (h + 3 * expert_ffn) + shared
+            else:
+                dropped += rows * expert_ffn * ("moe_act" in modules) + shared * ("shared_experts" in modules)
         else:
             mlp = tokens * (2 * h + 3 * ffn / t)
-            dropped = core
+            dropped += tokens * 3 * ffn / t * ("mlp" in modules)
         full_layer = attention + mlp
         layers.append({"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer))
     if recompute == "full":

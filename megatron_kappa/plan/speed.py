@@ -3,7 +3,7 @@ tensor, expert, pipeline and data parallelism at stated bandwidths.
 
 Per step, for one rank of the slowest pipeline stage:
   compute   the stage's matmul FLOPs for the rank's tokens (forward, 2x in backward, one more
-            forward of each layer under full recompute, of the core attention under selective)
+            forward of each layer under full recompute, of the selective modules' parts otherwise)
             at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
             of its s² scores, as flash attention computes them
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
@@ -43,46 +43,63 @@ WIRE_BYTES = 2
 
 def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int) -> dict[str, float]:
     """Forward matmul FLOPs of one layer on one rank for `tokens` tokens of its data-parallel
-    replica (TP ranks share them), by part: "matmul" (projections, MLP, experts, router) and
-    "scores" (the attention cores' QKᵀ and AV, causal: half of s²). Routed experts at balanced
-    load: the stage's routed rows spread evenly over its ranks, whatever EP and ETP are."""
+    replica (TP ranks share them), by part: "attention" (the projections; "mla_up" of them MLA's
+    up-projections), "scores" (the attention cores' QKᵀ and AV, causal: half of s²), "mlp" (a dense
+    layer's), "router", "experts", "shared"; "matmul" is every part but the scores. Routed experts
+    at balanced load: the stage's routed rows spread evenly over its ranks, whatever EP and ETP are."""
     m, moe = cfg.model, cfg.model.moe
     h, s, n = m.hidden_size, m.seq_length, m.num_attention_heads
+    out = dict.fromkeys(("attention", "mla_up", "scores", "mlp", "router", "experts", "shared"), 0.0)
     if m.mla.enabled:
         a = m.mla
         qk, v = a.qk_head_dim + a.qk_pos_emb_head_dim, a.v_head_dim
-        q = (h * a.q_lora_rank + a.q_lora_rank * n * qk) if a.q_lora_rank else h * n * qk
-        per_token = q + h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + a.kv_lora_rank * n * (a.qk_head_dim + v) \
-            + n * v * h
+        q_up = a.q_lora_rank * n * qk if a.q_lora_rank else 0
+        q = h * a.q_lora_rank + q_up if a.q_lora_rank else h * n * qk
+        kv_up = a.kv_lora_rank * n * (a.qk_head_dim + v)
+        per_token = q + h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + kv_up + n * v * h
+        out["mla_up"] = 2 * tokens * (q_up + kv_up) / tp
         score_width = n * (qk + v)
     else:
         d = m.head_dim or h // n
         groups = m.num_query_groups or n
         per_token = h * d * (n + 2 * groups) + n * d * h
         score_width = 2 * n * d
-    matmul = 2 * tokens * per_token / tp
-    scores = 2 * tokens * s * score_width / tp * 0.5  # QKᵀ and AV over the causal half
+    out["attention"] = 2 * tokens * per_token / tp
+    out["scores"] = 2 * tokens * s * score_width / tp * 0.5  # QKᵀ and AV over the causal half
     ffn = m.ffn_hidden_size or 4 * h
     if not is_moe:
-        matmul += 2 * tokens * 3 * h * ffn / tp
+        out["mlp"] = 2 * tokens * 3 * h * ffn / tp
     else:
         rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
-        matmul += 2 * tokens * h * moe.num_experts / tp  # the router, on the rank's sequence-parallel share
-        matmul += 2 * rows * 3 * h * (moe.ffn_hidden_size or ffn) / tp
-        matmul += 2 * tokens * 3 * h * (moe.shared_ffn_hidden_size or 0) / tp
-    return {"matmul": matmul, "scores": scores}
+        out["router"] = 2 * tokens * h * moe.num_experts / tp  # on the rank's sequence-parallel share
+        out["experts"] = 2 * rows * 3 * h * (moe.ffn_hidden_size or ffn) / tp
+        out["shared"] = 2 * tokens * 3 * h * (moe.shared_ffn_hidden_size or 0) / tp
+    out["matmul"] = out["attention"] + out["mlp"] + out["router"] + out["experts"] + out["shared"]
+    return out
+
+
+def recomputed_flops(f: dict[str, float], recompute: str, modules: tuple[str, ...]) -> float:
+    """The forward FLOPs of one layer (layer_flops) done again in backward: the whole layer under
+    full recompute, the selective modules' parts otherwise (moe_act: elementwise, no matmul)."""
+    if recompute == "full":
+        return f["matmul"] + f["scores"]
+    if recompute != "selective":
+        return 0.0
+    parts = {"core_attn": ("scores",), "mla_up_proj": ("mla_up",), "mlp": ("mlp",),
+             "moe": ("router", "experts", "shared"), "shared_experts": ("shared",), "moe_act": ()}
+    chosen = {p for mod in modules for p in parts[mod]}
+    return sum(f[p] for p in chosen)
 
 
 def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str) -> float:
     """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute)."""
+    from megatron_kappa.model.layout import recompute_modules
     m = cfg.model
+    modules = recompute_modules(m, shape.has_moe)
     total = 0.0
-    moe_layers = shape.stage_moe_layers(stage)
-    for is_moe in moe_layers:
+    for is_moe in shape.stage_moe_layers(stage):
         f = layer_flops(cfg, is_moe, tokens, tp)
-        forward = f["matmul"] + f["scores"]
-        again = {"full": forward, "selective": f["scores"]}.get(recompute, 0.0)
-        total += 3 * forward + again
+        total += 3 * (f["matmul"] + f["scores"]) + recomputed_flops(f, recompute, modules)
     if stage == shape.pp - 1:
         output = 2 * tokens * m.hidden_size * shape.padded_vocab / tp
         total += 3 * output

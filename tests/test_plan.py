@@ -148,6 +148,29 @@ def test_activations_drop_what_each_recompute_module_recomputes():
         -4 * tokens * heads * (2 * (16 + 8) + 24) * size  # q, k (nope + rope) and v of every layer
 
 
+def test_activations_when_only_the_first_layers_are_recomputed():
+    """model.recompute_layers N: the stage's first N layers keep their input only, the others
+    everything, plus one recomputed layer's activations (hand count from the per-mode totals)."""
+    base = ["train.micro_batch=2", "train.global_batch=2"]
+    plain = load_config("configs/tiny.yaml", base)
+    two = load_config("configs/tiny.yaml", [*base, "model.recompute=full", "model.recompute_layers=2"])
+    every = planner.activation_bytes(plain, Layout(1), 0, "full", 2)
+    none = planner.activation_bytes(plain, Layout(1), 0, "none", 2)
+    got = planner.activation_bytes(two, Layout(1), 0, "full", 2)
+    tokens, h, size = 2 * 128, 64, 4
+    # per layer with nothing recomputed: none's total less the logits' loss chunk, split as built
+    chunk = min(plain.model.cross_entropy_chunk, tokens) * planner.model_shape(plain, Layout(1)).padded_vocab * 4
+    per = {n: planner.activation_bytes(load_config("configs/tiny.yaml", [*base, f"model.num_layers={n}"]),
+                                       Layout(1), 0, "none", 2) for n in (2, 3, 4)}
+    moe = per[4] - per[3]  # tiny: a dense layer, then MoE layers
+    dense = per[2] - chunk - moe
+    assert dense + 3 * moe + chunk == pytest.approx(none) and moe > dense
+    # layers 0-1 recomputed (their inputs kept, and the larger one's activations while recomputed),
+    # layers 2-3 keep everything
+    want = 2 * tokens * h * size + max(dense, moe) + 2 * moe + chunk
+    assert got == pytest.approx(want) and every < got < none
+
+
 def test_verdict_and_search():
     cfg = load_config("configs/moe8.yaml")
     small = planner.plan(cfg, Layout(8, 1, 1, 8, 1), gpu_mem_gib=80)

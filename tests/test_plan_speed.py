@@ -65,11 +65,19 @@ def test_backward_is_twice_the_forward_and_full_recompute_adds_one(world1):
     _, full = counted(cfg, "full")
     assert mm(plain) == 2 * (layers + output)
     assert mm(full) - mm(plain) == layers
+    # model.recompute_layers 2: the first two layers only (the dense one and the first MoE one)
+    _, two = counted(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute_layers=2)), "full")
+    first_two = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["matmul"] for is_moe in shape.moe_layers[:2])
+    assert mm(two) - mm(plain) == first_two < layers
     # stage_flops: 3 x forward, plus the layers once more under full recompute (scores included)
     scores = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["scores"] for is_moe in shape.moe_layers)
     assert speed.stage_flops(cfg, shape, 0, tokens, 1, "none") == 3 * (layers + scores + output)
     assert speed.stage_flops(cfg, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + layers + scores
     assert speed.stage_flops(cfg, shape, 0, tokens, 1, "selective") == 3 * (layers + scores + output) + scores
+    two_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute_layers=2))
+    first_two = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["matmul"] + speed.layer_flops(cfg, is_moe, tokens, 1)["scores"]
+                    for is_moe in shape.moe_layers[:2])
+    assert speed.stage_flops(two_cfg, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + first_two
 
 
 @pytest.mark.parametrize("modules,extra", [(["mlp"], ()), (["moe"], ()), (["shared_experts"], ()),

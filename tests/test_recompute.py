@@ -95,3 +95,14 @@ def test_layernorm_recompute_is_refused_in_one_line():
         load_config("configs/tiny.yaml", ["model.recompute=selective", "model.recompute_modules=[layernorm]"])
     with pytest.raises(ConfigError, match=r"model.recompute_modules: applies to model.recompute: selective"):
         load_config("configs/tiny.yaml", ["model.recompute_modules=[mlp]"])
+
+
+def test_recomputing_the_first_layers_only(world1):
+    """model.recompute_layers: full recompute of the stage's first N layers (megatron's block
+    method): the same numbers; it keeps more than recomputing every layer and less than none."""
+    losses, grads, state, plain = train("none", True, True)
+    got, got_grads, _, two = train("full", True, True, state, extra=("model.recompute_layers=2",))
+    assert got == losses and all(torch.equal(got_grads[k], g) for k, g in grads.items())
+    assert (two.config.recompute_method, two.config.recompute_num_layers) == ("block", 2)
+    _, _, _, every = train("full", True, True, state)
+    assert saved_bytes(every) < saved_bytes(two) < saved_bytes(plain)

@@ -252,6 +252,8 @@ RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "moe_act", "mlp", "moe", "share
 def _validate_recompute(m, need):
     """model.recompute_modules: megatron's module names that run here (its layernorm recompute
     needs Transformer Engine's FP8 state), each where it exists, with selective recompute."""
+    need(m.recompute_layers is None or m.recompute == "full", "model.recompute_layers",
+         f"applies to model.recompute: full (got {m.recompute})")
     mods = m.recompute_modules
     if mods is None:
         return

@@ -24,6 +24,7 @@ RANGES = {
     "model.ffn_hidden_size": POSITIVE, "model.vocab_size": POSITIVE, "model.seq_length": POSITIVE,
     "model.first_dense": NON_NEGATIVE, "model.norm_eps": POSITIVE, "model.logit_softcap": POSITIVE,
     "model.rotary_base": POSITIVE, "model.init_std": POSITIVE, "model.cross_entropy_chunk": NON_NEGATIVE,
+    "model.recompute_layers": POSITIVE,
     "model.mla.q_lora_rank": POSITIVE, "model.mla.kv_lora_rank": POSITIVE, "model.mla.qk_head_dim": POSITIVE,
     "model.mla.qk_pos_emb_head_dim": POSITIVE, "model.mla.v_head_dim": POSITIVE,
     "model.mtp.num_layers": NON_NEGATIVE, "model.mtp.loss_weight": NON_NEGATIVE,

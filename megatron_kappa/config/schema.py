@@ -249,6 +249,9 @@ class ModelConfig:
         "none", "activation recomputation: none; selective (core attention, and the experts' "
                 "activation with grouped GEMMs, recomputed in backward); full (every layer's input "
                 "kept, the layer recomputed: megatron's uniform method, one layer per checkpoint)")
+    recompute_layers: int | None = _f(
+        None, "with recompute: full, recompute only the first N layers of each pipeline stage (megatron's block "
+              "method); the others keep their activations. null: every layer (the uniform method)")
     recompute_modules: list | None = _f(
         None, "with recompute: selective, megatron's modules to recompute in backward (null: core_attn, and "
               "moe_act with grouped GEMMs): core_attn (the attention core), mla_up_proj (MLA's up-projections; "

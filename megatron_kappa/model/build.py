@@ -42,6 +42,8 @@ from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 
 def recompute_settings(m: ModelConfig, has_moe: bool) -> dict:
     """megatron's activation-recomputation settings for `model.recompute`."""
+    if m.recompute == "full" and m.recompute_layers is not None:  # the first N layers of each stage
+        return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=m.recompute_layers)
     if m.recompute == "full":  # every layer's input kept, each layer recomputed in backward
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if m.recompute == "selective":

@@ -298,7 +298,8 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     in 2 bytes (4 in fp32). selective recompute drops what its modules (model.recompute_modules)
     would keep: core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts'
     activation, mlp a dense MLP's fc1 output and activation, moe the routed rows' tensors and the
-    shared expert's, shared_experts the shared expert's; full keeps only each layer's input (s·b·h/tp) plus one
+    shared expert's, shared_experts the shared expert's; full keeps only each layer's input (s·b·h/tp; only
+    the stage's first model.recompute_layers layers when set, the rest keep everything) plus one
     layer's activations while it is recomputed. The output layer's logits add one loss chunk
     (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32. Under 1F1B the first
     stage holds pp micro-batches in flight, stage i holds pp − i (at most the micro-batches
@@ -341,8 +342,9 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
             dropped += tokens * 3 * ffn / t * ("mlp" in modules)
         full_layer = attention + mlp
         layers.append({"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer))
-    if recompute == "full":
-        kept = per * tokens * h / t + max(layers, default=0)
+    if recompute == "full":  # model.recompute_layers: only the stage's first N layers (megatron's block method)
+        n = per if m.recompute_layers is None else min(m.recompute_layers, per)
+        kept = n * tokens * h / t + sum(layers[n:]) + max(layers[:n], default=0)
     else:
         kept = sum(layers)
     if stage == layout.pp - 1:

@@ -97,9 +97,11 @@ def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recomput
     m = cfg.model
     modules = recompute_modules(m, shape.has_moe)
     total = 0.0
-    for is_moe in shape.stage_moe_layers(stage):
+    blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
+    for i, is_moe in enumerate(shape.stage_moe_layers(stage)):
         f = layer_flops(cfg, is_moe, tokens, tp)
-        total += 3 * (f["matmul"] + f["scores"]) + recomputed_flops(f, recompute, modules)
+        again = recomputed_flops(f, recompute, modules) if recompute != "full" or i < blocks else 0.0
+        total += 3 * (f["matmul"] + f["scores"]) + again
     if stage == shape.pp - 1:
         output = 2 * tokens * m.hidden_size * shape.padded_vocab / tp
         total += 3 * output

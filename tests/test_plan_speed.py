@@ -150,3 +150,27 @@ def test_search_ranks_by_estimated_speed_and_lets_ep_cross_nodes():
     # memory still decides what is listed: on 24 GiB GPUs only recompute or small micro-batches fit
     tight = search.search(cfg, 16, gpu_mem_gib=24, gpus_per_node=8, top=100)
     assert all(r["fits"] for r in tight)
+
+
+def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
+    """--expert-imbalance F (dropless routing): the busiest EP rank's expert matmuls, all-to-all
+    and routed-row activations are F x the balanced ones; a capacity factor caps them instead."""
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+    even = speed.step_time(cfg, layout, speed.Rates(), 8, params)
+    busy = speed.step_time(cfg, layout, speed.Rates(), 8, params, imbalance=1.5)
+    assert busy["terms"]["expert"] == pytest.approx(1.5 * even["terms"]["expert"])
+    tokens = 32 * 1024 / 4
+    experts = sum(speed.layer_flops(cfg, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
+    assert (busy["terms"]["compute"] - even["terms"]["compute"]) * speed.Rates().tflops * 1e12 == \
+        pytest.approx(3 * 0.5 * experts)
+    rows_bytes = 0.5 * tokens * 2 * (64 + 3 * 256) * 4  # fp32, per MoE layer: the extra half of the rows
+    got = [planner.activation_bytes(cfg, layout, 1, "none", 2, imbalance=f) for f in (1.0, 1.5)]
+    in_flight, micro_tokens = 1, 2 * 1024  # stage 1 of 2 holds one micro-batch; per micro-batch
+    assert got[1] - got[0] == pytest.approx(2 * rows_bytes * micro_tokens / tokens * in_flight)
+    capped = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                               "model.moe.capacity_factor=1.25"])
+    assert speed.step_time(capped, layout, speed.Rates(), 8, params, imbalance=1.5)["terms"] == \
+        speed.step_time(capped, layout, speed.Rates(), 8, params)["terms"]

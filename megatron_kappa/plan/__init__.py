@@ -285,7 +285,8 @@ def bucket_bytes(cfg: Config) -> float:
     return REDUCE_BUCKET_ELEMENTS * value_bytes(cfg.precision)
 
 
-def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, micro_batch: int) -> float:
+def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, micro_batch: int,
+                     imbalance: float = 1.0) -> float:
     """An estimate of the activations one rank of `stage` keeps for backward, in bytes.
 
     Per layer and micro-batch, with s·b tokens, sequence parallelism (the tensors outside the
@@ -293,8 +294,9 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
       attention: norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
         (MLA: the latents, q and k of nope + rope width per head, v: s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
       dense MLP: norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
-      MoE: norm input and router input s·b·2h/tp, the s·b·k routed rows (capacity factor when
-      set) with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
+      MoE: norm input and router input s·b·2h/tp, the s·b·k routed rows (times the capacity
+      factor when set, else `imbalance`: the busiest rank's share over the average) with their fc1
+      input, fc1 output and activation: rows·(h + 3·F/etp)
     in 2 bytes (4 in fp32). selective recompute drops what its modules (model.recompute_modules)
     would keep: core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts'
     activation, mlp a dense MLP's fc1 output and activation, moe the routed rows' tensors and the
@@ -323,7 +325,7 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
     if m.mla.enabled:
         up = tokens * m.num_attention_heads * (2 * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim)
                                                + m.mla.v_head_dim) / t
-    rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
+    rows = speed.routed_rows(cfg, tokens, imbalance)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     shared = 3 * tokens * (moe.shared_ffn_hidden_size or 0) / t
     shape = model_shape(cfg, layout)
@@ -356,13 +358,13 @@ def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, mi
 
 # --- the plan -----------------------------------------------------------------------------------
 
-def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = None) -> dict:
+def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = None, imbalance: float = 1.0) -> dict:
     params = stage_params(cfg, layout, stage)
     recompute = recompute or cfg.model.recompute
     states = state_bytes(params, cfg, layout)
     grads = gradient_bytes(params, cfg, layout)
     buckets = bucket_bytes(cfg)
-    activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch)
+    activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch, imbalance)
                    for mode in ("none", "selective", "full")}
     total = sum(states.values()) + buckets + activations[recompute]
     return {"stage": stage, "params": params, "param_count": sum(params.values()),
@@ -372,11 +374,12 @@ def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = 
 
 
 def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8,
-         rates: speed.Rates = speed.Rates()) -> dict:
+         rates: speed.Rates = speed.Rates(), imbalance: float = 1.0) -> dict:
     """The most-loaded rank of `layout` (by total bytes, over the pipeline stages), a verdict, and
-    the estimated step time (megatron_kappa.plan.speed)."""
+    the estimated step time (megatron_kappa.plan.speed). `imbalance`: the busiest EP rank's routed
+    rows over the average, under dropless routing (1: balanced)."""
     check(cfg, layout)
-    stages = [plan_stage(cfg, layout, s) for s in range(layout.pp)]
+    stages = [plan_stage(cfg, layout, s, imbalance=imbalance) for s in range(layout.pp)]
     worst = max(stages, key=lambda r: r["total_bytes"])
     budget = HEADROOM * gpu_mem_gib * GIB
     return {"layout": dataclasses.asdict(layout) | {"dp": layout.dp, "edp": layout.edp},
@@ -387,7 +390,9 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "ep_inside_node": layout.ep * layout.etp <= gpus_per_node,
             "tp_inside_node": layout.tp <= gpus_per_node,
             "micro_batch": cfg.train.micro_batch,
-            "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages])}
+            "expert_imbalance": imbalance,
+            "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages],
+                                     imbalance=imbalance)}
 
 
 def render(p: dict) -> str:

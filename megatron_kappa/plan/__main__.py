@@ -25,10 +25,14 @@ def main(argv=None) -> int:
     ap.add_argument("--nvlink-gbs", type=positive_float, default=defaults.nvlink_gbs,
                     help="GB/s per GPU, one way, inside a node")
     ap.add_argument("--ib-gbs", type=positive_float, default=defaults.ib_gbs, help="GB/s per GPU across nodes")
+    ap.add_argument("--expert-imbalance", type=positive_float, default=1.0,
+                    help="the busiest EP rank's routed tokens over the average, under dropless routing (>= 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
+    if args.expert_imbalance < 1:
+        ap.error("--expert-imbalance must be at least 1 (the busiest rank over the average)")
     for name in ("world", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -36,10 +40,11 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.set)
         if args.search:
-            rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates)
+            rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates, args.expert_imbalance)
             print(json.dumps(rows, indent=1) if args.json else search.render_search(rows))
             return 0 if rows else 1
-        result = planner.plan(cfg, planner.layout_of(cfg, args.world), args.gpu_mem, args.gpus_per_node, rates)
+        result = planner.plan(cfg, planner.layout_of(cfg, args.world), args.gpu_mem, args.gpus_per_node, rates,
+                              args.expert_imbalance)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,14 +44,14 @@ def settings(cfg: Config, layout: Layout):
 
 
 def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int = 10,
-           rates: speed.Rates = speed.Rates()) -> list[dict]:
+           rates: speed.Rates = speed.Rates(), imbalance: float = 1.0) -> list[dict]:
     """The layouts that fit, fastest first (estimated tokens/s, megatron_kappa.plan.speed), each
     with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes."""
     best = {}
     for layout in candidates(cfg, world, gpus_per_node):
         for variant in settings(cfg, layout):
             try:
-                p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates)
+                p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates, imbalance)
             except ConfigError:  # e.g. a global batch the layout's data-parallel ranks cannot split
                 continue
             if p["fits"] and (layout not in best or p["speed"]["tokens_per_s"] > best[layout]["speed"]["tokens_per_s"]):

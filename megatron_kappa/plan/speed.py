@@ -41,12 +41,21 @@ class Rates:
 WIRE_BYTES = 2
 
 
-def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int) -> dict[str, float]:
+def routed_rows(cfg: Config, tokens: float, imbalance: float = 1.0) -> float:
+    """Rows the busiest rank's experts process for `tokens` tokens: top-k per token, times the
+    capacity factor where one caps the experts, else times the assumed imbalance (dropless routing:
+    the busiest EP rank gets `imbalance` x the average)."""
+    moe = cfg.model.moe
+    return tokens * moe.topk * (moe.capacity_factor or imbalance)
+
+
+def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int, imbalance: float = 1.0) -> dict[str, float]:
     """Forward matmul FLOPs of one layer on one rank for `tokens` tokens of its data-parallel
     replica (TP ranks share them), by part: "attention" (the projections; "mla_up" of them MLA's
     up-projections), "scores" (the attention cores' QKᵀ and AV, causal: half of s²), "mlp" (a dense
     layer's), "router", "experts", "shared"; "matmul" is every part but the scores. Routed experts
-    at balanced load: the stage's routed rows spread evenly over its ranks, whatever EP and ETP are."""
+    on the busiest rank (routed_rows): the stage's routed rows spread over its ranks, whatever EP
+    and ETP are, at `imbalance` x the average."""
     m, moe = cfg.model, cfg.model.moe
     h, s, n = m.hidden_size, m.seq_length, m.num_attention_heads
     out = dict.fromkeys(("attention", "mla_up", "scores", "mlp", "router", "experts", "shared"), 0.0)
@@ -70,7 +79,7 @@ def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int) -> dict[str, 
     if not is_moe:
         out["mlp"] = 2 * tokens * 3 * h * ffn / tp
     else:
-        rows = tokens * moe.topk * (moe.capacity_factor or 1.0)
+        rows = routed_rows(cfg, tokens, imbalance)
         out["router"] = 2 * tokens * h * moe.num_experts / tp  # on the rank's sequence-parallel share
         out["experts"] = 2 * rows * 3 * h * (moe.ffn_hidden_size or ffn) / tp
         out["shared"] = 2 * tokens * 3 * h * (moe.shared_ffn_hidden_size or 0) / tp
@@ -91,7 +100,7 @@ def recomputed_flops(f: dict[str, float], recompute: str, modules: tuple[str, ..
     return sum(f[p] for p in chosen)
 
 
-def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str) -> float:
+def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0) -> float:
     """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute)."""
     from megatron_kappa.model.layout import recompute_modules
     m = cfg.model
@@ -99,7 +108,7 @@ def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recomput
     total = 0.0
     blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
     for i, is_moe in enumerate(shape.stage_moe_layers(stage)):
-        f = layer_flops(cfg, is_moe, tokens, tp)
+        f = layer_flops(cfg, is_moe, tokens, tp, imbalance)
         again = recomputed_flops(f, recompute, modules) if recompute != "full" or i < blocks else 0.0
         total += 3 * (f["matmul"] + f["scores"]) + again
     if stage == shape.pp - 1:
@@ -107,7 +116,7 @@ def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recomput
         total += 3 * output
         last = shape.moe_layers[-1]
         for _ in range(m.mtp.num_layers):  # a layer of the last kind, eh_proj and the output layer again
-            f = layer_flops(cfg, last, tokens, tp)
+            f = layer_flops(cfg, last, tokens, tp, imbalance)
             total += 3 * (f["matmul"] + f["scores"] + 2 * tokens * 2 * m.hidden_size ** 2 / tp + output)
     return total
 
@@ -118,9 +127,10 @@ def _span(group: int, stride: int, gpus_per_node: int) -> bool:
 
 
 def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
-              virtual_stages: int = 1) -> dict:
+              virtual_stages: int = 1, imbalance: float = 1.0) -> dict:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
-    `stage_params`: each stage's parameters by kind on one rank (the memory plan's)."""
+    `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
+    the busiest EP rank's routed rows over the average (dropless routing)."""
     from megatron_kappa.plan import EXPERT_KINDS, model_shape
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
@@ -132,11 +142,11 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
 
     per_stage = []
     for stage in range(p):
-        compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute) / rate
+        compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
         tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink)
-        rows = tokens * m.moe.topk * (m.moe.capacity_factor or 1.0) / t
+        rows = routed_rows(cfg, tokens, imbalance) / t
         a2a_bytes = 4 * sum(layers) * rows * m.hidden_size * WIRE_BYTES * (ep - 1) / ep
         expert = a2a_bytes / (ib if _span(ep, etp, gpus_per_node) else nvlink)
         boundaries = (stage > 0) + (stage < p - 1)

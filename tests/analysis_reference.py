@@ -4,6 +4,14 @@ import numpy as np
 import torch
 
 
+def moe_layers(model):
+    """(layer index, MoE layer) of every MoE layer of the model's decoder, by its name's
+    `decoder.layers.<i>` (the MTP modules' layers left out)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    return [(int(name.split("decoder.layers.")[1].split(".")[0]), m) for name, m in model.named_modules()
+            if isinstance(m, MoELayer) and "decoder.layers." in name]
+
+
 def capture_routing(model):
     """Hook every MoE router with a copy of its input and routing map (the test's own record,
     independent of analysis.watch_routers); returns {layer index: [x, routing_map]}."""

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
+import analysis_reference as ref  # noqa: E402
 import parity  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.parallel import sharding  # noqa: E402
@@ -48,7 +49,7 @@ def run_case(case):
     with torch.no_grad():
         model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
-    table = analysis.expert_table(analysis.moe_layers(model)[0][1])
+    table = analysis.expert_table(ref.moe_layers(model)[0][1])
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, stats)
     return {"stats": every, "table": table}

@@ -44,7 +44,7 @@ def set_geometry(model, rows):
     """Router vector of expert e = 3·unit_e; gate row j of expert e = rows(e, j, unit_e)."""
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for _, layer in analysis.moe_layers(model):
+        for _, layer in ref.moe_layers(model):
             weight = layer.router.weight
             experts, hidden = weight.shape
             unit = torch.eye(hidden)[:experts]
@@ -63,7 +63,7 @@ def test_alignment_of_known_geometry(world1):
     cfg, model = model_for(reference_weights=False)
     # even gate rows along the router vector (cos 1), odd rows orthogonal to it (cos 0)
     set_geometry(model, lambda e, j, u, v: 2.0 * u if j % 2 == 0 else orthogonal(u, v))
-    layers = analysis.moe_layers(model)
+    layers = ref.moe_layers(model)
     assert [i for i, _ in layers] == [1, 2, 3]  # tiny: first layer dense
     for _, layer in layers:
         table = analysis.expert_table(layer)
@@ -94,7 +94,7 @@ def test_gate_bias_of_known_geometry(world1):
     seen = ref.capture_routing(model)
     analysis.watch_routers(model)
     forward(model)
-    for index, layer in analysis.moe_layers(model):
+    for index, layer in ref.moe_layers(model):
         x, routed = seen[index]
         got_x, expert = analysis.routed_sample(layer, None, torch.Generator())
         token, expected_expert = routed.nonzero(as_tuple=True)
@@ -120,7 +120,7 @@ def test_metrics_match_naive_loops(world1, variant):
     stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
     state = full_state(model)
     expected = {}
-    for index, _ in analysis.moe_layers(model):
+    for index, _ in ref.moe_layers(model):
         expected.update(ref.layer_reference(state, index, *seen[index], topk=cfg.model.moe.topk,
                                             logit_scale=cfg.model.kappa.logit_scale))
     ref.assert_close_stats(stats, expected, rel=1e-5, abs_=1e-6)
@@ -129,7 +129,7 @@ def test_metrics_match_naive_loops(world1, variant):
                                                                  "softmoe"))
     # Negative control: pairing each expert with its neighbour's router vector is caught.
     shifted = {}
-    for index, _ in analysis.moe_layers(model):
+    for index, _ in ref.moe_layers(model):
         shifted.update(ref.layer_reference(state, index, *seen[index], topk=cfg.model.moe.topk,
                                            logit_scale=cfg.model.kappa.logit_scale, expert_shift=1))
     assert ref.max_rel_gap(stats, shifted) > 1e-2
@@ -142,7 +142,7 @@ def test_load_and_dropped_tokens_follow_the_capacity_rule(world1):
     forward(model)
     stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
     state, topk = full_state(model), cfg.model.moe.topk
-    for index, _ in analysis.moe_layers(model):
+    for index, _ in ref.moe_layers(model):
         x, routed = seen[index]
         ref.assert_close_stats(stats, ref.layer_reference(state, index, x, routed, topk=topk, capacity_factor=0.5),
                                rel=1e-5, abs_=1e-6)
@@ -169,7 +169,7 @@ def test_sampling_bounds(world1):
     cfg, model = model_for()
     analysis.watch_routers(model)
     forward(model)
-    layer = analysis.moe_layers(model)[0][1]
+    layer = ref.moe_layers(model)[0][1]
     x, expert = analysis.routed_sample(layer, 8, torch.Generator().manual_seed(0))
     assert x.shape[0] == expert.shape[0] == 8 * cfg.model.moe.topk  # 8 tokens, each routed top-k times
     assert analysis._subsample(torch.arange(10_000.0), 1000, torch.Generator()).numel() == 1000
@@ -185,10 +185,10 @@ def test_watch_keeps_references_not_copies(world1):
     analysis.watch_routers(model)
     analysis.watch_routers(model)  # idempotent: one hook per router
     inputs = {}
-    for index, layer in analysis.moe_layers(model):
+    for index, layer in ref.moe_layers(model):
         layer.router.register_forward_pre_hook(lambda m, args, i=index: inputs.__setitem__(i, args[0]))
     forward(model)
-    for index, layer in analysis.moe_layers(model):
+    for index, layer in ref.moe_layers(model):
         x, routing_map = layer.router.last_routing
         assert x.data_ptr() == inputs[index].data_ptr() and not x.requires_grad
         assert routing_map.dtype == torch.bool
@@ -206,7 +206,7 @@ def parallel_runs(world1, tmp_path_factory):
         analysis.watch_routers(model)
         forward(model)
         refs[name] = {"stats": analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None),
-                      "table": analysis.expert_table(analysis.moe_layers(model)[0][1])}
+                      "table": analysis.expert_table(ref.moe_layers(model)[0][1])}
         plan.append({"name": name, **kw, "weights": full_state(model)})
     torch.save(plan, tmp / "plan.pt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import analysis_reference as ref
 import parity
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.kappa import inputs as kappa_inputs
@@ -94,7 +95,7 @@ def test_analysis_sees_what_kappa_sees(registry, world1, name):
     model = parity.build(cfg, 5)
     parity.init_reference_weights(model)  # α ≠ 0, router logits of a few units
     seen = {}
-    for index, layer in analysis.moe_layers(model):
+    for index, layer in ref.moe_layers(model):
         def keep(router, args, output, index=index):  # the router hands κ's logits on in slot 1
             seen[index] = (args[0].detach().reshape(-1, args[0].shape[-1]).double(),
                            output[0][..., 1].detach().double(), output[1].detach())
@@ -105,7 +106,7 @@ def test_analysis_sees_what_kappa_sees(registry, world1, name):
         model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
     scale = kappa_settings(cfg).logit_scale
-    for index, layer in analysis.moe_layers(model):
+    for index, layer in ref.moe_layers(model):
         x, kappa_logits, routing_map = seen[index]
         token, expert = routing_map.reshape(kappa_logits.shape).nonzero(as_tuple=True)
         alpha = layer.experts.kappa_alpha.detach().double()[expert]                 # [P, F]

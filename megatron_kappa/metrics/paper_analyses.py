@@ -38,19 +38,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.experts import gate_weights
-from megatron_kappa.model.layout import LAYER, global_layer_index, layer_label
+from megatron_kappa.model.layout import layer_label
 from megatron_kappa.parallel.groups import merge_stages, stage_group
 
 TOKENS = 256        # routed tokens sampled per rank and layer
 VALUES = 200_000    # numbers per layer and statistic entering a quantile, over all ranks
 _QUANTILES = (0.05, 0.95)
-
-
-def moe_layers(model) -> list[tuple[int, MoELayer]]:
-    """(global layer index, layer) of every MoE layer of this rank's decoder, in model order
-    (`decoder.layers.<i>` counts from the pipeline stage's first layer)."""
-    return [(global_layer_index(model, name + "."), m) for name, m in model.named_modules()
-            if isinstance(m, MoELayer) and LAYER.search(name + ".")]
 
 
 def labelled_moe_layers(model) -> list[tuple[str, MoELayer]]:

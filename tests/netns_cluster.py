@@ -173,6 +173,7 @@ class NetnsCluster(SlurmCluster):
         r = self.root
         for d in ("state", "log", "jobs"):
             (r / d).mkdir(parents=True, exist_ok=True)
+        self._link_short_root()
         nodes = "\n".join(f"NodeName={h} NodeHostname={h} NodeAddr={self.addr[h]} CPUs={self.ncpus} "
                           f"RealMemory=2000 State=UNKNOWN" for h in self.hosts)
         self.conf.write_text(f"""\
@@ -181,7 +182,7 @@ ClusterName={self.name}
 SlurmctldHost=ctl({self.addr['ctl']})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
-{shared_settings(r, self.kill_wait, self.requeue_delay, spool='spool-%n')}# a host that stops answering is DOWN after SlurmdTimeout; its jobs end (NODE_FAIL)
+{shared_settings(r, self.kill_wait, self.requeue_delay, f'{self.short_root}/spool-%n')}# a host that stops answering is DOWN after SlurmdTimeout; its jobs end (NODE_FAIL)
 SlurmdTimeout={self.slurmd_timeout}
 MessageTimeout=5
 {nodes}

@@ -133,11 +133,11 @@ def _parse_show(text: str) -> dict:
     return out
 
 
-def shared_settings(r: Path, kill_wait: int, requeue_delay: int, spool: str = "spool") -> str:
+def shared_settings(r: Path, kill_wait: int, requeue_delay: int, spool: str) -> str:
     """slurm.conf lines every test cluster has: auth/none, root daemons, state and logs under `r`
-    (a pid and log file per node: %n; `spool` short: slurmstepd's socket path in it must stay
-    under 108 bytes), no cgroups, no accounting, requeue allowed, a scheduler that looks every
-    second."""
+    (a pid and log file per node: %n), the spool folder `spool` (a short path: slurmstepd's
+    socket path in it must stay under 108 bytes), no cgroups, no accounting, requeue allowed, a
+    scheduler that looks every second."""
     return f"""\
 AuthType=auth/none
 # cred_expire: credential lifetime, and how long a requeued job is held (default 120 s)
@@ -146,7 +146,7 @@ CredType=cred/none
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/{spool}
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -195,10 +195,22 @@ class SlurmCluster:
 
     # ---- configuration and daemons -------------------------------------------------------------
 
+    @property
+    def short_root(self) -> Path:
+        """/tmp/<cluster name>, a link to the root: slurmstepd's socket lives in the spool folder
+        and its path must stay under 108 bytes, which a pytest-xdist worker's tmp_path is not."""
+        return Path("/tmp") / self.name
+
+    def _link_short_root(self):
+        link = self.short_root
+        if not link.is_symlink():
+            link.symlink_to(self.root, target_is_directory=True)
+
     def _write_conf(self, ctld_port: int, slurmd_port: int):
         r = self.root
         for d in ("state", "spool", "log", "jobs"):
             (r / d).mkdir(parents=True, exist_ok=True)
+        self._link_short_root()
         mem = max(256, min(_memory_mb() - 256, 8000))
         self.conf.write_text(f"""\
 # test cluster {self.name} (tests/slurm_cluster.py); all state under {r}
@@ -207,7 +219,7 @@ SlurmctldHost={_HOST}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
-{shared_settings(r, self.kill_wait, self.requeue_delay)}NodeName={_HOST} NodeHostname={_HOST} NodeAddr=127.0.0.1 CPUs={self.ncpus} RealMemory={mem} State=UNKNOWN
+{shared_settings(r, self.kill_wait, self.requeue_delay, f"{self.short_root}/spool")}NodeName={_HOST} NodeHostname={_HOST} NodeAddr=127.0.0.1 CPUs={self.ncpus} RealMemory={mem} State=UNKNOWN
 PartitionName=debug Nodes={_HOST} Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -306,6 +318,8 @@ PartitionName=debug Nodes={_HOST} Default=YES MaxTime=INFINITE State=UP
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, _signal.SIGKILL)
                 time.sleep(0.2)
+            if self.short_root.is_symlink():
+                self.short_root.unlink()
 
     # ---- clients -------------------------------------------------------------------------------
 

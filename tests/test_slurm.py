@@ -143,10 +143,14 @@ def test_export():
 
 
 def test_free_port():
+    """Free now, and below the ephemeral range: an outgoing connection cannot take it before the
+    launcher binds it (the race that failed a study's evaluation with EADDRINUSE)."""
     import socket
-    port = launch_env.free_port()
+    low, _ = launch_env.ephemeral_ports()
+    ports = {launch_env.free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(max(1024, low - 8192) <= p < low for p in ports), (ports, low)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+        s.bind(("127.0.0.1", ports.pop()))
 
 
 # ---- a real cluster ----------------------------------------------------------------------------
@@ -228,7 +232,7 @@ def test_pretrain_sbatch_srun(cluster, tmp_path):
     cluster.wait_output(job, "READY 1", timeout=180)
     cluster.wait_output(job, "READY 0", timeout=30)
     cluster.signal(job, "USR1")  # as --signal=USR1@T does: the steps' processes
-    out = cluster.wait_output(job, "USR1 1 True", timeout=30)
+    cluster.wait_output(job, "USR1 1 True", timeout=30)
     assert "USR1 0 True" in cluster.wait_output(job, "USR1 0", timeout=30)
     assert cluster.state(job) == "RUNNING"  # the batch shell did not get it (it would have died)
     restarts = cluster.requeue(job)

@@ -52,12 +52,13 @@ def run(cmd, timeout=1200, **kw):
 
 @pytest.mark.slow
 def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
-    """2 variants × 2 seeds, EP2 on 2 processes (torchrun): killed in its second run after a
-    checkpoint, restarted (the first run is kept, the second resumes), then rerun (all skipped).
-    Without CORE (an evaluation process less per run): test_study_under_deepspeed_and_python
-    scores it in a study, and test_summary_statistics_and_pairing tabulates it."""
+    """2 variants × 2 seeds, each run one process (--launcher python): killed (SIGKILL, the study
+    and its run) in its second run after a checkpoint, restarted (the first run is kept, the
+    second takes over the dead run's lock and resumes), then rerun (all skipped). Without CORE (an
+    evaluation process less per run): test_study_under_deepspeed_and_torchrun scores it with
+    multi-process runs, and test_summary_statistics_and_pairing tabulates it."""
     study = tmp_path / "study"
-    cmd = study_cmd(data, study, "parallel.ep=2", "--nproc", "2", core=False)
+    cmd = study_cmd(data, study, launcher="python", core=False)
     runs = study / "runs"
     proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -65,15 +66,13 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
     deadline = time.time() + 900
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the study and its run: one process group
     proc.wait()
-    # torchrun's ranks are in a session of their own: they outlive the kill, notice their launcher
-    # is gone, stop after a step with a checkpoint and release the run's lock (a rerun before that
-    # is refused: two trainings in one run.dir)
-    lock, deadline = runs / "swiglu-seed26/.lock", time.time() + 120
-    while lock.exists() and time.time() < deadline:
-        time.sleep(0.2)
-    assert not lock.exists()
+    # the run died holding its lock: stale (its holder is gone), so the rerun may take it over
+    from megatron_kappa.train.run_lock import RunLock
+    lock = RunLock(runs / "swiglu-seed26")
+    holder = lock.holder()
+    assert holder and lock._stale(holder), holder
     from megatron_kappa.checkpoint.listing import CheckpointDir
     assert CheckpointDir(runs / "swiglu-seed26").latest() >= 2 and (runs / "swiglu-seed24/result.json").is_file()
     assert not (runs / "swiglu-seed26/result.json").exists()  # killed before it finished
@@ -118,9 +117,10 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_study_under_deepspeed_and_python(data, tmp_path):
-    """The default launcher (deepspeed, 2 processes) and a plain process each finish a run."""
-    for launcher, extra in (("deepspeed", ["--nproc", "2"]), ("python", [])):
+def test_study_under_deepspeed_and_torchrun(data, tmp_path):
+    """The default launcher (deepspeed) and torchrun, 2 processes each (EP2 under torchrun), finish
+    a run with its evaluations (test_study_killed_resumed_skipped_and_tabulated: plain processes)."""
+    for launcher, extra in (("deepspeed", ["--nproc", "2"]), ("torchrun", ["parallel.ep=2", "--nproc", "2"])):
         study = tmp_path / launcher
         done = run(study_cmd(data, study, *extra, launcher=launcher, variants="kappa", seeds="28"))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import re
 import shutil
 import socket
@@ -36,7 +37,7 @@ from typing import Mapping, MutableMapping, Optional
 DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"  # auto | cpu | cuda: the device a process trains on (parallel.groups)
 
 __all__ = ["LaunchEnv", "LaunchEnvError", "from_environment", "export", "export_environment",
-           "free_port", "expand_hostlist", "first_host", "slurm_port", "tasks_on_node"]
+           "free_port", "ephemeral_ports", "expand_hostlist", "first_host", "slurm_port", "tasks_on_node"]
 
 DEFAULT_PORT = 29500  # torch's default when a launcher gives RANK but no MASTER_PORT
 
@@ -80,8 +81,33 @@ class LaunchEnv(_MappingABC):
         return env
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports (Linux; 32768-60999 elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS's pick; another process may still take it later)."""
+    """A TCP port free on `host` now, picked at random just below the kernel's ephemeral range.
+
+    Not the OS's own pick (bind to port 0): that comes from the ephemeral range, where any
+    outgoing connection on the machine (gloo opens many) may take it as its source port between
+    this check and the launcher's bind: EADDRINUSE when tests or runs start side by side. Below
+    the range only another explicit bind can take it. Falls back to the OS's pick when 64 random
+    ports are all taken."""
+    low, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 8192), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -67,3 +67,17 @@ def sample_shards(tmp_path_factory):
     return {"train": [str(out / p) for p in manifest["prefixes"]["train"]],
             "valid": [str(out / p) for p in manifest["prefixes"]["valid"]],
             "tokenizer": str(out / "tokenizer.model"), "dir": out}
+
+
+# The slow files, longest first (worker-seconds in a clean-clone `make test`; only their order
+# matters): pytest-xdist's --dist loadfile hands files to its workers in collection order, so the
+# long ones start first and the last file a worker runs is a short one (a short tail).
+LONGEST_FIRST = ("test_multinode", "test_study", "test_preemption", "test_plan", "test_demo", "test_reshard",
+                 "test_optimizers", "test_export", "test_parallel", "test_gpu_check", "test_training",
+                 "test_pipeline", "test_kappa_aot", "test_mtp", "test_softmoe_training", "test_fp8",
+                 "test_export_tools", "test_mla_training", "test_reliability", "test_slurm", "test_slurm_training")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keeps its order

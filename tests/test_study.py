@@ -55,8 +55,8 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
     """2 variants × 2 seeds, each run one process (--launcher python): killed (SIGKILL, the study
     and its run) in its second run after a checkpoint, restarted (the first run is kept, the
     second takes over the dead run's lock and resumes), then rerun (all skipped). Without CORE (an
-    evaluation process less per run): test_study_under_deepspeed_and_torchrun scores it with
-    multi-process runs, and test_summary_statistics_and_pairing tabulates it."""
+    evaluation process less per run): test_study_under_deepspeed_and_python scores it with a
+    multi-process run, and test_summary_statistics_and_pairing tabulates it."""
     study = tmp_path / "study"
     cmd = study_cmd(data, study, launcher="python", core=False)
     runs = study / "runs"
@@ -117,16 +117,31 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_study_under_deepspeed_and_torchrun(data, tmp_path):
-    """The default launcher (deepspeed) and torchrun, 2 processes each (EP2 under torchrun), finish
-    a run with its evaluations (test_study_killed_resumed_skipped_and_tabulated: plain processes)."""
-    for launcher, extra in (("deepspeed", ["--nproc", "2"]), ("torchrun", ["parallel.ep=2", "--nproc", "2"])):
+def test_study_under_deepspeed_and_python(data, tmp_path):
+    """The default launcher (deepspeed, 2 processes, EP2) and a plain process each finish a run with
+    its evaluations (test_launch_commands: torchrun's command line)."""
+    for launcher, extra in (("deepspeed", ["parallel.ep=2", "--nproc", "2"]), ("python", [])):
         study = tmp_path / launcher
         done = run(study_cmd(data, study, *extra, launcher=launcher, variants="kappa", seeds="28"))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         result = json.loads((study / "runs/kappa-seed28/result.json").read_text())
         assert result["steps"] == STEPS and math.isfinite(result["valid_loss"]) and -1 <= result["core"] <= 1
         assert "Difference to" not in (study / "table.md").read_text()  # no baseline in this study
+
+
+def test_launch_commands():
+    """Each launcher's command line for a run of N processes (torchrun's form is the one
+    tests/test_preemption.py runs; deepspeed's and python's run in the studies above)."""
+    sys.path.insert(0, str(ROOT))
+    from launch.study import launch_cmd
+    script = str(ROOT / "launch/pretrain.py")
+    assert launch_cmd("python", 1, "launch/pretrain.py", ["--config", "x.yaml"]) == \
+        [sys.executable, script, "--config", "x.yaml"]
+    assert launch_cmd("torchrun", 2, "launch/pretrain.py", ["--set", "a=1"]) == \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, "--set", "a=1"]
+    ds = launch_cmd("deepspeed", 4, "launch/eval_loss.py", [])
+    assert ds[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4"] and ds[5] == "--master_port"
+    assert ds[7:] == [str(ROOT / "launch/eval_loss.py")] and 1024 <= int(ds[6]) < 65536
 
 
 FAKE_SLURM = r"""#!/bin/bash

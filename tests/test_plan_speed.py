@@ -143,7 +143,8 @@ def test_search_ranks_by_estimated_speed_and_lets_ep_cross_nodes():
     slow = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=2, top=100)
     speeds = [r["speed"]["tokens_per_s"] for r in slow]
     assert speeds == sorted(speeds, reverse=True)
-    assert len({(r["layout"]["tp"], r["layout"]["pp"], r["layout"]["ep"], r["layout"]["etp"]) for r in slow}) == len(slow)
+    keys = ("tp", "pp", "ep", "etp", "cp", "vpp")  # each layout once, at its fastest setting
+    assert len({tuple(r["layout"][k] for k in keys) for r in slow}) == len(slow)
     fast = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=2, top=100,
                           rates=speed.Rates(ib_gbs=speed.Rates().nvlink_gbs))
     assert not fast[0]["ep_inside_node"] or any(not r["ep_inside_node"] for r in fast[:3])

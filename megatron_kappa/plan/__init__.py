@@ -9,11 +9,18 @@ as this project configures it (megatron_kappa.parallel.engine.ds_config), and an
 estimate per recompute mode. docs/plan.md says where each number comes from.
 
 Modules:
-  __main__.py  `python -m megatron_kappa.plan`: the command line of megatron_kappa.plan
-  search.py    `--search`: the layouts that fit, fastest first, each at its fastest micro-batch and
-               recompute mode (the step-time estimate of megatron_kappa.plan.speed)
-  speed.py     A step-time estimate per layout: compute from FLOPs, the pipeline bubble, and the
-               traffic of tensor, expert, pipeline and data parallelism at stated bandwidths
+  __main__.py     `python -m megatron_kappa.plan`: the command line of megatron_kappa.plan
+  activations.py  The activations one rank of a pipeline stage keeps for backward: an estimate, per
+                  recompute mode
+  planned.py      Settings the planner models that the trainer does not run: each is printed as
+                  "planned only"
+  published.py    The layouts and memory settings the published frontier runs trained with, each
+                  with its source: `python -m megatron_kappa.plan --published` plans each one (does
+                  it fit?) and ranks it among the layouts `--search` finds at its world size
+  search.py       `--search`: the layouts that fit, fastest first, each at its fastest micro-batch
+                  and recompute mode (the step-time estimate of megatron_kappa.plan.speed)
+  speed.py        A step-time estimate per layout: compute from FLOPs, the pipeline bubble, and the
+                  traffic of tensor, expert, pipeline and data parallelism at stated bandwidths
 """
 from __future__ import annotations
 
@@ -21,9 +28,10 @@ import dataclasses
 
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.model.layout import (VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout,
-                                         recompute_modules)
+from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout
 from megatron_kappa.plan import speed
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.activations import activation_bytes  # noqa: E402 (re-exported)
 
 GIB = 2 ** 30
 # norm: also model.residual_scalars' λ; attention: also the value-embedding gates
@@ -41,11 +49,19 @@ class Layout:
     pp: int = 1
     ep: int = 1
     etp: int = 1
+    cp: int = 1  # context parallelism: planned only (megatron_kappa.plan.planned)
+    vpp: int = 1  # virtual pipeline stages per rank: planned only
 
     @property
     def dp(self) -> int:
-        """Data-parallel size of the dense parameters."""
-        return self.world // (self.tp * self.pp)
+        """Data-parallel size: replicas of the model, each with its own micro-batches."""
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def zero_dp(self) -> int:
+        """The group dense gradients are reduced over and ZeRO partitions over: DP × CP (megatron's
+        data-parallel group with context parallelism; the CP ranks hold the same weights)."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:
@@ -53,7 +69,8 @@ class Layout:
         return self.world // (self.ep * self.etp * self.pp)
 
     def label(self) -> str:
-        return f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp} DP{self.dp} (EDP{self.edp})"
+        planned = f" CP{self.cp}" * (self.cp > 1) + f" VPP{self.vpp}" * (self.vpp > 1)
+        return f"TP{self.tp} PP{self.pp}{planned} EP{self.ep} ETP{self.etp} DP{self.dp} (EDP{self.edp})"
 
 
 def layout_of(cfg: Config, world: int) -> Layout:
@@ -85,8 +102,14 @@ def check(cfg: Config, layout: Layout):
         raise ConfigError(f"plan: model.moe.router: {moe.router} is not modelled by the planner")
     split = with_layout(cfg, layout)
     try:
+        if layout.world % (layout.tp * layout.pp * layout.cp):
+            raise ConfigError(f"plan: world size {layout.world} is not divisible by tp × pp × cp")
+        if cfg.model.seq_length % (2 * layout.cp):  # megatron's causal load balance: 2·cp chunks
+            raise ConfigError(f"plan: model.seq_length {cfg.model.seq_length} is not divisible by 2 × cp")
         validate(split)
-        check_layout(split.parallel, layout.world, shape.experts)
+        check_layout(split.parallel, layout.world, shape.experts)  # experts span the CP ranks too (megatron)
+        if layout.vpp > max(model_shape(cfg, layout).stage_counts()):
+            raise ConfigError(f"plan: {layout.vpp} virtual stages but no pipeline stage has that many layers")
     except ConfigError as e:
         raise ConfigError(f"{e} ({layout.label()})") from None
 
@@ -223,13 +246,13 @@ def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> lis
     for name, kinds in members.items():
         n = sum(params.get(k, 0) for k in kinds)
         if n:
-            d = layout.edp if apart and name in ("experts", "kappa") else layout.dp
+            d = layout.edp if apart and name in ("experts", "kappa") else layout.zero_dp
             out.append({"name": name, "elements": n, "d": d,
                         "largest": min(n, max(largest[k] for k in kinds if params.get(k, 0)))})
     return out
 
 
-def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str, float]:
+def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
     """The gradient memory DeepSpeed's ZeRO-1/2 holds on one rank with this project's settings
     (contiguous_gradients, reduce_scatter, no overlap_comm: megatron_kappa.parallel.engine), at
     its two peaks. Each group's gradient partition (its elements / d, in the parameters' dtype)
@@ -240,13 +263,14 @@ def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[
                 bucket by bucket as backward runs, and the tensor just produced.
       step      the partitions, and the fp32 gradient of the group being stepped (DeepSpeed
                 steps the groups one at a time: the largest group's partition is the peak).
-    The reduce bucket (`bucket_bytes`) comes on top during backward."""
+    The reduce bucket (`bucket_bytes`) comes on top during backward. With the optimizer offloaded
+    (planned only) the step's fp32 gradient is made in CPU memory: the step holds the partitions."""
     size = value_bytes(cfg.precision)
     groups = optimizer_groups(params, cfg, layout)
     partitions = sum(g["elements"] / g["d"] for g in groups)
     edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in groups)
     largest_group = max((g["elements"] / g["d"] for g in groups), default=0)
-    step = size * (partitions + edges) + 4 * largest_group
+    step = size * (partitions + edges) + 4 * largest_group * (not planned.offload_optimizer)
     if cfg.zero.stage == 1:
         backward = size * sum(params.values())
     else:
@@ -255,7 +279,7 @@ def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[
             "largest_group": largest_group}
 
 
-def state_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str, float]:
+def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
     """Bytes of weights, gradients (the larger of `gradient_bytes`'s two peaks), the fp32 master
     copy and the optimizer moments on one rank under DeepSpeed's ZeRO-`zero.stage`.
 
@@ -263,18 +287,24 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout) -> dict[str
     data-parallel group of each parameter: DP for the dense ones, EDP for the experts. fp32: fp32
     weights and gradients, no master copy. Moments: AdamW 2 fp32 per parameter; muon and aurora
     keep one momentum buffer for the matrices they orthogonalise (attention, MLPs, experts; the
-    router too under aurora) and AdamW's two for the rest."""
+    router too under aurora) and AdamW's two for the rest. Planned only (`planned`): the moments
+    in bf16 (2 bytes each); the master copy and moments offloaded to the CPU ("offloaded", not on
+    the GPU)."""
     half = value_bytes(cfg.precision) == 2
-    grads = gradient_bytes(params, cfg, layout)
+    moment_bytes = 2 if planned.optimizer_states == "bf16" else 4
+    grads = gradient_bytes(params, cfg, layout, planned)
     out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
     matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
         {"router"} if cfg.train.optimizer == "aurora" else set())
     for kind, n in params.items():
-        d = layout.edp if kind in EXPERT_KINDS else layout.dp
+        d = layout.edp if kind in EXPERT_KINDS else layout.zero_dp
         out["weights"] += value_bytes(cfg.precision) * n
         out["master"] += 4 * n / d if half else 0
-        moments = 4 if (cfg.train.optimizer != "adamw" and kind in matrices) else 8
-        out["moments"] += moments * n / d
+        moments = 1 if (cfg.train.optimizer != "adamw" and kind in matrices) else 2
+        out["moments"] += moments * moment_bytes * n / d
+    if planned.offload_optimizer:
+        out["offloaded"] = out["master"] + out["moments"]
+        out["master"] = out["moments"] = 0.0
     return out
 
 
@@ -285,101 +315,33 @@ def bucket_bytes(cfg: Config) -> float:
     return REDUCE_BUCKET_ELEMENTS * value_bytes(cfg.precision)
 
 
-def activation_bytes(cfg: Config, layout: Layout, stage: int, recompute: str, micro_batch: int,
-                     imbalance: float = 1.0) -> float:
-    """An estimate of the activations one rank of `stage` keeps for backward, in bytes.
-
-    Per layer and micro-batch, with s·b tokens, sequence parallelism (the tensors outside the
-    attention and MLP cores split by TP) and SDPA (no s² scores kept):
-      attention: norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
-        (MLA: the latents, q and k of nope + rope width per head, v: s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
-      dense MLP: norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
-      MoE: norm input and router input s·b·2h/tp, the s·b·k routed rows (times the capacity
-      factor when set, else `imbalance`: the busiest rank's share over the average) with their fc1
-      input, fc1 output and activation: rows·(h + 3·F/etp)
-    in 2 bytes (4 in fp32). selective recompute drops what its modules (model.recompute_modules)
-    would keep: core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts'
-    activation, mlp a dense MLP's fc1 output and activation, moe the routed rows' tensors and the
-    shared expert's, shared_experts the shared expert's; full keeps only each layer's input (s·b·h/tp; only
-    the stage's first model.recompute_layers layers when set, the rest keep everything) plus one
-    layer's activations while it is recomputed. The output layer's logits add one loss chunk
-    (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32. Under 1F1B the first
-    stage holds pp micro-batches in flight, stage i holds pp − i (at most the micro-batches
-    per step)."""
-    m, moe, t = cfg.model, cfg.model.moe, layout.tp
-    h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch
-    head_dim = m.head_dim or h // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
-    ffn = m.ffn_hidden_size or 4 * h
-    size = value_bytes(cfg.precision)
-    per = model_shape(cfg, layout).stage_counts()[stage]
-    core = tokens * head_dim * m.num_attention_heads / t
-    attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
-    if m.mla.enabled:  # the latents, then q, k (nope + rope per head) and v; the core's output is v-wide
-        a = m.mla
-        core = tokens * a.v_head_dim * m.num_attention_heads / t
-        qk = a.qk_head_dim + a.qk_pos_emb_head_dim
-        latents = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_pos_emb_head_dim
-        attention = tokens * (3 * h + latents + m.num_attention_heads * (2 * qk + a.v_head_dim)) / t + core
-    up = 0.0  # MLA's q, k and v (the up-projections' outputs)
-    if m.mla.enabled:
-        up = tokens * m.num_attention_heads * (2 * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim)
-                                               + m.mla.v_head_dim) / t
-    rows = speed.routed_rows(cfg, tokens, imbalance)
-    expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
-    shared = 3 * tokens * (moe.shared_ffn_hidden_size or 0) / t
-    shape = model_shape(cfg, layout)
-    modules = set(recompute_modules(m, shape.has_moe))
-    layers = []
-    for is_moe in shape.stage_moe_layers(stage):
-        dropped = core * ("core_attn" in modules) + up * ("mla_up_proj" in modules)
-        if is_moe:
-            mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + shared
-            if "moe" in modules:
-                dropped += rows * (h + 3 * expert_ffn) + shared
-            else:
-                dropped += rows * expert_ffn * ("moe_act" in modules) + shared * ("shared_experts" in modules)
-        else:
-            mlp = tokens * (2 * h + 3 * ffn / t)
-            dropped += tokens * 3 * ffn / t * ("mlp" in modules)
-        full_layer = attention + mlp
-        layers.append({"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer))
-    if recompute == "full":  # model.recompute_layers: only the stage's first N layers (megatron's block method)
-        n = per if m.recompute_layers is None else min(m.recompute_layers, per)
-        kept = n * tokens * h / t + sum(layers[n:]) + max(layers[:n], default=0)
-    else:
-        kept = sum(layers)
-    if stage == layout.pp - 1:
-        chunk = min(m.cross_entropy_chunk or tokens, tokens)
-        kept += chunk * shape.padded_vocab / t * 4 / size
-    in_flight = min(layout.pp - stage, max(1, cfg.train.global_batch // (micro_batch * layout.dp)))
-    return kept * size * in_flight
-
-
 # --- the plan -----------------------------------------------------------------------------------
 
-def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = None, imbalance: float = 1.0) -> dict:
+def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = None, imbalance: float = 1.0,
+               planned: Planned = Planned()) -> dict:
     params = stage_params(cfg, layout, stage)
     recompute = recompute or cfg.model.recompute
-    states = state_bytes(params, cfg, layout)
-    grads = gradient_bytes(params, cfg, layout)
+    states = state_bytes(params, cfg, layout, planned)
+    offloaded = states.pop("offloaded", 0.0)
+    grads = gradient_bytes(params, cfg, layout, planned)
     buckets = bucket_bytes(cfg)
-    activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch, imbalance)
+    activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch, imbalance, planned)
                    for mode in ("none", "selective", "full")}
     total = sum(states.values()) + buckets + activations[recompute]
-    return {"stage": stage, "params": params, "param_count": sum(params.values()),
+    return {"stage": stage, "params": params, "param_count": sum(params.values()), "cpu_bytes": offloaded,
             "bytes": {**states, "buckets": buckets, "activations": activations[recompute]},
             "gradient_peaks": {"backward": grads["backward"], "step": grads["step"]},
             "activations_by_recompute": activations, "recompute": recompute, "total_bytes": total}
 
 
 def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8,
-         rates: speed.Rates = speed.Rates(), imbalance: float = 1.0) -> dict:
+         rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned()) -> dict:
     """The most-loaded rank of `layout` (by total bytes, over the pipeline stages), a verdict, and
     the estimated step time (megatron_kappa.plan.speed). `imbalance`: the busiest EP rank's routed
-    rows over the average, under dropless routing (1: balanced)."""
+    rows over the average, under dropless routing (1: balanced). `planned`: settings the trainer
+    does not run (and the layout's CP and VPP), listed as "planned_only"."""
     check(cfg, layout)
-    stages = [plan_stage(cfg, layout, s, imbalance=imbalance) for s in range(layout.pp)]
+    stages = [plan_stage(cfg, layout, s, imbalance=imbalance, planned=planned) for s in range(layout.pp)]
     worst = max(stages, key=lambda r: r["total_bytes"])
     budget = HEADROOM * gpu_mem_gib * GIB
     return {"layout": dataclasses.asdict(layout) | {"dp": layout.dp, "edp": layout.edp},
@@ -391,6 +353,7 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "tp_inside_node": layout.tp <= gpus_per_node,
             "micro_batch": cfg.train.micro_batch,
             "expert_imbalance": imbalance,
+            "planned_only": planned.labels(layout),
             "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages],
                                      imbalance=imbalance)}
 
@@ -410,7 +373,11 @@ def render(p: dict) -> str:
         f"{k} {v / GIB:.2f} GiB" for k, v in w["activations_by_recompute"].items()))
     lines.append(f"  total       {w['total_bytes'] / GIB:>9.2f} GiB of {p['gpu_mem_gib']:g} GiB "
                  f"({HEADROOM:.0%} usable: {p['budget_gib']:.1f})")
+    if w["cpu_bytes"]:
+        lines.append(f"  offloaded   {w['cpu_bytes'] / GIB:>9.2f} GiB of master copy and moments in CPU memory")
     lines.append(f"verdict       {'fits' if p['fits'] else 'does NOT fit'}")
+    if p["planned_only"]:
+        lines.append("planned only  " + ", ".join(p["planned_only"]) + " (the trainer does not run these)")
     v = p["speed"]
     lines.append(f"step time     {v['seconds']:.3f} s estimated ({v['tokens_per_s']:,.0f} tokens/s, "
                  f"{v['tokens_per_s_per_gpu']:,.0f} per GPU; micro-batch {p['micro_batch']}, "

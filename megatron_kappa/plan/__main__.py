@@ -5,16 +5,19 @@ import argparse
 import json
 import sys
 
+import dataclasses
+
 from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
+from megatron_kappa.plan.planned import FP8_ACTIVATIONS, Planned
 from megatron_kappa.cli_types import positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_kappa.plan", description=planner.__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--world", type=positive_int, required=True, help="GPUs (ranks) in the job")
+    ap.add_argument("--config", help="the model's config (required but with --published)")
+    ap.add_argument("--world", type=positive_int, help="GPUs (ranks) in the job (required but with --published)")
     ap.add_argument("--gpu-mem", type=positive_float, default=80.0, help="GiB of memory per GPU")
     ap.add_argument("--gpus-per-node", type=positive_int, default=8)
     ap.add_argument("--search", action="store_true",
@@ -28,28 +31,67 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-imbalance", type=positive_float, default=1.0,
                     help="the busiest EP rank's routed tokens over the average, under dropless routing (>= 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
+    planned = ap.add_argument_group("planned only", "settings the planner models and the trainer does not run")
+    planned.add_argument("--cp", type=positive_int, default=1, help="context-parallel size")
+    planned.add_argument("--vpp", type=positive_int, default=1, help="virtual pipeline stages per rank")
+    planned.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
+                         help="the optimizer's moments in bf16 (the master copy stays fp32)")
+    planned.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default="none",
+                         help="saved tensors kept in fp8: every linear layer's input, or the experts' (moe)")
+    planned.add_argument("--recompute-norms", action="store_true", help="megatron's layernorm recompute module")
+    planned.add_argument("--offload-optimizer", action="store_true", help="master copy and moments in CPU memory")
+    planned.add_argument("--offload-activations", action="store_true",
+                         help="saved activations in CPU memory, two chunks on the GPU")
+    ap.add_argument("--published", action="store_true",
+                    help="plan each published frontier run (megatron_kappa.plan.published) and rank it in --search")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
+    if args.published:
+        return published(args.gpu_mem, args.gpus_per_node, args.json)
+    for name in ("config", "world"):
+        if getattr(args, name) is None:
+            ap.error(f"--{name} is required (but with --published)")
     if args.expert_imbalance < 1:
         ap.error("--expert-imbalance must be at least 1 (the busiest rank over the average)")
     for name in ("world", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs)
+    extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
+                    args.offload_activations)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:
-            rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates, args.expert_imbalance)
+            rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates,
+                                 args.expert_imbalance, extra)
             print(json.dumps(rows, indent=1) if args.json else search.render_search(rows))
             return 0 if rows else 1
-        result = planner.plan(cfg, planner.layout_of(cfg, args.world), args.gpu_mem, args.gpus_per_node, rates,
-                              args.expert_imbalance)
+        layout = dataclasses.replace(planner.layout_of(cfg, args.world), cp=args.cp, vpp=args.vpp)
+        result = planner.plan(cfg, layout, args.gpu_mem, args.gpus_per_node, rates, args.expert_imbalance, extra)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if args.json else planner.render(result))
     return 0 if result["fits"] else 1
+
+
+def published(gpu_mem: float, gpus_per_node: int, as_json: bool) -> int:
+    """Each published run: its plan's verdict and its position among --search's layouts."""
+    from megatron_kappa.plan.published import RUNS, check_run
+    rows = []
+    for run in RUNS:
+        r = check_run(run, gpu_mem, gpus_per_node)
+        rows.append(r)
+        if not as_json:
+            p = r["plan"]
+            print(f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
+                  f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s; "
+                  f"search position {r['rank']} of {r['layouts_that_fit']} that fit"
+                  + (f"; planned only: {', '.join(p['planned_only'])}" if p["planned_only"] else ""), flush=True)
+    if as_json:
+        print(json.dumps([{k: v for k, v in r.items()} for r in rows], indent=1))
+    return 0 if all(r["fits"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """`--search`: the layouts that fit, fastest first, each at its fastest micro-batch and recompute
-mode (the step-time estimate of megatron_kappa.plan.speed)."""
+mode (the step-time estimate of megatron_kappa.plan.speed). Context parallelism and virtual
+stages are searched too (planned only: megatron_kappa.plan.planned)."""
 from __future__ import annotations
 
 import dataclasses
 
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import model_layout
-from megatron_kappa.plan import GIB, Layout, check, plan, speed
+from megatron_kappa.plan import GIB, Layout, check, model_shape, plan, speed
+from megatron_kappa.plan.planned import Planned
+
+CONTEXT_PARALLEL = (1, 2, 4)
 
 
 def _divisors(n: int) -> list[int]:
@@ -14,19 +18,23 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(cfg: Config, world: int, gpus_per_node: int):
-    """Every layout of `world` ranks the model can be split by, TP within a node."""
+    """Every layout of `world` ranks the model can be split by, TP within a node, CP of 1, 2 or 4,
+    and for PP > 1 every number of virtual stages that divides the largest stage's layers."""
     has_moe = model_layout(cfg).has_moe
     experts = cfg.model.moe.num_experts if has_moe else 1
     for tp in (d for d in _divisors(world) if d <= gpus_per_node):
-        for pp in _divisors(world // tp):
-            for ep in _divisors(experts) if has_moe else [1]:
-                for etp in sorted({1, tp}) if has_moe else [tp]:
-                    layout = Layout(world, tp, pp, ep, etp)
-                    try:
-                        check(cfg, layout)
-                    except ConfigError:
-                        continue
-                    yield layout
+        for cp in (c for c in CONTEXT_PARALLEL if (world // tp) % c == 0):
+            for pp in _divisors(world // (tp * cp)):
+                for ep in _divisors(experts) if has_moe else [1]:
+                    for etp in sorted({1, tp}) if has_moe else [tp]:
+                        layout = Layout(world, tp, pp, ep, etp, cp)
+                        try:
+                            check(cfg, layout)
+                        except ConfigError:
+                            continue
+                        most = max(model_shape(cfg, layout).stage_counts()) if pp > 1 else 1
+                        for vpp in _divisors(most):
+                            yield dataclasses.replace(layout, vpp=vpp)
 
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -38,20 +46,23 @@ def settings(cfg: Config, layout: Layout):
     recompute mode the search tries for `layout`."""
     share = cfg.train.global_batch // layout.dp if cfg.train.global_batch % layout.dp == 0 else 0
     for micro in (mb for mb in MICRO_BATCHES if share and share % mb == 0):
-        for recompute in RECOMPUTE:
+        for recompute in RECOMPUTE:  # the config's recompute modules go with selective recompute
+            modules = cfg.model.recompute_modules if recompute == "selective" else None
             yield dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro),
-                                      model=dataclasses.replace(cfg.model, recompute=recompute))
+                                      model=dataclasses.replace(cfg.model, recompute=recompute,
+                                                                recompute_modules=modules))
 
 
-def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int = 10,
-           rates: speed.Rates = speed.Rates(), imbalance: float = 1.0) -> list[dict]:
+def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int | None = 10,
+           rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned()) -> list[dict]:
     """The layouts that fit, fastest first (estimated tokens/s, megatron_kappa.plan.speed), each
-    with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes."""
+    with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes.
+    `planned`: the planned-only settings every layout gets; `top` None: all of them."""
     best = {}
     for layout in candidates(cfg, world, gpus_per_node):
         for variant in settings(cfg, layout):
             try:
-                p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates, imbalance)
+                p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates, imbalance, planned)
             except ConfigError:  # e.g. a global batch the layout's data-parallel ranks cannot split
                 continue
             if p["fits"] and (layout not in best or p["speed"]["tokens_per_s"] > best[layout]["speed"]["tokens_per_s"]):
@@ -59,12 +70,20 @@ def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, 
     return sorted(best.values(), key=lambda p: -p["speed"]["tokens_per_s"])[:top]
 
 
+def rank_of(rows: list[dict], layout: Layout) -> int | None:
+    """1-based position of `layout` among `search`'s rows (None: it is not among them)."""
+    for i, p in enumerate(rows, 1):
+        if Layout(**{k: p["layout"][k] for k in ("world", "tp", "pp", "ep", "etp", "cp", "vpp")}) == layout:
+            return i
+    return None
+
+
 def render_search(rows: list[dict]) -> str:
     if not rows:
         return "no layout fits"
-    out = [f"{'layout':<42}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node"]
+    out = [f"{'layout':<50}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node"]
     for p in rows:
         w, v = p["most_loaded"], p["speed"]
-        out.append(f"{p['label']:<42}{v['tokens_per_s']:>12,.0f}{v['seconds']:>8.2f}  {p['micro_batch']:>5}  "
+        out.append(f"{p['label']:<50}{v['tokens_per_s']:>12,.0f}{v['seconds']:>8.2f}  {p['micro_batch']:>5}  "
                    f"{w['recompute']:<9} {w['total_bytes'] / GIB:>6.1f}  {'yes' if p['ep_inside_node'] else 'no'}")
     return "\n".join(out)

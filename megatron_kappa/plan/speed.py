@@ -8,15 +8,20 @@ Per step, for one rank of the slowest pipeline stage:
             of its s² scores, as flash attention computes them
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
             stages (planned only: the trainer runs v = 1)
+  context   context parallelism's ring attention (planned only): each layer passes the rank's K
+            and V chunk round the CP ring, cp - 1 hops forward, twice that in backward (K, V and
+            their gradients): 3 (cp - 1) x the rank's tokens x the TP-split K and V width
   tensor    sequence parallelism's all-gather and reduce-scatter around attention and the MLP:
             4 collectives forward and 4 backward per layer of the rank's tokens x hidden
   expert    the token dispatcher's all-to-all, dispatch and combine, forward and backward: 4 x
             the rank's routed rows x hidden per MoE layer, the share (EP - 1) / EP leaving the rank
-  pipeline  each micro-batch's activation forward and its gradient backward between stages
+  pipeline  each micro-batch's activation forward and its gradient backward between stages (v
+            times with v virtual stages: each chunk boundary is crossed)
   data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, 2 bytes
-            per parameter each, (D - 1) / D of it on the wire (experts over EDP)
+            per parameter each, (D - 1) / D of it on the wire (dense over DP x CP, experts over EDP)
 A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron
-orders the ranks TP, DP, PP for dense groups (DP ranks TP apart, stages TP·DP apart) and ETP, EP,
+orders the ranks TP, CP, DP, PP for dense groups (CP ranks TP apart, DP ranks TP·CP apart, stages
+TP·CP·DP apart) and ETP, EP,
 EDP, PP for the experts' (EP ranks ETP apart, EDP ranks EP·ETP apart). Nothing overlaps (this trainer's DeepSpeed runs without
 overlap_comm, and 1F1B does not hide the all-to-all): the step is compute + bubble + traffic.
 Bytes are 2 per value (bf16, and fp8 layers keep bf16 activations on the wire).
@@ -126,8 +131,18 @@ def _span(group: int, stride: int, gpus_per_node: int) -> bool:
     return group > 1 and group * stride > gpus_per_node
 
 
+def kv_width(cfg: Config, tp: int) -> float:
+    """Elements of K and V per token on one TP rank (what ring attention passes round)."""
+    m = cfg.model
+    if m.mla.enabled:  # megatron's MLA rings the up-projected K (nope + rope) and V
+        a = m.mla
+        return m.num_attention_heads * (a.qk_head_dim + a.qk_pos_emb_head_dim + a.v_head_dim) / tp
+    d = m.head_dim or m.hidden_size // m.num_attention_heads
+    return 2 * (m.num_query_groups or m.num_attention_heads) * d / tp
+
+
 def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
-              virtual_stages: int = 1, imbalance: float = 1.0) -> dict:
+              imbalance: float = 1.0) -> dict:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
     the busiest EP rank's routed rows over the average (dropless routing)."""
@@ -135,7 +150,8 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
     t, p, ep, etp, dp, edp = layout.tp, layout.pp, layout.ep, layout.etp, layout.dp, layout.edp
-    tokens = train.global_batch * m.seq_length / dp  # this rank's data-parallel replica's share
+    cp, v, zero_dp = layout.cp, layout.vpp, layout.zero_dp
+    tokens = train.global_batch * m.seq_length / (dp * cp)  # this rank's share of its replica's tokens
     micro = train.global_batch // (train.micro_batch * dp)
     rate = rates.tflops * 1e12 * (2.0 if cfg.precision == "fp8" else 1.0)
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
@@ -149,21 +165,25 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         rows = routed_rows(cfg, tokens, imbalance) / t
         a2a_bytes = 4 * sum(layers) * rows * m.hidden_size * WIRE_BYTES * (ep - 1) / ep
         expert = a2a_bytes / (ib if _span(ep, etp, gpus_per_node) else nvlink)
+        ring = 3 * (cp - 1) * len(layers) * tokens * kv_width(cfg, t) * WIRE_BYTES
+        context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink)
         boundaries = (stage > 0) + (stage < p - 1)
-        pipeline = boundaries * 2 * act / t / (ib if _span(p, t * dp, gpus_per_node) else nvlink) if p > 1 else 0.0
+        pipeline = v * boundaries * 2 * act / t / (ib if _span(p, t * cp * dp, gpus_per_node) else nvlink) \
+            if p > 1 else 0.0
         params = stage_params[stage]
-        dense = sum(v for k, v in params.items() if k not in EXPERT_KINDS)
-        experts = sum(v for k, v in params.items() if k in EXPERT_KINDS)
-        data = (2 * WIRE_BYTES * dense * (dp - 1) / dp / (ib if _span(dp, t, gpus_per_node) else nvlink)
+        dense = sum(n for k, n in params.items() if k not in EXPERT_KINDS)
+        experts = sum(n for k, n in params.items() if k in EXPERT_KINDS)
+        data = (2 * WIRE_BYTES * dense * (zero_dp - 1) / zero_dp / (ib if _span(zero_dp, t, gpus_per_node) else nvlink)
                 + 2 * WIRE_BYTES * experts * (edp - 1) / edp
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink))
-        per_stage.append({"compute": compute, "tensor": tensor, "expert": expert, "pipeline": pipeline,
-                          "data": data})
-    slowest = max(per_stage, key=lambda r: r["compute"] + r["tensor"] + r["expert"] + r["pipeline"])
-    busy = slowest["compute"] + slowest["tensor"] + slowest["expert"] + slowest["pipeline"]
-    bubble = busy * (p - 1) / (virtual_stages * micro)
+        per_stage.append({"compute": compute, "tensor": tensor, "context": context, "expert": expert,
+                          "pipeline": pipeline, "data": data})
+    busy_of = lambda r: r["compute"] + r["tensor"] + r["context"] + r["expert"] + r["pipeline"]  # noqa: E731
+    slowest = max(per_stage, key=busy_of)
+    busy = busy_of(slowest)
+    bubble = busy * (p - 1) / (v * micro)
     terms = {**slowest, "bubble": bubble, "data": max(r["data"] for r in per_stage)}
     seconds = sum(terms.values())
-    return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": virtual_stages,
+    return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": v,
             "tokens_per_s": train.global_batch * m.seq_length / seconds,
             "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}

@@ -1,0 +1,149 @@
+"""The planner's step-time estimate against measured step times on this machine (issue 37).
+
+    python bench/plan_calibration.py [--steps 8] [--json out.json]
+
+Trains a small MoE config in 9 layouts of 4 CPU processes (TP, EP, PP, DP and their mixes; one
+torchrun launch runs them all, one after another), takes each layout's median step time after the
+first two steps, and plans the same layouts (megatron_kappa.plan at its default rates, one
+"node" of 4). The estimate's compute and traffic terms are then fitted to the measurements:
+measured ≈ c + a · compute + b · (traffic + bubble), a, b, c ≥ 0 by least squares (the CPU
+calibration: gloo on one machine is one "link"; c is the per-step work the estimate leaves out:
+the optimizer step, Python, launches). Prints each layout's measured and estimated seconds, the
+fitted constants (as achieved TFLOP/s and GB/s), and Spearman's rank correlation of measured
+against estimated step times before and after the fit. The layouts' ratios, not their absolute
+times, are what the planner's --search uses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORLD = 4
+SHAPE = ["data.mock=true", "model.hidden_size=128", "model.ffn_hidden_size=512", "model.moe.ffn_hidden_size=256",
+         "model.num_layers=4", "model.seq_length=128", "train.micro_batch=2", "train.global_batch=16",
+         "log.interval=1", "checkpoint.interval=1000", "eval.valid_every=0", "log.tensorboard=false",
+         "precision=fp32"]
+LAYOUTS = {  # name: (tp, pp, ep, etp)
+    "dp4": (1, 1, 1, 1), "tp2_dp2": (2, 1, 1, 2), "tp4": (4, 1, 1, 4), "ep4": (1, 1, 4, 1),
+    "ep2_dp2": (1, 1, 2, 1), "pp2_dp2": (1, 2, 1, 1), "pp4": (1, 4, 1, 1), "pp2_ep2": (1, 2, 2, 1),
+    "tp2_ep2": (2, 1, 2, 1)}
+
+
+def overrides(name: str, run_dir: Path, steps: int) -> list[str]:
+    tp, pp, ep, etp = LAYOUTS[name]
+    return [*SHAPE, f"train.steps={steps}", f"run.dir={run_dir / name}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+            f"parallel.ep={ep}", f"parallel.etp={etp}"]
+
+
+def worker(plan_path: str):
+    """Under torchrun: every layout's training, one after another."""
+    from megatron_kappa.config import load_config
+    from megatron_kappa.parallel import groups
+    from megatron_kappa.parallel.launch_env import exit_process
+    from megatron_kappa.train import loop
+    for sets in json.loads(Path(plan_path).read_text()):
+        loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a, **k: None)
+    groups.teardown()
+    exit_process(0)
+
+
+def measured_seconds(run_dir: Path, skip: int = 2) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens = records[0]["tokens_seen"]  # one step's tokens
+    return statistics.median(tokens / r["tokens_per_s"] for r in records[skip:])
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def fit(rows: list[dict]) -> tuple[float, float, float]:
+    """Non-negative least squares of measured ≈ c + a·compute + b·comm (3 unknowns: every subset of
+    the columns, the best fit whose coefficients are all ≥ 0)."""
+    import itertools
+
+    import numpy as np
+    y = np.array([r["measured"] for r in rows])
+    cols = {"c": np.ones(len(rows)), "a": np.array([r["compute"] for r in rows]),
+            "b": np.array([r["comm"] for r in rows])}
+    best = None
+    for k in range(1, 4):
+        for names in itertools.combinations("cab", k):
+            x = np.stack([cols[n] for n in names], axis=1)
+            coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(((x @ coef - y) ** 2).sum())
+            if best is None or err < best[0]:
+                best = (err, dict(zip(names, coef)))
+    got = best[1]
+    return got.get("c", 0.0), got.get("a", 0.0), got.get("b", 0.0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", help="write the rows and the fit here")
+    args = ap.parse_args(argv)
+    from megatron_kappa import plan as planner
+    from megatron_kappa.config import load_config
+    from megatron_kappa.parallel.launch_env import free_port
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        plan_path = tmp / "plan.json"
+        plan_path.write_text(json.dumps([overrides(n, tmp, args.steps) for n in LAYOUTS]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
+               "PYTHONPATH": str(ROOT), "KAPPA_CALIBRATION_WORKER": "1"}
+        print(f"training {len(LAYOUTS)} layouts on {WORLD} processes, {args.steps} steps each ...", flush=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+                        f"--master_port={free_port()}", __file__, str(plan_path)], cwd=ROOT, env=env, check=True)
+        rows = []
+        for name in LAYOUTS:
+            cfg = load_config("configs/tiny.yaml", overrides(name, tmp, args.steps))
+            p = planner.plan(cfg, planner.layout_of(cfg, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD)
+            terms = p["speed"]["terms"]
+            rows.append({"layout": name, "measured": measured_seconds(tmp / name), "estimated": p["speed"]["seconds"],
+                         "compute": terms["compute"], "comm": p["speed"]["seconds"] - terms["compute"]})
+    c, a, b = fit(rows)
+    defaults = planner.speed.Rates()
+    for r in rows:
+        r["fitted"] = c + a * r["compute"] + b * r["comm"]
+    before = spearman([r["measured"] for r in rows], [r["estimated"] for r in rows])
+    after = spearman([r["measured"] for r in rows], [r["fitted"] for r in rows])
+    print(f"{'layout':<10}{'measured s':>12}{'estimate s':>12}{'fitted s':>12}")
+    for r in rows:
+        print(f"{r['layout']:<10}{r['measured']:>12.4f}{r['estimated']:>12.2e}{r['fitted']:>12.4f}")
+    tflops = defaults.tflops / a if a else float("inf")
+    gbs = defaults.nvlink_gbs / b if b else float("inf")
+    print(f"fit: {c:.4f} s per step not modelled, compute at {tflops:.4g} TFLOP/s, traffic at {gbs:.4g} GB/s")
+    print(f"Spearman rank correlation, measured vs estimated: {before:.2f} at the default rates, {after:.2f} fitted")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "fit": {"c": c, "a": a, "b": b, "tflops": tflops,
+                                                                      "gbs": gbs},
+                                               "spearman": {"default": before, "fitted": after}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("KAPPA_CALIBRATION_WORKER") and len(sys.argv) == 2 and sys.argv[1].endswith(".json") \
+            and os.environ.get("RANK") is not None:
+        worker(sys.argv[1])
+    else:
+        sys.exit(main())

@@ -1,0 +1,116 @@
+"""The activations one rank of a pipeline stage keeps for backward: an estimate, per recompute mode.
+
+Per layer and micro-batch, with s·b/cp tokens on the rank (context parallelism splits the
+sequence), sequence parallelism (the tensors outside the attention and MLP cores split by TP) and
+SDPA (no s² scores kept):
+  attention  norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
+             (MLA: the latents, q and k of nope + rope width per head, v:
+             s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
+  dense MLP  norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
+  MoE        norm input and router input s·b·2h/tp, the s·b·k routed rows (times the capacity
+             factor when set, else `imbalance`: the busiest rank's share over the average) with
+             their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
+in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
+core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts' activation, mlp a
+dense MLP's fc1 output and activation, moe the routed rows' tensors and the shared expert's,
+shared_experts the shared expert's. Full keeps only each layer's input (s·b·h/tp; only the stage's
+first model.recompute_layers layers when set, the rest keep everything) plus one layer's
+activations while it is recomputed. The output layer's logits add one loss chunk
+(model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32.
+
+In flight: under 1F1B stage i holds pp − i micro-batches (at most the micro-batches per step);
+under interleaved 1F1B with v virtual stages, megatron's warm-up of 2·(pp − i − 1) + (v − 1)·pp
+chunks plus the one in backward, each 1/v of the stage's layers (at most v × the micro-batches).
+
+Planned only (megatron_kappa.plan.planned): norm recompute drops the qkv and fc1/router inputs
+(the norms' outputs); fp8 activations keep their tensors in 1 byte ("linear": the qkv and the
+fc1 or router inputs, the core output, the dense and routed activations, the routed rows' fc1
+input, the shared expert's activation; "moe": the routed rows' fc1 input and fc1 output, the SwiGLU's input);
+activation offload leaves two chunks on the GPU.
+"""
+from __future__ import annotations
+
+from megatron_kappa.config import Config
+from megatron_kappa.model.layout import recompute_modules
+from megatron_kappa.plan.planned import Planned
+
+
+def in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:
+    """Micro-batches' worth of the stage's layers kept at the peak (1F1B, or interleaved)."""
+    if vpp == 1:
+        return min(pp - stage, micro_batches)
+    chunks = 2 * (pp - stage - 1) + (vpp - 1) * pp + 1
+    return min(chunks, vpp * micro_batches) / vpp
+
+
+def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batch: int,
+                     imbalance: float = 1.0, planned: Planned = Planned()) -> float:
+    """An estimate of the activations one rank of `stage` keeps for backward, in bytes (the
+    module's docstring gives the count)."""
+    from megatron_kappa.plan import model_shape, speed, value_bytes
+    m, moe, t = cfg.model, cfg.model.moe, layout.tp
+    h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch / layout.cp
+    head_dim = m.head_dim or h // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * h
+    size = value_bytes(cfg.precision)
+    per = model_shape(cfg, layout).stage_counts()[stage]
+    core = tokens * head_dim * m.num_attention_heads / t
+    attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
+    if m.mla.enabled:  # the latents, then q, k (nope + rope per head) and v; the core's output is v-wide
+        a = m.mla
+        core = tokens * a.v_head_dim * m.num_attention_heads / t
+        qk = a.qk_head_dim + a.qk_pos_emb_head_dim
+        latents = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_pos_emb_head_dim
+        attention = tokens * (3 * h + latents + m.num_attention_heads * (2 * qk + a.v_head_dim)) / t + core
+    up = 0.0  # MLA's q, k and v (the up-projections' outputs)
+    if m.mla.enabled:
+        up = tokens * m.num_attention_heads * (2 * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim)
+                                               + m.mla.v_head_dim) / t
+    norm_out = tokens * h / t  # a norm's output: the qkv input, the fc1 or router input
+    rows = speed.routed_rows(cfg, tokens, imbalance)
+    expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
+    shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t
+    shape = model_shape(cfg, layout)
+    modules = set(recompute_modules(m, shape.has_moe)) if recompute == "selective" else set()
+    norms = planned.recompute_norms and recompute == "selective"  # a selective module, as in megatron
+    linear, moe_fp8 = planned.fp8_activations == "linear", planned.fp8_activations == "moe"
+    layers = []
+    for is_moe in shape.stage_moe_layers(stage):
+        dropped = core * ("core_attn" in modules) + up * ("mla_up_proj" in modules) + 2 * norm_out * norms
+        # tensors kept in fp8: counted again at -1/2 (1 byte instead of 2)
+        fp8 = linear * (2 * norm_out * (not norms) + core * ("core_attn" not in modules))
+        if is_moe:
+            mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + 3 * shared_ffn
+            routed_dropped = "moe" in modules
+            act_dropped = routed_dropped or "moe_act" in modules
+            shared_dropped = routed_dropped or "shared_experts" in modules
+            if routed_dropped:
+                dropped += rows * (h + 3 * expert_ffn) + 3 * shared_ffn
+            else:
+                dropped += rows * expert_ffn * act_dropped + 3 * shared_ffn * shared_dropped
+            fp8 += linear * (rows * h * (not routed_dropped) + rows * expert_ffn * (not act_dropped)
+                             + shared_ffn * (not shared_dropped))
+            fp8 += moe_fp8 * rows * (h + 2 * expert_ffn) * (not routed_dropped)
+        else:
+            mlp = tokens * (2 * h + 3 * ffn / t)
+            dropped += tokens * 3 * ffn / t * ("mlp" in modules)
+            fp8 += linear * tokens * ffn / t * ("mlp" not in modules)
+        full_layer = attention + mlp
+        kept_layer = {"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer)
+        if size == 2 and recompute != "full":
+            kept_layer -= fp8 / 2
+        layers.append(kept_layer)
+    if recompute == "full":  # model.recompute_layers: only the stage's first N layers (megatron's block method)
+        n = per if m.recompute_layers is None else min(m.recompute_layers, per)
+        kept = n * tokens * h / t + sum(layers[n:]) + max(layers[:n], default=0)
+    else:
+        kept = sum(layers)
+    if stage == layout.pp - 1:
+        chunk = min(m.cross_entropy_chunk or tokens, tokens)
+        kept += chunk * shape.padded_vocab / t * 4 / size
+    micro_batches = max(1, cfg.train.global_batch // (micro_batch * layout.dp))
+    held = in_flight(layout.pp, stage, micro_batches, layout.vpp)
+    if planned.offload_activations:
+        held = min(held, 2 / layout.vpp)
+    return kept * size * held

@@ -1,0 +1,52 @@
+"""Settings the planner models that the trainer does not run: each is printed as "planned only".
+
+The published frontier runs use them (docs/plan.md's table cites which run used which):
+  context parallelism (Layout.cp)   the sequence split over cp ranks (megatron's ring attention):
+                                    activations and tokens per rank / cp, the K and V chunks
+                                    passed around the ring, dense gradients over DP × CP
+  virtual stages (Layout.vpp)       interleaved 1F1B: the bubble / v, more micro-batches in flight
+                                    on the early stages, v times the stage-to-stage traffic
+and the memory savings of this dataclass. The trainer refuses none of them by config: they are
+not config keys, only the planner's flags (`python -m megatron_kappa.plan --help`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+FP8_ACTIVATIONS = ("none", "linear", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    optimizer_states: str = "fp32"
+    """"bf16": AdamW's two moments (muon's one) in bf16, the master copy still fp32 (DeepSeek-V3)."""
+    fp8_activations: str = "none"
+    """What backward's saved tensors keep in fp8 (1 byte) instead of bf16: "linear" every linear
+    layer's input (DeepSeek-V3: q/kv projections, the output projection, fc1, fc2, the experts'),
+    "moe" the routed experts' fc1 input and their SwiGLU's input (Kimi K2)."""
+    recompute_norms: bool = False
+    """megatron's "layernorm" recompute module (it needs Transformer Engine in the trainer): the
+    norms' outputs, the attention's and the MLP's inputs, are not kept but recomputed."""
+    offload_optimizer: bool = False
+    """The fp32 master copy and the moments live in CPU memory (DeepSpeed's ZeRO-Offload; Kimi K2
+    at 32 nodes): none of it on the GPU."""
+    offload_activations: bool = False
+    """The activations kept for backward go to CPU memory as each chunk's forward ends and come
+    back before its backward (Kimi K2): the GPU holds two chunks' worth, the one being computed and
+    the one moving."""
+
+    def __post_init__(self):
+        if self.optimizer_states not in ("fp32", "bf16"):
+            raise ValueError(f"optimizer_states: expected fp32 or bf16, got {self.optimizer_states!r}")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations: expected one of {', '.join(FP8_ACTIVATIONS)}, "
+                             f"got {self.fp8_activations!r}")
+
+    def labels(self, layout) -> list[str]:
+        """What of this plan the trainer cannot run, for the output."""
+        out = [f"CP{layout.cp}"] * (layout.cp > 1) + [f"VPP{layout.vpp}"] * (layout.vpp > 1)
+        out += ["bf16 optimizer moments"] * (self.optimizer_states == "bf16")
+        out += [f"fp8 activations ({self.fp8_activations})"] * (self.fp8_activations != "none")
+        out += ["norm recompute"] * self.recompute_norms
+        out += ["optimizer offload"] * self.offload_optimizer + ["activation offload"] * self.offload_activations
+        return out

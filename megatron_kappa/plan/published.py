@@ -1,0 +1,94 @@
+"""The layouts and memory settings the published frontier runs trained with, each with its source:
+`python -m megatron_kappa.plan --published` plans each one (does it fit?) and ranks it among the
+layouts `--search` finds at its world size. docs/plan.md has the table.
+
+What a row cannot express is said in its `note`: DeepSeek-V3's DualPipe (1F1B in its place:
+DualPipe also keeps a second copy of the parameters, which is not counted), and anything the report
+does not give (Kimi K2's number of virtual stages, micro-batch sizes) is an assumption named there.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_kappa.plan import Layout
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.speed import Rates
+
+H800 = Rates(nvlink_gbs=160.0, ib_gbs=50.0)  # DeepSeek-V3 §3.2.2: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    name: str
+    config: str
+    layout: Layout
+    sets: tuple[str, ...]  # the run's batch, precision, recompute and stage split as config overrides
+    planned: Planned
+    rates: Rates
+    source: str
+    note: str = ""
+
+
+RUNS = (
+    Published(
+        "DeepSeek-V3", "configs/frontier/deepseek_v3.yaml", Layout(2048, tp=1, pp=16, ep=64, etp=1),
+        ("precision=fp8", "model.recompute=selective", "model.recompute_modules=[mla_up_proj]",
+         "train.micro_batch=1", "train.global_batch=15360"),
+        Planned(optimizer_states="bf16", fp8_activations="linear", recompute_norms=True), H800,
+        "DeepSeek-V3 Technical Report, arXiv:2412.19437: §3.2 (2,048 H800 GPUs, PP16, EP64 over 8 nodes, "
+        "ZeRO-1 DP, no TP), §3.2.3 (RMSNorm and MLA up-projections recomputed), §3.3 (FP8 GEMMs, "
+        "activations cached in FP8, AdamW moments in BF16, master weights FP32), §4.2 (4K sequences, "
+        "batch 15,360)",
+        "DualPipe planned as 1F1B (its second parameter copy is not counted); micro-batch 1 assumed"),
+    Published(
+        "Kimi K2", "configs/frontier/kimi_k2.yaml", Layout(256, tp=1, pp=16, ep=16, etp=1, vpp=2),
+        ("model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "train.optimizer=muon",
+         "train.micro_batch=1", "train.global_batch=16384"),
+        Planned(fp8_activations="moe", recompute_norms=True, offload_optimizer=True, offload_activations=True),
+        H800,
+        "Kimi K2 Technical Report, arXiv:2507.20534, §2.4 (H800 GPUs; PP16 with virtual stages, EP16, "
+        "ZeRO-1; a 256-GPU model-parallel group, optimizer states offloaded to the CPU at 32 nodes; "
+        "LayerNorm, SwiGLU and MLA up-projections recomputed, the MoE up-projections' and SwiGLU's "
+        "inputs kept in FP8, the other activations offloaded to the CPU), MuonClip, 4,096-token "
+        "sequences, 67 M tokens per batch",
+        "32 nodes (the smallest the report names); 2 virtual stages assumed (the report gives none); "
+        "micro-batch 1 assumed"),
+    Published(
+        "Qwen3-235B-A22B", "configs/frontier/qwen3_235b_a22b.yaml", Layout(128, tp=4, pp=16, ep=8, etp=1, cp=2),
+        ("parallel.first_stage_layers=5", "parallel.last_stage_layers=5", "model.recompute=none",
+         "train.micro_batch=1", "train.global_batch=32"),
+        Planned(), Rates(),
+        "Megatron-Bridge recipes/qwen/qwen3_235b_a22b.py (commit 3594df9): 16 nodes × 8 GPUs, TP4 PP16 "
+        "CP2 EP8 ETP1 with sequence parallelism, embedding and loss counted in the stage split, "
+        "micro-batch 1, global batch 32, 4,096 tokens, bf16, the distributed optimizer",
+        "no recompute set in the recipe"),
+    Published(
+        "Mixtral-8x22B", "configs/frontier/mixtral_8x22b.yaml", Layout(128, tp=2, pp=4, ep=8, etp=2, cp=2, vpp=14),
+        ("model.recompute=none", "train.micro_batch=1", "train.global_batch=512"),
+        Planned(), Rates(),
+        "NeMo recipes/mixtral_8x22b.py (commit 00138e2): 16 nodes × 8 GPUs, TP2 PP4 VPP14 CP2 EP8 with "
+        "sequence parallelism (expert TP = TP, megatron's default), micro-batch 1, global batch 512, "
+        "4,096 tokens, bf16, the distributed optimizer",
+        "no recompute set in the recipe"),
+)
+
+
+def config_of(run: Published):
+    from megatron_kappa.config import load_config
+    par = run.layout
+    return load_config(run.config, [*run.sets, f"parallel.tp={par.tp}", f"parallel.pp={par.pp}",
+                                    f"parallel.ep={par.ep}", f"parallel.etp={par.etp}"])
+
+
+def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, ranked: bool = True) -> dict:
+    """The plan of a published run, and (`ranked`) its position among --search's layouts that fit
+    at its world size with its planned-only settings."""
+    from megatron_kappa.plan import plan
+    from megatron_kappa.plan.search import rank_of, search
+    cfg = config_of(run)
+    p = plan(cfg, run.layout, gpu_mem_gib, gpus_per_node, run.rates, planned=run.planned)
+    out = {"name": run.name, "plan": p, "fits": p["fits"], "gib": p["most_loaded"]["total_bytes"] / 2 ** 30}
+    if ranked:
+        rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, planned=run.planned)
+        out.update(rank=rank_of(rows, run.layout), layouts_that_fit=len(rows))
+    return out

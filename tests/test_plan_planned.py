@@ -1,0 +1,141 @@
+"""The planner's planned-only settings (megatron_kappa.plan.planned: context parallelism, virtual
+stages, bf16 moments, fp8 activations, norm recompute, optimizer and activation offload), each
+against a hand count on tiny (hidden 64, 4 heads of 16, ffn 256, a dense layer then 3 MoE layers
+of 4 experts, top-2, expert ffn 256, 128 tokens), and the published frontier runs' rows."""
+import dataclasses
+
+import pytest
+
+from megatron_kappa import plan as planner
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.plan import Layout, speed
+from megatron_kappa.plan.activations import in_flight
+from megatron_kappa.plan.planned import Planned
+
+H, FFN, TOKENS, HEADS_D = 64, 256, 128, 64  # heads × head dim = 64
+
+
+def tiny(*sets):
+    return load_config("configs/tiny.yaml", ["precision=bf16", "train.micro_batch=1", *sets])
+
+
+def act(cfg, layout=Layout(1), stage=0, recompute="none", planned=Planned()):
+    return planner.activation_bytes(cfg, layout, stage, recompute, cfg.train.micro_batch, planned=planned)
+
+
+def test_context_parallelism_splits_the_tokens_and_joins_the_gradient_group():
+    cfg = tiny("train.global_batch=8")
+    # each of the 2 CP ranks keeps half the sequence's activations (the loss chunk covers all its tokens)
+    assert act(cfg, Layout(2, cp=2)) == act(cfg, Layout(1)) / 2
+    # DP × CP partitions the dense optimizer state: DP4 CP2 as DP8, the experts over EDP as before
+    params = {"attention": 8000, "experts": 4000}
+    cp2, dp8 = planner.state_bytes(params, cfg, Layout(8, cp=2)), planner.state_bytes(params, cfg, Layout(8))
+    assert Layout(8, cp=2).dp == 4 and Layout(8, cp=2).zero_dp == 8
+    assert cp2 == dp8 and cp2["master"] == 4 * 8000 / 8 + 4 * 4000 / 8
+    with pytest.raises(ConfigError, match=r"seq_length 128 is not divisible by 2 × cp"):
+        planner.check(cfg, Layout(3, cp=3))  # 128 = 2·64: 3 does not divide it
+
+
+def test_context_parallel_ring_traffic_by_hand():
+    """3 (cp − 1) hops of the rank's K and V per layer, inside a node; the rank's tokens are its
+    replica's over CP; the dense gradients cross DP × CP."""
+    cfg = tiny("train.global_batch=8")
+    layout = Layout(8, cp=2)  # DP 4
+    params = [planner.stage_params(cfg, layout, 0)]
+    got = speed.step_time(cfg, layout, speed.Rates(), 8, params)
+    tokens = 8 * TOKENS / (4 * 2)
+    assert got["terms"]["context"] == 3 * 1 * 4 * tokens * (2 * HEADS_D) * 2 / 450e9
+    plain = speed.step_time(cfg, Layout(8), speed.Rates(), 8, params)
+    assert plain["terms"]["context"] == 0 and plain["terms"]["data"] == got["terms"]["data"]  # both over 8
+    # the compute: half the tokens per rank as DP 8 would give (same total), the same FLOPs
+    assert got["terms"]["compute"] == pytest.approx(plain["terms"]["compute"])
+
+
+def test_virtual_stages_in_flight_bubble_and_traffic():
+    # megatron's interleaved warm-up: 2 (p − i − 1) + (v − 1) p chunks and the one in backward, each 1/v
+    assert in_flight(4, 0, 64, 2) == (2 * 3 + 4 + 1) / 2 == 4 + 3 / 2  # Korthikanti et al.: p (1 + (p − 1)/(p v))
+    assert in_flight(4, 3, 64, 2) == 5 / 2 and in_flight(4, 0, 64, 1) == 4 and in_flight(4, 2, 64, 1) == 2
+    assert in_flight(4, 0, 1, 2) == 1  # one micro-batch per step: v chunks at most
+    cfg = tiny("train.global_batch=16")
+    one, two = Layout(4, pp=4), Layout(4, pp=4, vpp=2)  # one layer per stage... tiny has 4
+    with pytest.raises(ConfigError, match="2 virtual stages but no pipeline stage has that many layers"):
+        planner.check(cfg, two)
+    cfg = tiny("train.global_batch=16", "model.num_layers=8")
+    assert act(cfg, two, 0) / act(cfg, one, 0) == pytest.approx(in_flight(4, 0, 16, 2) / 4)
+    params = [planner.stage_params(cfg, one, s) for s in range(4)]
+    a, b = (speed.step_time(cfg, lay, speed.Rates(), 8, params)["terms"] for lay in (one, two))
+    assert b["pipeline"] == 2 * a["pipeline"]  # every chunk boundary crossed
+    for t, v in ((a, 1), (b, 2)):
+        busy = t["compute"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
+        assert t["bubble"] == pytest.approx(busy * 3 / (v * 16))
+
+
+def test_bf16_moments_and_optimizer_offload():
+    cfg = tiny()
+    params = {"attention": 8000, "experts": 4000}
+    layout = Layout(2)
+    fp32 = planner.state_bytes(params, cfg, layout)
+    bf16 = planner.state_bytes(params, cfg, layout, Planned(optimizer_states="bf16"))
+    assert bf16["moments"] == fp32["moments"] / 2 == 2 * 2 * 12000 / 2 and bf16["master"] == fp32["master"]
+    off = planner.state_bytes(params, cfg, layout, Planned(offload_optimizer=True))
+    assert off["master"] == off["moments"] == 0 and off["offloaded"] == fp32["master"] + fp32["moments"]
+    # the step's fp32 gradient of a group is made on the CPU too: the GPU's step peak is the partitions
+    on_gpu, on_cpu = (planner.gradient_bytes(params, cfg, layout, Planned(offload_optimizer=o)) for o in (False, True))
+    assert on_gpu["step"] - on_cpu["step"] == 4 * on_gpu["largest_group"] > 0
+    plan = planner.plan(cfg, layout, 80, planned=Planned(offload_optimizer=True))
+    assert plan["most_loaded"]["cpu_bytes"] > 0 and "optimizer offload" in plan["planned_only"]
+    assert "offloaded" not in plan["most_loaded"]["bytes"]  # not counted on the GPU
+
+
+def test_fp8_activations_and_norm_recompute_by_hand():
+    cfg = tiny()
+    rows, size = TOKENS * 2, 2
+    base = act(cfg)
+    # norm recompute (a selective module): each layer drops its two norms' outputs (the qkv and the
+    # fc1/router inputs); without selective recompute it is not on
+    selective = act(cfg, recompute="selective")
+    assert selective - act(cfg, recompute="selective", planned=Planned(recompute_norms=True)) == 4 * 2 * TOKENS * H * size
+    assert act(cfg, planned=Planned(recompute_norms=True)) == base
+    # "moe": the routed rows' fc1 input (h) and output (2 F) in 1 byte, in the 3 MoE layers
+    assert base - act(cfg, planned=Planned(fp8_activations="moe")) == 3 * rows * (H + 2 * FFN) * size / 2
+    # "linear": the qkv and fc1/router inputs, the core output; the dense activation; the routed
+    # rows' fc1 input and activation
+    dense = 2 * TOKENS * H + TOKENS * HEADS_D + TOKENS * FFN
+    moe = 2 * TOKENS * H + TOKENS * HEADS_D + rows * H + rows * FFN
+    assert base - act(cfg, planned=Planned(fp8_activations="linear")) == (dense + 3 * moe) * size / 2
+    # fp32 tensors have no fp8 copy to keep: nothing changes
+    fp32 = load_config("configs/tiny.yaml", ["train.micro_batch=1"])
+    assert act(fp32, planned=Planned(fp8_activations="linear")) == act(fp32)
+
+
+def test_activation_offload_keeps_two_chunks():
+    cfg = tiny("train.global_batch=16", "model.num_layers=8")
+    one = Layout(4, pp=4)
+    assert act(cfg, one, 0, planned=Planned(offload_activations=True)) == act(cfg, one, 0) * 2 / 4
+    two = Layout(4, pp=4, vpp=2)
+    assert act(cfg, two, 0, planned=Planned(offload_activations=True)) == \
+        pytest.approx(act(cfg, two, 0) * (2 / 2) / in_flight(4, 0, 16, 2))
+    assert act(cfg, one, 3, planned=Planned(offload_activations=True)) == act(cfg, one, 3)  # one in flight
+
+
+def test_planned_only_settings_are_named_and_checked():
+    assert Planned(optimizer_states="bf16", fp8_activations="moe").labels(Layout(8, cp=2, vpp=1)) == \
+        ["CP2", "bf16 optimizer moments", "fp8 activations (moe)"]
+    with pytest.raises(ValueError, match="fp8_activations: expected one of none, linear, moe"):
+        Planned(fp8_activations="all")
+    assert dataclasses.replace(Layout(16, tp=2, pp=2, cp=2, vpp=2)).label().startswith("TP2 PP2 CP2 VPP2 ")
+
+
+def test_every_published_run_fits_with_its_published_settings():
+    """DeepSeek-V3, Kimi K2, Qwen3-235B-A22B and Mixtral-8x22B at their published layouts and
+    memory settings (megatron_kappa.plan.published cites each) fit 80 GB; without their
+    planned-only savings the two largest do not (what made the planner say "does NOT fit")."""
+    from megatron_kappa.plan.published import RUNS, check_run
+    assert [r.name for r in RUNS] == ["DeepSeek-V3", "Kimi K2", "Qwen3-235B-A22B", "Mixtral-8x22B"]
+    for run in RUNS:
+        got = check_run(run, ranked=False)
+        assert got["fits"], (run.name, got["gib"])
+        assert got["plan"]["label"].startswith(f"TP{run.layout.tp} PP{run.layout.pp}")
+    for run in RUNS[:2]:
+        bare = dataclasses.replace(run, planned=Planned())
+        assert not check_run(bare, ranked=False)["fits"], run.name

@@ -6,16 +6,19 @@ Trains a small MoE config in 9 layouts of 4 CPU processes (TP, EP, PP, DP and th
 torchrun launch runs them all, one after another), takes each layout's median step time after the
 first two steps, and plans the same layouts (megatron_kappa.plan at its default rates, one
 "node" of 4). The estimate's compute and traffic terms are then fitted to the measurements:
-measured ≈ c + a · compute + b · (traffic + bubble), a, b, c ≥ 0 by least squares (the CPU
+measured ≈ c + a · compute + b · traffic + d · messages (each with its bubble share), all ≥ 0, by
+least squares (the CPU
 calibration: gloo on one machine is one "link"; c is the per-step work the estimate leaves out:
 the optimizer step, Python, launches). Prints each layout's measured and estimated seconds, the
-fitted constants (as achieved TFLOP/s and GB/s), and Spearman's rank correlation of measured
-against estimated step times before and after the fit. The layouts' ratios, not their absolute
-times, are what the planner's --search uses.
+fitted constants (as achieved TFLOP/s, GB/s and µs per message), and Spearman's rank correlation
+of the measured step times with the planner's estimate at its default rates and at the fitted
+ones. The layouts' order, not their absolute times, is what the planner's --search uses.
+`--measured earlier.json` refits without training again.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -74,69 +77,93 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def fit(rows: list[dict]) -> tuple[float, float, float]:
-    """Non-negative least squares of measured ≈ c + a·compute + b·comm (3 unknowns: every subset of
-    the columns, the best fit whose coefficients are all ≥ 0)."""
+def fit(rows: list[dict]) -> dict[str, float]:
+    """Non-negative least squares of measured ≈ c + a·compute + b·traffic + d·messages (every
+    subset of the columns; the best fit whose coefficients are all ≥ 0)."""
     import itertools
 
     import numpy as np
     y = np.array([r["measured"] for r in rows])
-    cols = {"c": np.ones(len(rows)), "a": np.array([r["compute"] for r in rows]),
-            "b": np.array([r["comm"] for r in rows])}
+    cols = {"c": np.ones(len(rows)), **{k: np.array([r[k] for r in rows]) for k in ("compute", "traffic", "messages")}}
     best = None
-    for k in range(1, 4):
-        for names in itertools.combinations("cab", k):
+    for k in range(1, 5):
+        for names in itertools.combinations(cols, k):
             x = np.stack([cols[n] for n in names], axis=1)
             coef, *_ = np.linalg.lstsq(x, y, rcond=None)
             if (coef < 0).any():
                 continue
             err = float(((x @ coef - y) ** 2).sum())
             if best is None or err < best[0]:
-                best = (err, dict(zip(names, coef)))
-    got = best[1]
-    return got.get("c", 0.0), got.get("a", 0.0), got.get("b", 0.0)
+                best = (err, dict(zip(names, map(float, coef))))
+    return {k: best[1].get(k, 0.0) for k in cols}
+
+
+def terms(cfg, rates) -> dict:
+    """The estimate's parts for one layout: compute, traffic (bandwidth only) and the number of
+    messages, each with its share of the bubble (the bubble is a fraction of the busy time)."""
+    from megatron_kappa import plan as planner
+    from megatron_kappa.plan.speed import Rates
+
+    def step(latency_us):
+        r = Rates(rates.tflops, rates.nvlink_gbs, rates.ib_gbs, latency_us)
+        p = planner.plan(cfg, planner.layout_of(cfg, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD, rates=r)
+        return p["speed"]
+    zero, one = step(0.0), step(1e6)  # latency 1 s per message: the count of messages
+    t = zero["terms"]
+    busy = t["compute"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
+    grow = 1 + t["bubble"] / busy
+    comm = lambda s: sum(s["terms"][k] for k in ("tensor", "context", "expert", "pipeline", "data"))  # noqa: E731
+    return {"compute": t["compute"] * grow, "traffic": comm(zero) * grow, "messages": (comm(one) - comm(zero)) * grow,
+            "estimated": step(rates.latency_us)["seconds"]}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--measured", help="reuse the measured times of an earlier --json instead of training")
     ap.add_argument("--json", help="write the rows and the fit here")
     args = ap.parse_args(argv)
-    from megatron_kappa import plan as planner
     from megatron_kappa.config import load_config
     from megatron_kappa.parallel.launch_env import free_port
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        plan_path = tmp / "plan.json"
-        plan_path.write_text(json.dumps([overrides(n, tmp, args.steps) for n in LAYOUTS]))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONPATH": str(ROOT), "KAPPA_CALIBRATION_WORKER": "1"}
-        print(f"training {len(LAYOUTS)} layouts on {WORLD} processes, {args.steps} steps each ...", flush=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-                        f"--master_port={free_port()}", __file__, str(plan_path)], cwd=ROOT, env=env, check=True)
-        rows = []
-        for name in LAYOUTS:
-            cfg = load_config("configs/tiny.yaml", overrides(name, tmp, args.steps))
-            p = planner.plan(cfg, planner.layout_of(cfg, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD)
-            terms = p["speed"]["terms"]
-            rows.append({"layout": name, "measured": measured_seconds(tmp / name), "estimated": p["speed"]["seconds"],
-                         "compute": terms["compute"], "comm": p["speed"]["seconds"] - terms["compute"]})
-    c, a, b = fit(rows)
-    defaults = planner.speed.Rates()
+    from megatron_kappa.plan.speed import Rates
+    if args.measured:
+        measured = {r["layout"]: r["measured"] for r in json.loads(Path(args.measured).read_text())["rows"]}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            plan_path = tmp / "plan.json"
+            plan_path.write_text(json.dumps([overrides(n, tmp, args.steps) for n in LAYOUTS]))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
+                   "PYTHONPATH": str(ROOT), "KAPPA_CALIBRATION_WORKER": "1"}
+            print(f"training {len(LAYOUTS)} layouts on {WORLD} processes, {args.steps} steps each ...", flush=True)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+                            f"--master_port={free_port()}", __file__, str(plan_path)], cwd=ROOT, env=env, check=True)
+            measured = {name: measured_seconds(tmp / name) for name in LAYOUTS}
+    configs = {name: load_config("configs/tiny.yaml", overrides(name, Path("/nonexistent"), args.steps))
+               for name in LAYOUTS}
+    defaults = Rates()
+    rows = [{"layout": name, "measured": measured[name], **terms(configs[name], defaults)} for name in LAYOUTS]
+    k = fit(rows)
+    # the fitted coefficients as the planner's rates: a·compute at the default TFLOP/s = compute at
+    # default / a, and so on; on one machine every group is "in a node" (NVLink's rate is used)
+    fitted = Rates(tflops=defaults.tflops / k["compute"] if k["compute"] else 1e9,
+                   nvlink_gbs=defaults.nvlink_gbs / k["traffic"] if k["traffic"] else 1e9,
+                   ib_gbs=defaults.ib_gbs, latency_us=k["messages"] * 1e6)
     for r in rows:
-        r["fitted"] = c + a * r["compute"] + b * r["comm"]
+        r["fitted"] = k["c"] + k["compute"] * r["compute"] + k["traffic"] * r["traffic"] + k["messages"] * r["messages"]
+        r["calibrated"] = terms(configs[r["layout"]], fitted)["estimated"]
     before = spearman([r["measured"] for r in rows], [r["estimated"] for r in rows])
-    after = spearman([r["measured"] for r in rows], [r["fitted"] for r in rows])
-    print(f"{'layout':<10}{'measured s':>12}{'estimate s':>12}{'fitted s':>12}")
+    after = spearman([r["measured"] for r in rows], [r["calibrated"] for r in rows])
+    print(f"{'layout':<10}{'measured s':>12}{'default s':>12}{'calibrated s':>14}{'messages':>10}")
     for r in rows:
-        print(f"{r['layout']:<10}{r['measured']:>12.4f}{r['estimated']:>12.2e}{r['fitted']:>12.4f}")
-    tflops = defaults.tflops / a if a else float("inf")
-    gbs = defaults.nvlink_gbs / b if b else float("inf")
-    print(f"fit: {c:.4f} s per step not modelled, compute at {tflops:.4g} TFLOP/s, traffic at {gbs:.4g} GB/s")
-    print(f"Spearman rank correlation, measured vs estimated: {before:.2f} at the default rates, {after:.2f} fitted")
+        print(f"{r['layout']:<10}{r['measured']:>12.4f}{r['estimated']:>12.2e}{r['calibrated']:>14.4f}"
+              f"{r['messages']:>10.0f}")
+    print(f"fit: {k['c']:.4f} s per step not modelled; compute at {fitted.tflops:.4g} TFLOP/s, traffic at "
+          f"{fitted.nvlink_gbs:.4g} GB/s, {fitted.latency_us:.4g} µs per message")
+    print(f"Spearman rank correlation of the measured step times with the planner's estimate: {before:.2f} at its "
+          f"default (GPU) rates, {after:.2f} at the fitted CPU rates")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "fit": {"c": c, "a": a, "b": b, "tflops": tflops,
-                                                                      "gbs": gbs},
+        Path(args.json).write_text(json.dumps({"rows": rows, "fit": k, "rates": dataclasses.asdict(fitted),
                                                "spearman": {"default": before, "fitted": after}}, indent=1))
     return 0
 

@@ -42,10 +42,13 @@ def test_context_parallel_ring_traffic_by_hand():
     cfg = tiny("train.global_batch=8")
     layout = Layout(8, cp=2)  # DP 4
     params = [planner.stage_params(cfg, layout, 0)]
-    got = speed.step_time(cfg, layout, speed.Rates(), 8, params)
+    rates = speed.Rates(latency_us=0)  # and 3 (cp − 1) messages per layer and micro-batch at the latency
+    got = speed.step_time(cfg, layout, rates, 8, params)
     tokens = 8 * TOKENS / (4 * 2)
     assert got["terms"]["context"] == 3 * 1 * 4 * tokens * (2 * HEADS_D) * 2 / 450e9
-    plain = speed.step_time(cfg, Layout(8), speed.Rates(), 8, params)
+    ms = speed.step_time(cfg, layout, speed.Rates(latency_us=1000), 8, params)["terms"]["context"]
+    assert ms - got["terms"]["context"] == pytest.approx(1e-3 * 3 * 1 * 4 * 2)  # 2 micro-batches per step
+    plain = speed.step_time(cfg, Layout(8), rates, 8, params)
     assert plain["terms"]["context"] == 0 and plain["terms"]["data"] == got["terms"]["data"]  # both over 8
     # the compute: half the tokens per rank as DP 8 would give (same total), the same FLOPs
     assert got["terms"]["compute"] == pytest.approx(plain["terms"]["compute"])
@@ -139,3 +142,30 @@ def test_every_published_run_fits_with_its_published_settings():
     for run in RUNS[:2]:
         bare = dataclasses.replace(run, planned=Planned())
         assert not check_run(bare, ranked=False)["fits"], run.name
+
+
+def test_command_line_planned_flags():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_kappa.plan", *a], cwd=root,  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2", "--optimizer-states", "bf16", "--set", "train.micro_batch=2",
+               "--offload-optimizer", "--latency-us", "0")
+    assert done.returncode == 0, done.stderr
+    assert "TP1 PP1 CP2 EP1" in done.stdout and "DP4" in done.stdout
+    assert "planned only  CP2, bf16 optimizer moments, optimizer offload" in done.stdout
+    assert "offloaded" in done.stdout
+    for bad, flag in ((["--latency-us", "-1"], "--latency-us"), (["--cp", "0"], "--cp"),
+                      (["--fp8-activations", "all"], "--fp8-activations")):
+        done = run("--config", "configs/tiny.yaml", "--world", "8", *bad)
+        assert done.returncode == 2 and f"argument {flag}" in done.stderr and "Traceback" not in done.stderr
+    done = run("--world", "8")
+    assert done.returncode == 2 and "--config is required (but with --published)" in done.stderr
+    done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2")  # 8 sequences: micro-batch 4 × DP4 is 16
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "train.global_batch 8 is not divisible by train.micro_batch × DP = 4 × 4" in done.stderr
+    done = run("--published")
+    assert done.returncode == 0 and done.stdout.count("GiB, fits;") == 4, done.stdout + done.stderr
+    assert "DeepSeek-V3: TP1 PP16 EP64 ETP1 DP128 (EDP2) on 2048 GPUs" in done.stdout

@@ -104,7 +104,7 @@ def test_step_terms_by_hand():
     cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
                                             "model.moe.capacity_factor=null"])
     layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
-    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25)
+    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)  # test_latency_by_hand: the messages
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
     got = speed.step_time(cfg, layout, rates, 4, params)
     h, k = 64, 2  # tiny: hidden 64, top-2, 4 layers (the first dense), 2 per stage
@@ -162,7 +162,8 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
     even = speed.step_time(cfg, layout, speed.Rates(), 8, params)
     busy = speed.step_time(cfg, layout, speed.Rates(), 8, params, imbalance=1.5)
-    assert busy["terms"]["expert"] == pytest.approx(1.5 * even["terms"]["expert"])
+    latency = 1e-5 * 4 * 2 * 4 * 1  # the all-to-alls' messages do not grow (test_latency_by_hand)
+    assert busy["terms"]["expert"] - latency == pytest.approx(1.5 * (even["terms"]["expert"] - latency))
     tokens = 32 * 1024 / 4
     experts = sum(speed.layer_flops(cfg, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
     assert (busy["terms"]["compute"] - even["terms"]["compute"]) * speed.Rates().tflops * 1e12 == \
@@ -175,3 +176,20 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
                                                "model.moe.capacity_factor=1.25"])
     assert speed.step_time(capped, layout, speed.Rates(), 8, params, imbalance=1.5)["terms"] == \
         speed.step_time(capped, layout, speed.Rates(), 8, params)["terms"]
+
+
+def test_latency_by_hand():
+    """Each term's messages at 1 ms each, on the layout of test_step_terms_by_hand (the slowest
+    stage, 1, has two MoE layers; 4 micro-batches per step)."""
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+    none = speed.step_time(cfg, layout, speed.Rates(latency_us=0), 4, params)["terms"]
+    ms = speed.step_time(cfg, layout, speed.Rates(latency_us=1000), 4, params)["terms"]
+    micro = 4
+    assert ms["tensor"] - none["tensor"] == pytest.approx(1e-3 * 8 * 2 * micro * 1)  # 8 per layer, TP2: 1 peer
+    assert ms["expert"] - none["expert"] == pytest.approx(1e-3 * 4 * 2 * micro * 1)  # stage 1: 2 MoE layers, EP2
+    assert ms["pipeline"] - none["pipeline"] == pytest.approx(1e-3 * 2 * micro)  # one boundary, there and back
+    assert ms["data"] - none["data"] == pytest.approx(1e-3 * 2 * (3 + 3))  # DP4 and EDP4 rings
+    assert ms["context"] == none["context"] == 0

@@ -108,6 +108,10 @@ def check(cfg: Config, layout: Layout):
             raise ConfigError(f"plan: model.seq_length {cfg.model.seq_length} is not divisible by 2 × cp")
         validate(split)
         check_layout(split.parallel, layout.world, shape.experts)  # experts span the CP ranks too (megatron)
+        train = cfg.train
+        if train.global_batch % (train.micro_batch * layout.dp):
+            raise ConfigError(f"plan: train.global_batch {train.global_batch} is not divisible by "
+                              f"train.micro_batch × DP = {train.micro_batch} × {layout.dp}")
         if layout.vpp > max(model_shape(cfg, layout).stage_counts()):
             raise ConfigError(f"plan: {layout.vpp} virtual stages but no pipeline stage has that many layers")
     except ConfigError as e:

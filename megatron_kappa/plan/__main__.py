@@ -10,7 +10,7 @@ import dataclasses
 from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
 from megatron_kappa.plan.planned import FP8_ACTIVATIONS, Planned
-from megatron_kappa.cli_types import positive_float, positive_int
+from megatron_kappa.cli_types import non_negative_float, positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
 
 
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nvlink-gbs", type=positive_float, default=defaults.nvlink_gbs,
                     help="GB/s per GPU, one way, inside a node")
     ap.add_argument("--ib-gbs", type=positive_float, default=defaults.ib_gbs, help="GB/s per GPU across nodes")
+    ap.add_argument("--latency-us", type=non_negative_float, default=defaults.latency_us,
+                    help="microseconds per message of a collective")
     ap.add_argument("--expert-imbalance", type=positive_float, default=1.0,
                     help="the busiest EP rank's routed tokens over the average, under dropless routing (>= 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
@@ -43,12 +45,14 @@ def main(argv=None) -> int:
     planned.add_argument("--offload-activations", action="store_true",
                          help="saved activations in CPU memory, two chunks on the GPU")
     ap.add_argument("--published", action="store_true",
-                    help="plan each published frontier run (megatron_kappa.plan.published) and rank it in --search")
+                    help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
+    ap.add_argument("--rank", action="store_true",
+                    help="with --published: also rank each run among --search's layouts (minutes: DeepSeek-V3's search is long)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
     if args.published:
-        return published(args.gpu_mem, args.gpus_per_node, args.json)
+        return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank)
     for name in ("config", "world"):
         if getattr(args, name) is None:
             ap.error(f"--{name} is required (but with --published)")
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     for name in ("world", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs)
+    rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us)
     extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
                     args.offload_activations)
     try:
@@ -76,18 +80,18 @@ def main(argv=None) -> int:
     return 0 if result["fits"] else 1
 
 
-def published(gpu_mem: float, gpus_per_node: int, as_json: bool) -> int:
-    """Each published run: its plan's verdict and its position among --search's layouts."""
+def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -> int:
+    """Each published run: its plan's verdict and (`ranked`) its position among --search's layouts."""
     from megatron_kappa.plan.published import RUNS, check_run
     rows = []
     for run in RUNS:
-        r = check_run(run, gpu_mem, gpus_per_node)
+        r = check_run(run, gpu_mem, gpus_per_node, ranked)
         rows.append(r)
         if not as_json:
             p = r["plan"]
+            rank = f"; search position {r['rank']} of {r['layouts_that_fit']} that fit" if ranked else ""
             print(f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
-                  f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s; "
-                  f"search position {r['rank']} of {r['layouts_that_fit']} that fit"
+                  f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s{rank}"
                   + (f"; planned only: {', '.join(p['planned_only'])}" if p["planned_only"] else ""), flush=True)
     if as_json:
         print(json.dumps([{k: v for k, v in r.items()} for r in rows], indent=1))

@@ -19,6 +19,10 @@ Per step, for one rank of the slowest pipeline stage:
             times with v virtual stages: each chunk boundary is crossed)
   data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, 2 bytes
             per parameter each, (D - 1) / D of it on the wire (dense over DP x CP, experts over EDP)
+Each collective also pays `Rates.latency_us` per message: a ring over n ranks, or an all-to-all
+among n, sends n - 1 (tensor: 8 collectives per layer and micro-batch; context: 3 (cp - 1) hops;
+expert: 4 all-to-alls per MoE layer and micro-batch; pipeline: one message per boundary crossing;
+data: a reduce-scatter and an all-gather per step).
 A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron
 orders the ranks TP, CP, DP, PP for dense groups (CP ranks TP apart, DP ranks TP·CP apart, stages
 TP·CP·DP apart) and ETP, EP,
@@ -41,6 +45,7 @@ class Rates:
     tflops: float = 400.0  # achievable dense bf16 TFLOP/s per GPU: ~40 % of an H100/H200's 989
     nvlink_gbs: float = 450.0  # GB/s one way per GPU inside a node (NVLink 4: 900 GB/s both ways)
     ib_gbs: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NDR link per GPU)
+    latency_us: float = 10.0  # per message of a collective (a stated assumption: NCCL's small-message scale)
 
 
 WIRE_BYTES = 2
@@ -155,27 +160,30 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     micro = train.global_batch // (train.micro_batch * dp)
     rate = rates.tflops * 1e12 * (2.0 if cfg.precision == "fp8" else 1.0)
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
+    alpha = rates.latency_us * 1e-6
 
     per_stage = []
     for stage in range(p):
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
-        tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink)
+        tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
+            + alpha * 8 * len(layers) * micro * (t - 1)
         rows = routed_rows(cfg, tokens, imbalance) / t
         a2a_bytes = 4 * sum(layers) * rows * m.hidden_size * WIRE_BYTES * (ep - 1) / ep
-        expert = a2a_bytes / (ib if _span(ep, etp, gpus_per_node) else nvlink)
+        expert = a2a_bytes / (ib if _span(ep, etp, gpus_per_node) else nvlink) + alpha * 4 * sum(layers) * micro * (ep - 1)
         ring = 3 * (cp - 1) * len(layers) * tokens * kv_width(cfg, t) * WIRE_BYTES
-        context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink)
+        context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * 3 * (cp - 1) * len(layers) * micro
         boundaries = (stage > 0) + (stage < p - 1)
-        pipeline = v * boundaries * 2 * act / t / (ib if _span(p, t * cp * dp, gpus_per_node) else nvlink) \
-            if p > 1 else 0.0
+        pipeline = v * boundaries * (2 * act / t / (ib if _span(p, t * cp * dp, gpus_per_node) else nvlink)
+                                     + alpha * 2 * micro) if p > 1 else 0.0
         params = stage_params[stage]
         dense = sum(n for k, n in params.items() if k not in EXPERT_KINDS)
         experts = sum(n for k, n in params.items() if k in EXPERT_KINDS)
         data = (2 * WIRE_BYTES * dense * (zero_dp - 1) / zero_dp / (ib if _span(zero_dp, t, gpus_per_node) else nvlink)
                 + 2 * WIRE_BYTES * experts * (edp - 1) / edp
-                / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink))
+                / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
+                + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
         per_stage.append({"compute": compute, "tensor": tensor, "context": context, "expert": expert,
                           "pipeline": pipeline, "data": data})
     busy_of = lambda r: r["compute"] + r["tensor"] + r["context"] + r["expert"] + r["pipeline"]  # noqa: E731

@@ -380,6 +380,8 @@ class TrainConfig:
 @dataclass
 class ZeroConfig:
     stage: int = _f(1, "DeepSpeed ZeRO stage for optimizer state: 1 or 2 (3 is refused with expert parallelism)")
+    offload_optimizer: bool = _f(False, "DeepSpeed's ZeRO-Offload: the fp32 master copy and the optimizer's "
+                                 "state in CPU memory, the step on the CPU (the configured torch optimizer)")
 
 
 @dataclass

@@ -98,12 +98,15 @@ def wire_experts(model) -> bool:
 
 
 def ds_config(cfg: Config, grad_accum: int) -> dict:
+    zero = {"stage": cfg.zero.stage, "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": False}
+    if cfg.zero.offload_optimizer:  # ZeRO-Offload with this project's optimizer (not DeepSpeed's C++ CPU Adam)
+        zero["offload_optimizer"] = {"device": "cpu"}
     return {
+        "zero_force_ds_cpu_optimizer": False,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": cfg.train.clip,  # null: by optimizer (TrainConfig.clip)
-        "zero_optimization": {"stage": cfg.zero.stage, "contiguous_gradients": True,
-                              "reduce_scatter": True, "overlap_comm": False},
+        "zero_optimization": zero,
         "bf16": {"enabled": cfg.precision in ("bf16", "fp8")},
         # pipeline stages: megatron's schedule does the backward passes and engine.step() is the
         # accumulation boundary (megatron_kappa.train.pipeline)

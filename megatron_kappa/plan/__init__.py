@@ -345,6 +345,10 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
     rows over the average, under dropless routing (1: balanced). `planned`: settings the trainer
     does not run (and the layout's CP and VPP), listed as "planned_only"."""
     check(cfg, layout)
+    shown = planned  # zero.offload_optimizer: the trainer runs it, so it is not "planned only"
+    if cfg.zero.offload_optimizer:
+        shown, planned = dataclasses.replace(planned, offload_optimizer=False), \
+            dataclasses.replace(planned, offload_optimizer=True)
     stages = [plan_stage(cfg, layout, s, imbalance=imbalance, planned=planned) for s in range(layout.pp)]
     worst = max(stages, key=lambda r: r["total_bytes"])
     budget = HEADROOM * gpu_mem_gib * GIB
@@ -357,7 +361,7 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "tp_inside_node": layout.tp <= gpus_per_node,
             "micro_batch": cfg.train.micro_batch,
             "expert_imbalance": imbalance,
-            "planned_only": planned.labels(layout),
+            "planned_only": shown.labels(layout),
             "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages],
                                      imbalance=imbalance)}
 

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-
-import dataclasses
 
 from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
@@ -47,7 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
     ap.add_argument("--rank", action="store_true",
-                    help="with --published: also rank each run among --search's layouts (minutes: DeepSeek-V3's search is long)")
+                    help="with --published: also rank each run among --search's layouts (a search each: about a minute for all four)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
@@ -94,7 +93,7 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -
                   f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s{rank}"
                   + (f"; planned only: {', '.join(p['planned_only'])}" if p["planned_only"] else ""), flush=True)
     if as_json:
-        print(json.dumps([{k: v for k, v in r.items()} for r in rows], indent=1))
+        print(json.dumps(rows, indent=1))
     return 0 if all(r["fits"] for r in rows) else 1
 
 

@@ -131,8 +131,8 @@ else:
             os._exit(9)
         time.sleep(300)   # "hang": alive, never at the next collective
         os._exit(0)
-    try:
-        dist.all_reduce(torch.ones(1))
+    try:  # "hang_control": the collective that times out is the stop agreement's (control group)
+        dist.all_reduce(torch.ones(1), group=groups.control_group() if mode == "hang_control" else None)
         result["note"] = None
     except Exception as e:
         result["note"] = failures.explain(e)
@@ -153,7 +153,7 @@ def two_ranks(tmp_path, mode, timeout_s=60, world=2, **env):
     try:
         procs[0].wait(timeout_s)  # a bound: rank 1 may be "hung" for much longer
         for p in procs[1:]:
-            p.wait(30 if mode != "hang" else 0.1)
+            p.wait(30 if not mode.startswith("hang") else 0.1)
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -180,6 +180,18 @@ def test_a_hung_rank_is_named_after_the_timeout(tmp_path):
     assert r0 is not None, "rank 0 did not report within the bound"
     assert "Ranks 1 failed to pass monitoredBarrier" in r0["note"], r0
     assert r0["note"].startswith("a collective failed (")
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_after_a_timeout_on_the_control_group(tmp_path):
+    """As above, but what times out is a collective on the control group (the stop agreement's
+    message, often the one a hung rank leaves waiting): gloo closes that group's connections on
+    a timeout ("Application timeout caused pair closure"), so a barrier on it would name nobody
+    (it did, in CI); the barrier has a group of its own."""
+    r0, _ = two_ranks(tmp_path, "hang_control", timeout_s=120, TIMEOUT_S="3")
+    assert r0 is not None, "rank 0 did not report within the bound"
+    assert "Ranks 1 failed to pass monitoredBarrier" in r0["note"], r0
+    assert r0["note"].startswith("a collective failed (Timed out waiting 3000ms"), r0
 
 
 @pytest.mark.slow

@@ -131,7 +131,7 @@ def test_dead_rank_ends_the_job_naming_it(cluster, init_weights, tmp_path):
 
 def test_hung_rank_ends_the_job_naming_it(cluster, init_weights, tmp_path):
     """Rank 1 stopped (SIGSTOP: alive, never at the next collective): rank 0's collective times
-    out after parallel.timeout_s, it names rank 1 (a monitored barrier on the control group) and
+    out after parallel.timeout_s, it names rank 1 (a monitored barrier on a gloo group of its own) and
     exits, and srun ends the job."""
     run_dir = tmp_path / "run"
     job = submit(cluster, settings(init_weights, run_dir, "train.steps=5000", "parallel.timeout_s=20"))

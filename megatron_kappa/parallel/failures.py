@@ -11,7 +11,7 @@ What ends the job, and how fast (`parallel.timeout_s`, T; megatron_kappa.paralle
     host (rank 0's) is the one lost.
   - a rank that hangs (alive, never reaching the collective): its peers' collective times out
     after T. They cannot tell from that error whom they waited for, so `explain()` asks: a
-    monitored barrier on the gloo control group, where rank 0 waits up to T for each rank and
+    monitored barrier on a gloo group kept for it (groups.barrier_group), where rank 0 waits up to T for each rank and
     names those that do not come ("Ranks 1 failed to pass monitoredBarrier"; rank 0 itself hung:
     the others say "errors while waiting for send/recv from rank 0"). The ranks then exit with
     an error and the launcher ends the hung one. Bound: about 2 T.
@@ -151,10 +151,10 @@ def _peer_closed(exc: BaseException) -> bool:
 
 
 def unresponsive_ranks(timeout_s: float) -> str:
-    """Rank 0 waits up to `timeout_s` for every rank at a barrier on the control group; what it
+    """Rank 0 waits up to `timeout_s` for every rank at a barrier on its own gloo group; what it
     (or, on the other ranks, their exchange with rank 0) found, as one line."""
     try:
-        dist.monitored_barrier(group=groups.control_group(),
+        dist.monitored_barrier(group=groups.barrier_group(),
                                timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
     except RuntimeError as e:
         found = _short(str(e)) or type(e).__name__

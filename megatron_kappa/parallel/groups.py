@@ -12,8 +12,8 @@ Failures: every group (torch's default one and megatron's) waits `parallel.timeo
 other ranks, then the collective fails instead of hanging for torch's default 30 minutes (gloo);
 on NCCL the watchdog then takes the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's
 default, set explicitly). `control_group()` is a gloo group beside them for small host-side
-messages (the stop agreement of megatron_kappa.train.preemption, naming an unresponsive rank in
-megatron_kappa.parallel.failures).
+messages (the stop agreement of megatron_kappa.train.preemption); `barrier_group()` is a second
+one, used only to name an unresponsive rank (megatron_kappa.parallel.failures).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from megatron_kappa.parallel.launch_env import DEVICE_ENV
 from megatron_kappa.parallel.layout import check_layout
 
 _device: torch.device | None = None
-_control: tuple | None = None  # (the default group it was made for, the gloo control group, hosts)
+_control: tuple | None = None  # (the default group it was made for, control group, barrier group, hosts)
 _controls_made = 0  # in this process: the same count on every rank (the roll call's key)
 _timeout_s: float | None = None  # of the last init_distributed
 
@@ -172,17 +172,28 @@ def control_group() -> dist.ProcessGroup:
         from megatron_kappa.parallel import failures
         timeout = datetime.timedelta(seconds=_timeout_s) if _timeout_s else None
         group = dist.new_group(backend="gloo", timeout=timeout)
+        barrier = dist.new_group(backend="gloo", timeout=timeout)
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _control = (world, group, hosts)
+        _control = (world, group, barrier, hosts)
         _controls_made += 1
         failures.answer_roll_calls(_controls_made)
     return _control[1]
 
 
+def barrier_group() -> dist.ProcessGroup:
+    """A gloo group of every rank that carries nothing but the monitored barrier naming a hung
+    rank, made with the control group. Not the control group itself: when a collective on a gloo
+    group times out, gloo closes that group's connections ("Application timeout caused pair
+    closure"), and a barrier there would fail at once without naming anyone; the stop agreement's
+    message on the control group is often the one that times out."""
+    control_group()
+    return _control[2]
+
+
 def rank_hosts() -> list[str] | None:
     """Each rank's host name, gathered when the control group was made (None before)."""
-    return _control[2] if _control is not None else None
+    return _control[3] if _control is not None else None
 
 
 def teardown(peers_alive: bool = True):

@@ -33,15 +33,13 @@ $(VENV)/.quiet-hook: $(VENV)/.installed megatron_kappa/quiet.py
 venv: $(VENV)/.installed $(VENV)/.quiet-hook
 
 # Everything: the unit tests on two pytest workers; then the tests marked `slow` (multi-process
-# launches, end-to-end training) on two workers a file each, the longest files first
-# (tests/conftest.py), as their launches leave a core idle (imports, launchers, one-process
-# references); then those also marked `serial` (the Slurm clusters, the two hosts, wall-clock
-# timeouts), a file per worker: beside each other they pass, beside the heaviest slow tests the
-# hung-rank job once named its rank too late (a clean-clone run at f2e4c96). The 20 slowest are listed.
+# launches, end-to-end training, the Slurm clusters and two hosts) on two workers a file each, the
+# longest files first (tests/conftest.py), as their launches leave a core idle (imports,
+# launchers, one-process references, waits for daemons and timeouts). Those also marked `serial`
+# (wall-clock timeouts) pass beside the others (tests/under_load.py). The 25 slowest are listed.
 test: venv
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow and not serial" --durations=20 tests
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow and serial" --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow" --durations=25 tests
 
 # The unit tests of every package: no multi-process launches, no end-to-end training runs (those
 # are marked `slow`), spread over two pytest workers.

@@ -152,13 +152,13 @@ def test_command_line_planned_flags():
     run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_kappa.plan", *a], cwd=root,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2", "--optimizer-states", "bf16", "--set", "train.micro_batch=2",
-               "--offload-optimizer", "--latency-us", "0")
+               "--offload-optimizer", "--latency-us", "0", "--overlap", "data,expert")
     assert done.returncode == 0, done.stderr
     assert "TP1 PP1 CP2 EP1" in done.stdout and "DP4" in done.stdout
-    assert "planned only  CP2, bf16 optimizer moments, optimizer offload" in done.stdout
+    assert "planned only  CP2, bf16 optimizer moments, optimizer offload, overlap (data, expert)" in done.stdout
     assert "offloaded" in done.stdout
     for bad, flag in ((["--latency-us", "-1"], "--latency-us"), (["--cp", "0"], "--cp"),
-                      (["--fp8-activations", "all"], "--fp8-activations")):
+                      (["--fp8-activations", "all"], "--fp8-activations"), (["--overlap", "data,all"], "--overlap")):
         done = run("--config", "configs/tiny.yaml", "--world", "8", *bad)
         assert done.returncode == 2 and f"argument {flag}" in done.stderr and "Traceback" not in done.stderr
     done = run("--world", "8")
@@ -169,3 +169,60 @@ def test_command_line_planned_flags():
     done = run("--published")
     assert done.returncode == 0 and done.stdout.count("GiB, fits;") == 4, done.stdout + done.stderr
     assert "DeepSeek-V3: TP1 PP16 EP64 ETP1 DP128 (EDP2) on 2048 GPUs" in done.stdout
+
+
+def test_overlap_hides_traffic_behind_compute_by_hand():
+    """Planned.overlap on a small MoE (16 GPUs, 4 per node, TP2 PP2 EP2): the terms of the plain
+    estimate (test_plan_speed.test_step_terms_by_hand counts them on paper) combined by the rule:
+    hidden terms cost what exceeds the stage's compute, ZeRO's traffic under "data" one layer's
+    share (2 layers a stage) or what exceeds the compute; the bubble shrinks with the busy time;
+    the "overlapped" term is the traffic hidden, so the terms still add up to the step.
+    Rates make the traffic cheap or dear against the compute: both branches of each max taken."""
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+    micro = 4
+    for rates in (speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0),
+                  speed.Rates(tflops=100, nvlink_gbs=0.05, ib_gbs=0.01, latency_us=0)):
+        plain = speed.step_time(cfg, layout, rates, 4, params)
+        t = plain["terms"]
+        assert plain["seconds"] == pytest.approx(sum(t.values()))  # nothing hidden: the control
+        got = speed.step_time(cfg, layout, rates, 4, params, overlap=("expert", "pipeline", "data"))
+        # stage 1 (2 MoE layers, the loss) is the slowest either way
+        busy = max(t["compute"], t["expert"] + t["pipeline"]) + t["tensor"] + t["context"]
+        data = [2 * 2 * sum(p.values()) * 3 / 4 / (rates.ib_gbs * 1e9) for p in params]  # across nodes
+        compute = [speed.stage_flops(cfg, planner.model_shape(cfg, layout), s, 32 * 1024 / 4, 2, "none") / 100e12
+                   for s in range(2)]
+        assert compute[1] == t["compute"]
+        exposed = max(max(d / 2, d - c) for d, c in zip(data, compute))
+        assert got["seconds"] == pytest.approx(busy * (1 + 1 / micro) + exposed)
+        assert got["terms"]["bubble"] == pytest.approx(busy / micro)
+        assert got["seconds"] == pytest.approx(sum(got["terms"].values()))  # "overlapped": the hidden traffic
+        traffic = t["tensor"] + t["context"] + t["expert"] + t["pipeline"] + t["data"]
+        assert -got["terms"]["overlapped"] == pytest.approx(traffic - (busy - t["compute"] + exposed))
+        assert got["seconds"] < plain["seconds"]
+    with pytest.raises(ValueError, match="overlap: expected some of data, expert, pipeline, tensor, context, got all"):
+        Planned(overlap=("all",))
+    assert Planned(overlap=("data", "expert")).labels(Layout(1)) == ["overlap (data, expert)"]
+
+
+def test_node_limited_dispatch_by_hand():
+    """EP4 over 2 nodes of 2 GPUs (tiny: top-2 of 4 experts, 3 MoE layers, TP1): the all-to-all
+    sends each routed row over InfiniBand, 3/4 of them off the rank; node-limited dispatch sends
+    each token once to each of the nodes it reaches (top-2 of 2 nodes: 2, half of them remote,
+    so rows / 2 cross), and every row on over NVLink, the two links at once; with 2 groups of
+    which a token may use 1, a token reaches one node (rows / 4 cross). Inside a node it changes
+    nothing (the control)."""
+    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
+    for groups, crossing in (((), 1 / 2), (("model.moe.num_groups=2", "model.moe.group_topk=1"), 1 / 4)):
+        cfg = tiny("train.global_batch=8", "model.moe.capacity_factor=null", *groups)
+        layout = Layout(4, ep=4)
+        params = [planner.stage_params(cfg, layout, 0)]
+        rows = 8 * 128 / 4 * 2  # a DP4 replica's tokens x top-2
+        expert = lambda *a, **k: speed.step_time(cfg, layout, rates, *a, **k)["terms"]["expert"]  # noqa: E731
+        assert expert(2, params) == pytest.approx(4 * 3 * rows * H * 2 * 3 / 4 / 25e9)
+        assert expert(2, params, node_dispatch=True) == pytest.approx(
+            4 * 3 * max(rows * crossing * H * 2 / 25e9, rows * H * 2 / 200e9))
+        assert expert(4, params, node_dispatch=True) == expert(4, params)  # EP in one node
+    assert Planned(node_dispatch=True).labels(Layout(1)) == ["node-limited dispatch"]

@@ -363,7 +363,8 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "expert_imbalance": imbalance,
             "planned_only": shown.labels(layout),
             "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages],
-                                     imbalance=imbalance)}
+                                     imbalance=imbalance, overlap=planned.overlap,
+                                     node_dispatch=planned.node_dispatch)}
 
 
 def render(p: dict) -> str:

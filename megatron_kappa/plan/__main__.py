@@ -8,9 +8,17 @@ import sys
 
 from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
-from megatron_kappa.plan.planned import FP8_ACTIVATIONS, Planned
+from megatron_kappa.plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned
 from megatron_kappa.cli_types import non_negative_float, positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
+
+
+def overlap_terms(text: str) -> tuple[str, ...]:
+    terms = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in terms if t not in OVERLAP]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(OVERLAP)}, got {','.join(unknown)}")
+    return terms
 
 
 def main(argv=None) -> int:
@@ -43,6 +51,10 @@ def main(argv=None) -> int:
     planned.add_argument("--offload-optimizer", action="store_true", help="master copy and moments in CPU memory")
     planned.add_argument("--offload-activations", action="store_true",
                          help="saved activations in CPU memory, two chunks on the GPU")
+    planned.add_argument("--overlap", type=overlap_terms, default=(), metavar="TERMS",
+                         help=f"traffic run beside the compute, comma-separated: {','.join(OVERLAP)}")
+    planned.add_argument("--node-dispatch", action="store_true",
+                         help="EP across nodes: a token crosses to each node once, then NVLink (DeepEP)")
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
     ap.add_argument("--rank", action="store_true",
@@ -62,7 +74,7 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us)
     extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
-                    args.offload_activations)
+                    args.offload_activations, args.overlap, args.node_dispatch)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:

@@ -6,6 +6,8 @@ The published frontier runs use them (docs/plan.md's table cites which run used 
                                     passed around the ring, dense gradients over DP × CP
   virtual stages (Layout.vpp)       interleaved 1F1B: the bubble / v, more micro-batches in flight
                                     on the early stages, v times the stage-to-stage traffic
+  overlap (Planned.overlap)         traffic that runs beside the compute instead of after it
+                                    (megatron_kappa.plan.speed says how much of it stays exposed)
 and the memory savings of this dataclass. The trainer refuses none of them by config: they are
 not config keys, only the planner's flags (`python -m megatron_kappa.plan --help`).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 FP8_ACTIVATIONS = ("none", "linear", "moe")
+OVERLAP = ("data", "expert", "pipeline", "tensor", "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,18 @@ class Planned:
     """The activations kept for backward go to CPU memory as each chunk's forward ends and come
     back before its backward (Kimi K2): the GPU holds two chunks' worth, the one being computed and
     the one moving."""
+    overlap: tuple[str, ...] = ()
+    """The traffic terms that run beside the compute (this trainer overlaps none): "data" ZeRO's
+    gradient reduce-scatter and parameter all-gather a layer at a time (megatron's
+    overlap_grad_reduce / overlap_param_gather, DeepSpeed's overlap_comm), "expert" the
+    dispatcher's all-to-all (DeepSeek-V3's DualPipe, Kimi K2's interleaved 1F1B with extra
+    warm-up micro-batches), "pipeline" the stage-to-stage sends (megatron's overlap_p2p_comm),
+    "tensor" sequence parallelism's collectives (Transformer Engine's userbuffers), "context"
+    the ring attention's K and V passing."""
+    node_dispatch: bool = False
+    """Where EP crosses nodes, a token is sent over InfiniBand once per destination node and
+    forwarded to its experts there over NVLink (DeepSeek-V3 §3.2.2, DeepEP; megatron's flex
+    dispatcher), instead of once per routed expert; with num_groups, at most group_topk nodes."""
 
     def __post_init__(self):
         if self.optimizer_states not in ("fp32", "bf16"):
@@ -41,6 +56,9 @@ class Planned:
         if self.fp8_activations not in FP8_ACTIVATIONS:
             raise ValueError(f"fp8_activations: expected one of {', '.join(FP8_ACTIVATIONS)}, "
                              f"got {self.fp8_activations!r}")
+        unknown = [o for o in self.overlap if o not in OVERLAP]
+        if unknown:
+            raise ValueError(f"overlap: expected some of {', '.join(OVERLAP)}, got {', '.join(unknown)}")
 
     def labels(self, layout) -> list[str]:
         """What of this plan the trainer cannot run, for the output."""
@@ -49,4 +67,6 @@ class Planned:
         out += [f"fp8 activations ({self.fp8_activations})"] * (self.fp8_activations != "none")
         out += ["norm recompute"] * self.recompute_norms
         out += ["optimizer offload"] * self.offload_optimizer + ["activation offload"] * self.offload_activations
+        out += [f"overlap ({', '.join(self.overlap)})"] * bool(self.overlap)
+        out += ["node-limited dispatch"] * self.node_dispatch
         return out

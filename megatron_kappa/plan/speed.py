@@ -15,6 +15,7 @@ Per step, for one rank of the slowest pipeline stage:
             4 collectives forward and 4 backward per layer of the rank's tokens x hidden
   expert    the token dispatcher's all-to-all, dispatch and combine, forward and backward: 4 x
             the rank's routed rows x hidden per MoE layer, the share (EP - 1) / EP leaving the rank
+            (planned only, node-limited dispatch: a token crosses to each node once; _dispatch_seconds)
   pipeline  each micro-batch's activation forward and its gradient backward between stages (v
             times with v virtual stages: each chunk boundary is crossed)
   data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, 2 bytes
@@ -26,8 +27,16 @@ data: a reduce-scatter and an all-gather per step).
 A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron
 orders the ranks TP, CP, DP, PP for dense groups (CP ranks TP apart, DP ranks TP·CP apart, stages
 TP·CP·DP apart) and ETP, EP,
-EDP, PP for the experts' (EP ranks ETP apart, EDP ranks EP·ETP apart). Nothing overlaps (this trainer's DeepSpeed runs without
-overlap_comm, and 1F1B does not hide the all-to-all): the step is compute + bubble + traffic.
+EDP, PP for the experts' (EP ranks ETP apart, EDP ranks EP·ETP apart).
+This trainer overlaps nothing (its DeepSpeed runs without overlap_comm, and 1F1B does not hide the
+all-to-all): the step is compute + bubble + traffic. Planned only, `overlap` names the terms that
+run beside the compute (megatron_kappa.plan.planned.Planned.overlap):
+  tensor, context, expert, pipeline   hidden behind the stage's compute as far as it lasts: the
+            stage is busy max(compute, those terms) + the others (an upper bound on the hiding)
+  data      a layer at a time, while the rest computes: one layer's share stays exposed, as NeMo's
+            documentation of megatron's overlap says, or what exceeds the stage's compute
+and the bubble is that busy time x (p - 1) / (v · m). The "overlapped" term (negative) is the
+traffic hidden, so that the terms, the traffic counted in full, still add up to the step.
 Bytes are 2 per value (bf16, and fp8 layers keep bf16 activations on the wire).
 
 Arithmetic only, like the memory plan; docs/plan.md gives the defaults' sources.
@@ -146,11 +155,35 @@ def kv_width(cfg: Config, tp: int) -> float:
     return 2 * (m.num_query_groups or m.num_attention_heads) * d / tp
 
 
+OVERLAPPABLE = ("tensor", "context", "expert", "pipeline")  # hidden behind the stage's compute
+
+
+def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvlink: float, ib: float,
+                      node_dispatch: bool) -> float:
+    """One all-to-all (dispatch or combine) of a MoE layer: `rows` routed rows of h values from
+    this rank, (EP - 1) / EP of them to other ranks, on NVLink inside a node, else InfiniBand.
+    With `node_dispatch` and EP across n nodes (DeepSeek-V3's §3.2.2, DeepEP): a token goes once
+    over InfiniBand to each other node holding one of its experts, at most min(top-k, the groups a
+    token may use under num_groups, n) nodes, (n - 1) / n of them remote, then on over NVLink to
+    its experts there (every routed row once), the two links at once (§3.2.2: "fully overlapped")."""
+    moe, h, ep, etp = cfg.model.moe, cfg.model.hidden_size, layout.ep, layout.etp
+    if not _span(ep, etp, gpus_per_node):
+        return rows * h * WIRE_BYTES * (ep - 1) / ep / nvlink
+    if not node_dispatch:
+        return rows * h * WIRE_BYTES * (ep - 1) / ep / ib
+    nodes = -(-ep * etp // gpus_per_node)
+    reach = min(moe.topk, moe.group_topk if moe.num_groups else nodes, nodes)
+    remote = rows / moe.topk * reach * (nodes - 1) / nodes
+    return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)
+
+
 def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
-              imbalance: float = 1.0) -> dict:
+              imbalance: float = 1.0, overlap: tuple[str, ...] = (), node_dispatch: bool = False) -> dict:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
-    the busiest EP rank's routed rows over the average (dropless routing)."""
+    the busiest EP rank's routed rows over the average (dropless routing); `overlap`: the terms
+    that run beside the compute, `node_dispatch`: each token crosses to a node once (planned
+    only; see the module)."""
     from megatron_kappa.plan import EXPERT_KINDS, model_shape
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
@@ -170,8 +203,8 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
             + alpha * 8 * len(layers) * micro * (t - 1)
         rows = routed_rows(cfg, tokens, imbalance) / t
-        a2a_bytes = 4 * sum(layers) * rows * m.hidden_size * WIRE_BYTES * (ep - 1) / ep
-        expert = a2a_bytes / (ib if _span(ep, etp, gpus_per_node) else nvlink) + alpha * 4 * sum(layers) * micro * (ep - 1)
+        expert = 4 * sum(layers) * (_dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
+                                    + alpha * micro * (ep - 1))
         ring = 3 * (cp - 1) * len(layers) * tokens * kv_width(cfg, t) * WIRE_BYTES
         context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * 3 * (cp - 1) * len(layers) * micro
         boundaries = (stage > 0) + (stage < p - 1)
@@ -185,13 +218,31 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
                 + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
         per_stage.append({"compute": compute, "tensor": tensor, "context": context, "expert": expert,
-                          "pipeline": pipeline, "data": data})
-    busy_of = lambda r: r["compute"] + r["tensor"] + r["context"] + r["expert"] + r["pipeline"]  # noqa: E731
-    slowest = max(per_stage, key=busy_of)
-    busy = busy_of(slowest)
+                          "pipeline": pipeline, "data": data, "layers": len(layers)})
+    slowest = max(per_stage, key=lambda r: _busy(r, overlap))
+    busy = _busy(slowest, overlap)
     bubble = busy * (p - 1) / (v * micro)
-    terms = {**slowest, "bubble": bubble, "data": max(r["data"] for r in per_stage)}
-    seconds = sum(terms.values())
+    data = max(_exposed_data(r, overlap) for r in per_stage)
+    terms = {k: t for k, t in slowest.items() if k != "layers"}
+    terms.update(bubble=bubble, data=max(r["data"] for r in per_stage))
+    seconds = busy + bubble + data
+    if overlap:
+        terms["overlapped"] = seconds - sum(terms.values())
     return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": v,
             "tokens_per_s": train.global_batch * m.seq_length / seconds,
             "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}
+
+
+def _busy(stage: dict, overlap: tuple[str, ...]) -> float:
+    """A stage's compute and traffic per step, the `overlap` terms hidden behind its compute."""
+    hidden = sum(stage[k] for k in OVERLAPPABLE if k in overlap)
+    exposed = sum(stage[k] for k in OVERLAPPABLE if k not in overlap)
+    return max(stage["compute"], hidden) + exposed
+
+
+def _exposed_data(stage: dict, overlap: tuple[str, ...]) -> float:
+    """What of a stage's ZeRO traffic the step waits for: all of it, or under "data" overlap one
+    layer's share, or what the stage's compute cannot cover, whichever is more."""
+    if "data" not in overlap:
+        return stage["data"]
+    return max(stage["data"] / max(stage["layers"], 1), stage["data"] - stage["compute"])

@@ -169,6 +169,13 @@ def test_command_line_planned_flags():
     done = run("--published")
     assert done.returncode == 0 and done.stdout.count("GiB, fits;") == 4, done.stdout + done.stderr
     assert "DeepSeek-V3: TP1 PP16 EP64 ETP1 DP128 (EDP2) on 2048 GPUs" in done.stdout
+    assert "  note: DualPipe planned as 1F1B" in done.stdout  # what a row assumes is printed with it
+    for extra in (["--world", "8"], ["--config", "configs/tiny.yaml", "--search"]):
+        done = run("--published", *extra)  # each run has its own config and world: not silently ignored
+        assert done.returncode == 2 and "--published plans each run at its own config" in done.stderr
+        assert f"leave out {extra[0]}" in done.stderr
+    done = run("--config", "configs/tiny.yaml", "--world", "8", "--rank")
+    assert done.returncode == 2 and "--rank goes with --published" in done.stderr
 
 
 def test_overlap_hides_traffic_behind_compute_by_hand():

@@ -63,7 +63,13 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
     if args.published:
+        given = [f for f, v in (("--config", args.config), ("--world", args.world), ("--search", args.search),
+                                ("--set", args.set)) if v]
+        if given:
+            ap.error(f"--published plans each run at its own config, world and settings: leave out {', '.join(given)}")
         return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank)
+    if args.rank:
+        ap.error("--rank goes with --published")
     for name in ("config", "world"):
         if getattr(args, name) is None:
             ap.error(f"--{name} is required (but with --published)")
@@ -104,6 +110,8 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -
             print(f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
                   f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s{rank}"
                   + (f"; planned only: {', '.join(p['planned_only'])}" if p["planned_only"] else ""), flush=True)
+            if run.note:
+                print(f"  note: {run.note}", flush=True)
     if as_json:
         print(json.dumps(rows, indent=1))
     return 0 if all(r["fits"] for r in rows) else 1

@@ -3,6 +3,7 @@ against one process from the same weights (losses and gradient norms ≤ 1e-5 ov
 exact resume from a PP2 checkpoint, consolidation of a PP checkpoint into the full weights, and
 what pipeline stages refuse."""
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -60,7 +61,8 @@ def stage_runs(world1, tmp_path_factory):
     launch(base, [{"overrides": sets + PP2["base"] + [f"run.dir={base / 'pp2'}", *every_step]},
                   {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'pp2'}", *every_step]},
                   {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'neg'}"], "negative": "x0_not_sent_back"},
-                  {"overrides": uneven_sets_ + PP2["uneven"] + [f"run.dir={uneven / 'pp2'}", *every_step]}], 2)
+                  {"overrides": uneven_sets_ + PP2["uneven"] + [f"run.dir={uneven / 'pp2'}", *every_step]},
+                  {"overrides": uneven_sets_ + LAYOUT_STRING + [f"run.dir={uneven / 'layout'}"]}], 2)
     launch(base, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={base / name}"]}
                   for name in ("pp2_ep2", "pp2_dp2", "pp4")], 4)
     return out
@@ -272,10 +274,46 @@ def test_uneven_stages_split_as_megatron_does(monkeypatch):
             load_config("configs/tiny.yaml", sets)
 
 
+def test_layout_strings_split_as_megatron_does():
+    """parallel.layout (megatron's pipeline_model_parallel_layout): ModelLayout's stages against
+    megatron's own parse of the string (PipelineParallelLayerLayout: each stage's offset and layer
+    count), repeats and groups included; the checks refuse what the trainer does not run, each in
+    one line naming the key."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    from megatron_kappa.model.layout import model_layout
+    for layers, pp, mtp, text in ((5, 2, 0, "Et*3|ttL"), (5, 2, 0, "Ett|t*3L"), (10, 4, 0, "Et|(t*3|)*2t*3L"),
+                                  (61, 16, 1, "Et*3|(t*4|)*14t*2mL"), (7, 3, 1, "Et,t|ttt|ttmL")):
+        cfg = load_config("configs/tiny.yaml", [f"model.num_layers={layers}", f"parallel.pp={pp}",
+                                                f"model.mtp.num_layers={mtp}", f"parallel.layout={text}"])
+        shape, theirs = model_layout(cfg), PipelineParallelLayerLayout(text, pp)
+        assert theirs.validate_layer_layout(layers, mtp or None) is False  # megatron accepts it too
+        for r in range(pp):
+            start, stop = shape.stage_layers(r)
+            assert start == theirs.get_layer_offset(vp_stage=0, pp_rank=r), (text, r)
+            assert stop - start == theirs.get_num_layers_to_build(vp_stage=0, pp_rank=r), (text, r)
+    refused = {"t*5|L": "E (the embedding) must open the first stage",
+               "Et*3|tt": "L (the loss) must close the last stage",
+               "Et*3|t*3L": "places 6 decoder layers (t); model.num_layers is 5",
+               "Et*2|t*2|tL": "has 3 stages for parallel.pp=2",
+               "Et*5|L": "stage 1 holds no decoder layer",
+               "Et*3|ttxL": "unknown layer 'x'",
+               "Et*3|tmtL": "MTP layers (m) before L"}
+    for text, message in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config("configs/tiny.yaml", ["model.num_layers=5", "parallel.pp=2", f"parallel.layout={text}",
+                                              "model.mtp.num_layers=1" if "m" in text else "model.mtp.num_layers=0"])
+    with pytest.raises(ConfigError, match="parallel.layout: set with parallel.first_stage_layers"):
+        load_config("configs/tiny.yaml", ["model.num_layers=5", "parallel.pp=2", "parallel.layout=Et*3|ttL",
+                                          "parallel.first_stage_layers=3"])
+    with pytest.raises(ConfigError, match="parallel.layout: needs parallel.pp > 1"):
+        load_config("configs/tiny.yaml", ["parallel.layout=Et*4L"])
+
+
 # 5 layers on 2 stages, 3 on the first (the layer numbers, the MoE pattern and the checkpoint
 # coordinates follow megatron's uneven split)
 UNEVEN = ["model.num_layers=5", "parallel.pp=2", "parallel.first_stage_layers=3"]
 PP2 = {"base": LAYOUTS["pp2"][1], "nanochat": ["parallel.pp=2"], "uneven": UNEVEN[1:]}  # stage_runs' PP2 runs
+LAYOUT_STRING = ["parallel.pp=2", "parallel.layout=Ett|t*3L"]  # the same 5 layers split 2 + 3 by megatron's string
 
 
 def uneven_sets(tmp):
@@ -304,6 +342,21 @@ def test_uneven_stages_match_one_process_resume_and_consolidate(uneven_runs, res
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
     logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("pp2", "ref")}
     assert (logits["pp2"] - logits["ref"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_a_layout_string_splits_the_stages_and_matches_one_process(uneven_runs):
+    """parallel.layout=Ett|t*3L: 2 layers on the first stage, 3 on the second (the checkpoint's
+    coordinates and weights say so; first_stage_layers=3 puts 3 first), trained as one process."""
+    from megatron_kappa.checkpoint.store import Checkpoints
+    tmp, _ = uneven_runs
+    assert_same_run(records(tmp / "ref"), records(tmp / "layout"), "layout string")
+    ckpts = Checkpoints(tmp / "layout")
+    files = ckpts.rank_files(ckpts.latest())
+    assert [f["coords"]["layer_offset"] for f in files] == [0, 2]
+    layers = [{int(k.split(".")[2]) for k in f["weights"] if k.startswith("decoder.layers.")} for f in files]
+    assert layers == [{0, 1}, {0, 1, 2}]  # each stage numbers its own layers from 0
+    assert final_weights(tmp / "layout").keys() == final_weights(tmp / "ref").keys()
 
 
 def test_pipeline_refusals():

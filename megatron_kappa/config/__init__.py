@@ -3,18 +3,21 @@
 Checks that need files, the world size or installed packages are in megatron_kappa.preflight.
 
 Modules:
-  __main__.py   `python -m megatron_kappa.config --markdown` prints docs/config.md
-  checks.py     Cross-field checks of a config that need no process group, files or packages
-  loading.py    Reading a config: YAML (with `extends:`), `--set key=value` overrides, type checks
-  presets.py    Keys that set other keys: `model.block` (a preset of the block keys) and
-                `model.aspect_ratio` (the width from the depth)
-  ranges.py     The allowed range of every numeric config key, in one table: checked when a config
-                is validated (before the cross-field checks of megatron_kappa.config.checks) and
-                shown in the generated docs/config.md
-  reference.py  docs/config.md, generated from the schema (`python -m megatron_kappa.config
-                --markdown`)
-  schema.py     The config schema: one dataclass per YAML section, each value with its default and
-                help text
+  __main__.py      `python -m megatron_kappa.config --markdown` prints docs/config.md
+  checks.py        Cross-field checks of a config that need no process group, files or packages
+  loading.py       Reading a config: YAML (with `extends:`), `--set key=value` overrides, type
+                   checks
+  presets.py       Keys that set other keys: `model.block` (a preset of the block keys) and
+                   `model.aspect_ratio` (the width from the depth)
+  ranges.py        The allowed range of every numeric config key, in one table: checked when a
+                   config is validated (before the cross-field checks of
+                   megatron_kappa.config.checks) and shown in the generated docs/config.md
+  reference.py     docs/config.md, generated from the schema (`python -m megatron_kappa.config
+                   --markdown`)
+  schema.py        The config schema: one dataclass per YAML section, each value with its default
+                   and help text
+  stage_layout.py  `parallel.layout`: megatron's pipeline_model_parallel_layout string, unrolled and
+                   checked
 """
 from megatron_kappa.config.checks import validate
 from megatron_kappa.config.loading import load_config, load_config_for_cli, parse_overrides, read_yaml

@@ -6,7 +6,7 @@ megatron_kappa.preflight; both run before any process group or model exists.
 from __future__ import annotations
 
 from megatron_kappa import routers
-from megatron_kappa.config import ranges
+from megatron_kappa.config import ranges, stage_layout
 from megatron_kappa.config.schema import Config, ConfigError, TrainConfig
 from megatron_kappa.kappa import DEFAULTS as KAPPA
 from megatron_kappa.kappa import inputs as kappa_inputs
@@ -63,7 +63,7 @@ def validate(cfg: Config):
                  "must be false with model.mtp.num_layers (megatron's MTP layers are built without the nanochat "
                  "block's inputs)")
     etp = par.expert_tp
-    _validate_stage_split(m.num_layers, par, need)
+    _validate_stage_split(m.num_layers, par, need, m.mtp.num_layers)
     shared = moe.shared_ffn_hidden_size
     need(shared is None or (shared > 0 and shared % par.tp == 0), "model.moe.shared_ffn_hidden_size",
          f"must be positive and divisible by tp={par.tp} (or null: no shared expert), got {shared}")
@@ -107,9 +107,16 @@ def validate(cfg: Config):
         _validate_fp8(cfg, need)
 
 
-def _validate_stage_split(layers: int, par, need):
-    """parallel.pp with first_stage_layers / last_stage_layers: megatron's split must add up."""
+def _validate_stage_split(layers: int, par, need, mtp_layers: int = 0):
+    """parallel.pp with first_stage_layers / last_stage_layers, or parallel.layout: megatron's split
+    must add up."""
     first, last = par.first_stage_layers, par.last_stage_layers
+    if par.layout is not None:
+        need(par.pp > 1, "parallel.layout", "needs parallel.pp > 1")
+        need(first is None and last is None, "parallel.layout",
+             "set with parallel.first_stage_layers / last_stage_layers: use one or the other")
+        stage_layout.check(par.layout, par.pp, layers, mtp_layers, need)
+        return
     if first is None and last is None:
         need(layers % par.pp == 0, "parallel.pp",
              f"model.num_layers={layers} is not divisible by pp={par.pp} (the stages split the layers evenly; "

@@ -283,6 +283,11 @@ class ParallelConfig:
     last_stage_layers: Optional[int] = _f(
         None, "layers on the last stage (megatron's num_layers_in_last_pipeline_stage), e.g. fewer, to leave room "
               "for the output layer and the loss")
+    layout: Optional[str] = _f(
+        None, "megatron's pipeline_model_parallel_layout instead of first/last_stage_layers: each stage's layers, "
+              "stages separated by '|': E the embedding (opens the first), t a decoder layer, m an MTP layer, L the "
+              "loss (closes the last); x*n and (...)*n repeat, e.g. 'Et*3|t*2mL'; one entry per stage, each with a t "
+              "(megatron_kappa/config/stage_layout.py)")
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
 

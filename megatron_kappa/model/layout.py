@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_kappa.config import Config
+from megatron_kappa.config.stage_layout import decoder_counts
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class ModelLayout:
     pp: int  # pipeline stages; each holds consecutive layers (stage_layers)
     first_stage_layers: int | None = None  # uneven stages: parallel.first_stage_layers / last_stage_layers
     last_stage_layers: int | None = None
+    stage_layout: str | None = None  # or parallel.layout (megatron's pipeline_model_parallel_layout)
 
     @property
     def has_moe(self) -> bool:
@@ -40,7 +42,8 @@ class ModelLayout:
     def stage_layers(self, stage: int) -> tuple[int, int]:
         """The [start, stop) layer numbers of a pipeline stage, as megatron splits them
         (get_transformer_layer_offset): the first and last stages hold first_stage_layers and
-        last_stage_layers where set, the other stages an even share of the rest."""
+        last_stage_layers where set, the other stages an even share of the rest; or as the stage
+        layout string says."""
         counts = self.stage_counts()
         start = sum(counts[:stage])
         return start, start + counts[stage]
@@ -50,6 +53,8 @@ class ModelLayout:
         first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
         if pp == 1:
             return [len(self.moe_layers)]
+        if self.stage_layout is not None:
+            return decoder_counts(self.stage_layout)
         middle_stages = pp - (first is not None) - (last is not None)
         rest = len(self.moe_layers) - (first or 0) - (last or 0)
         per = rest // middle_stages if middle_stages else 0
@@ -69,7 +74,7 @@ def model_layout(cfg: Config) -> ModelLayout:
     par = cfg.parallel
     return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg)), num_experts=cfg.model.moe.num_experts,
                        padded_vocab=padded_vocab_size(cfg), pp=par.pp, first_stage_layers=par.first_stage_layers,
-                       last_stage_layers=par.last_stage_layers)
+                       last_stage_layers=par.last_stage_layers, stage_layout=par.layout)
 
 
 def moe_layer_pattern(cfg: Config) -> list[int]:

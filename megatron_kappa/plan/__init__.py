@@ -83,7 +83,8 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     same_pp = layout.pp == cfg.parallel.pp
     par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
                               first_stage_layers=cfg.parallel.first_stage_layers if same_pp else None,
-                              last_stage_layers=cfg.parallel.last_stage_layers if same_pp else None)
+                              last_stage_layers=cfg.parallel.last_stage_layers if same_pp else None,
+                              layout=cfg.parallel.layout if same_pp else None)
     return dataclasses.replace(cfg, parallel=par)
 
 

@@ -1,0 +1,53 @@
+"""`parallel.layout`: megatron's pipeline_model_parallel_layout string, unrolled and checked.
+
+The string lists each pipeline stage's layers, stages separated by `|`: `E` the embedding, `t` a
+decoder layer, `m` an MTP layer, `L` the output layer and loss; `x*n` repeats a layer and
+`(…)*n` a group, commas are cosmetic (megatron's PipelineParallelLayerLayout.parse_str_to_list).
+DeepSeek-V3's 61 layers on 16 stages with the embedding and the loss given a layer's share each:
+"Et*3|(t*4|)*14t*2mL". One entry per stage: megatron reads more entries than stages as virtual
+stages, which this trainer does not run yet.
+"""
+from __future__ import annotations
+
+import re
+
+LAYERS = {"E": "the embedding", "t": "a decoder layer", "m": "an MTP layer", "L": "the loss"}
+
+
+def stages(text: str) -> list[str]:
+    """One string of layer letters per stage, repetitions unrolled."""
+    text = text.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+    return text.split("|")
+
+
+def decoder_counts(text: str) -> list[int]:
+    """The number of decoder layers on each stage."""
+    return [stage.count("t") for stage in stages(text)]
+
+
+def check(text: str, pp: int, num_layers: int, mtp_layers: int, need) -> None:
+    """What this trainer runs: `pp` stages, the embedding opening the first, the loss closing the
+    last after the MTP layers, every decoder layer placed and each stage holding at least one."""
+    key = "parallel.layout"
+    split = stages(text)
+    unknown = sorted({c for stage in split for c in stage if c not in LAYERS})
+    need(not unknown, key, f"unknown layer {', '.join(map(repr, unknown))} in {text!r}: expected "
+         + ", ".join(f"{c} ({what})" for c, what in LAYERS.items()) + ", with x*n and (...)*n repeats")
+    need(len(split) == pp, key, f"{text!r} has {len(split)} stages for parallel.pp={pp} (one entry per stage: "
+         "virtual stages are not run yet)")
+    joined = "".join(split)
+    need(split[0].startswith("E") and joined.count("E") == 1, key, f"{text!r}: E (the embedding) must open the "
+         "first stage, once")
+    need(split[-1].endswith("L") and joined.count("L") == 1, key, f"{text!r}: L (the loss) must close the last "
+         "stage, once")
+    need(joined.count("t") == num_layers, key, f"{text!r} places {joined.count('t')} decoder layers (t); "
+         f"model.num_layers is {num_layers}")
+    empty = [i for i, stage in enumerate(split) if "t" not in stage]
+    need(not empty, key, f"{text!r}: stage {empty[0] if empty else 0} holds no decoder layer (t); every stage "
+         "needs one")
+    last = split[-1]
+    need(joined.count("m") == mtp_layers and last.count("m") == mtp_layers
+         and (not mtp_layers or "t" not in last[last.index("m"):]), key,
+         f"{text!r}: the last stage must end with model.mtp.num_layers={mtp_layers} MTP layers (m) before L")

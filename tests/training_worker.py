@@ -3,9 +3,10 @@
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
-"x0_not_sent_back" | "embedding_copy_unsynced", "log": false}; each
+"x0_not_sent_back" | "embedding_copy_unsynced", "log": false, "report_offload": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
-"== case <i>" and the run's log lines).
+"== case <i>" and the run's log lines; "report_offload": print "== cpu_offload <flag>", DeepSpeed's
+own flag for its ZeRO-Offload path, from the optimizer the engine built).
 """
 import json
 import sys
@@ -58,7 +59,15 @@ def main(plan_path):
             cfg.zero.stage = 2
         else:
             cfg = load_config("configs/tiny.yaml", case["overrides"])
+        initialize = engine.initialize
+        if case.get("report_offload"):
+            def reported(*a, **k):
+                built = initialize(*a, **k)
+                print(f"== cpu_offload {built[1].cpu_offload}", flush=True)
+                return built
+            engine.initialize = reported
         loop.run(cfg, log=log)
+        engine.initialize = initialize
         embedding_copy.all_reduce_grads = sync
     engine.wire_experts = wire
     groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit

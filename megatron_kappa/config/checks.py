@@ -294,8 +294,6 @@ def _validate_block(cfg: Config, need):
 def _validate_pipeline(cfg: Config, router, need):
     """What pipeline stages (parallel.pp > 1) cannot be combined with."""
     pp = cfg.parallel.pp
-    need(not cfg.zero.offload_optimizer, "zero.offload_optimizer",
-         f"true with parallel.pp={pp}: not tested with pipeline stages (their optimizer hooks); use it without stages")
     need(cfg.zero.stage == 1, "zero.stage",
          f"{cfg.zero.stage} with parallel.pp={pp}: ZeRO-2 reduces gradients inside backward hooks, which the "
          "pipeline schedule's backward passes bypass (the update comes out silently wrong); use zero.stage 1")

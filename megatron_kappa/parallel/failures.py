@@ -11,8 +11,8 @@ What ends the job, and how fast (`parallel.timeout_s`, T; megatron_kappa.paralle
     host (rank 0's) is the one lost.
   - a rank that hangs (alive, never reaching the collective): its peers' collective times out
     after T. They cannot tell from that error whom they waited for, so `explain()` asks: a
-    monitored barrier on a gloo group kept for it (groups.barrier_group), where rank 0 waits up to T for each rank and
-    names those that do not come ("Ranks 1 failed to pass monitoredBarrier"; rank 0 itself hung:
+    monitored barrier on a gloo group kept for it (groups.barrier_group), where rank 0 waits up
+    to T for each rank and names those that do not come ("Ranks 1 failed to pass monitoredBarrier"; rank 0 itself hung:
     the others say "errors while waiting for send/recv from rank 0"). The ranks then exit with
     an error and the launcher ends the hung one. Bound: about 2 T.
 On NCCL (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) a timed-out collective is noticed by torch's watchdog

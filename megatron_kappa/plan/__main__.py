@@ -8,17 +8,16 @@ import sys
 
 from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
-from megatron_kappa.plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned
+from megatron_kappa.plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned, check_overlap
 from megatron_kappa.cli_types import non_negative_float, positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
 
 
 def overlap_terms(text: str) -> tuple[str, ...]:
-    terms = tuple(t.strip() for t in text.split(",") if t.strip())
-    unknown = [t for t in terms if t not in OVERLAP]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(OVERLAP)}, got {','.join(unknown)}")
-    return terms
+    try:
+        return check_overlap(t.strip() for t in text.split(",") if t.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("overlap: ")) from None
 
 
 def main(argv=None) -> int:

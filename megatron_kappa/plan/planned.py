@@ -19,6 +19,15 @@ FP8_ACTIVATIONS = ("none", "linear", "moe")
 OVERLAP = ("data", "expert", "pipeline", "tensor", "context")
 
 
+def check_overlap(terms) -> tuple[str, ...]:
+    """`terms` as a tuple, or a ValueError naming those that are not traffic terms (OVERLAP)."""
+    terms = tuple(terms)
+    unknown = [t for t in terms if t not in OVERLAP]
+    if unknown:
+        raise ValueError(f"overlap: expected some of {', '.join(OVERLAP)}, got {', '.join(unknown)}")
+    return terms
+
+
 @dataclasses.dataclass(frozen=True)
 class Planned:
     optimizer_states: str = "fp32"
@@ -56,9 +65,7 @@ class Planned:
         if self.fp8_activations not in FP8_ACTIVATIONS:
             raise ValueError(f"fp8_activations: expected one of {', '.join(FP8_ACTIVATIONS)}, "
                              f"got {self.fp8_activations!r}")
-        unknown = [o for o in self.overlap if o not in OVERLAP]
-        if unknown:
-            raise ValueError(f"overlap: expected some of {', '.join(OVERLAP)}, got {', '.join(unknown)}")
+        check_overlap(self.overlap)
 
     def labels(self, layout) -> list[str]:
         """What of this plan the trainer cannot run, for the output."""

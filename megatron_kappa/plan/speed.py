@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa.config import Config
+from megatron_kappa.plan.planned import OVERLAP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +156,8 @@ def kv_width(cfg: Config, tp: int) -> float:
     return 2 * (m.num_query_groups or m.num_attention_heads) * d / tp
 
 
-OVERLAPPABLE = ("tensor", "context", "expert", "pipeline")  # hidden behind the stage's compute
+# hidden behind the stage's compute; ZeRO's traffic ("data") has its own rule (_exposed_data)
+OVERLAPPABLE = tuple(t for t in OVERLAP if t != "data")
 
 
 def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvlink: float, ib: float,
@@ -222,10 +224,10 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
     busy = _busy(slowest, overlap)
     bubble = busy * (p - 1) / (v * micro)
-    data = max(_exposed_data(r, overlap) for r in per_stage)
-    terms = {k: t for k, t in slowest.items() if k != "layers"}
+    waited = max(_exposed_data(r, overlap) for r in per_stage)  # of the ZeRO traffic
+    terms = {k: value for k, value in slowest.items() if k != "layers"}
     terms.update(bubble=bubble, data=max(r["data"] for r in per_stage))
-    seconds = busy + bubble + data
+    seconds = busy + bubble + waited
     if overlap:
         terms["overlapped"] = seconds - sum(terms.values())
     return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": v,

@@ -81,3 +81,20 @@ LONGEST_FIRST = ("test_multinode", "test_study", "test_preemption", "test_plan",
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keeps its order
+
+
+# A run needs room for its checkpoints and shards: say so before they fail one by one with
+# errors that never name the disk (megatron's "MockGPTDataset failed to build", zip writers).
+FREE_BYTES_NEEDED = 10 * 2**30
+
+
+def pytest_sessionstart(session):
+    import shutil
+    import tempfile
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller has said it
+        return
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if free < FREE_BYTES_NEEDED:
+        print(f"\nwarning: {free / 2**30:.1f} GiB free under {tempfile.gettempdir()}; the slow tests "
+              f"write up to {FREE_BYTES_NEEDED / 2**30:.0f} GiB and fail in odd ways when it runs out",
+              file=sys.stderr)

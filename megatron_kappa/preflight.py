@@ -42,6 +42,13 @@ def check_parallel(cfg: Config, world: int):
     if cfg.train.global_batch % per_step:
         raise ConfigError(f"config: train.global_batch: {cfg.train.global_batch} is not a multiple of "
                           f"micro_batch × data-parallel size = {cfg.train.micro_batch} × {dp}")
+    pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
+    if vpp > 1:  # megatron's interleaved schedule runs the micro-batches in groups of pp per chunk
+        micro = cfg.train.global_batch // per_step
+        for key, count in (("train.global_batch", micro), ("eval.valid_iters", cfg.eval.valid_iters)):
+            if count % pp:
+                raise ConfigError(f"config: {key}: {count} micro-batches per rank, not a multiple of parallel.pp={pp} "
+                                  f"(interleaved 1F1B with parallel.vpp={vpp} runs them in groups of pp)")
 
 
 def check_attention(m: ModelConfig):

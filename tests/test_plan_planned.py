@@ -127,6 +127,11 @@ def test_planned_only_settings_are_named_and_checked():
     with pytest.raises(ValueError, match="fp8_activations: expected one of none, linear, moe"):
         Planned(fp8_activations="all")
     assert dataclasses.replace(Layout(16, tp=2, pp=2, cp=2, vpp=2)).label().startswith("TP2 PP2 CP2 VPP2 ")
+    # virtual stages run in the trainer (parallel.vpp): not planned only, and read from the config
+    assert Planned().labels(Layout(8, pp=2, vpp=2)) == []
+    from megatron_kappa.config import load_config
+    from megatron_kappa.plan import layout_of
+    assert layout_of(load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.vpp=2"]), 4).vpp == 2
 
 
 def test_every_published_run_fits_with_its_published_settings():

@@ -37,6 +37,9 @@ CASES = {  # name: (processes, settings) before → after
     "ep2-to-tp2": ((2, ["parallel.ep=2"]), (2, ["parallel.tp=2"])),
     "tp2xep2-zero1-to-dp4-zero2": ((4, ["parallel.tp=2", "parallel.ep=2", "zero.stage=1"]), (4, ["zero.stage=2"])),
     "pp2-to-dp2": ((2, ["parallel.pp=2"]), (2, [])),
+    # into virtual stages: rank 0 then holds layers 0 and 2 (model/virtual_stages.py), its optimizer
+    # moments gathered from both stages' files
+    "pp2-to-vpp2": ((2, ["parallel.pp=2"]), (2, ["parallel.pp=2", "parallel.vpp=2"])),
     "4-processes-to-2": ((4, ["parallel.ep=4"]), (2, ["parallel.ep=2"])),
     # Muon/Aurora orthogonalise each TP shard on its own (megatron_kappa/optim/muon.py): a TP change
     # changes the update itself, so Aurora moves between layouts that keep its matrices whole

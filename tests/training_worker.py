@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
-"x0_not_sent_back" | "embedding_copy_unsynced", "log": false, "report_offload": false}; each
+"x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p", "log": false, "report_offload": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines; "report_offload": print "== cpu_offload <flag>", DeepSpeed's
 own flag for its ZeRO-Offload path, from the optimizer the engine built).
@@ -59,6 +59,15 @@ def main(plan_path):
             cfg.zero.stage = 2
         else:
             cfg = load_config("configs/tiny.yaml", case["overrides"])
+        from megatron_kappa.model import build
+        tconfig = build.transformer_config
+        if case.get("negative") == "batched_p2p":
+            # negative control: virtual stages with megatron's batched p2p ops (its default)
+            def batched(*a, tconfig=tconfig, **k):
+                config = tconfig(*a, **k)
+                config.batch_p2p_comm = True
+                return config
+            build.transformer_config = batched
         initialize = engine.initialize
         if case.get("report_offload"):
             def reported(*a, **k):
@@ -68,6 +77,7 @@ def main(plan_path):
             engine.initialize = reported
         loop.run(cfg, log=log)
         engine.initialize = initialize
+        build.transformer_config = tconfig
         embedding_copy.all_reduce_grads = sync
     engine.wire_experts = wire
     groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit

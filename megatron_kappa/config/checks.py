@@ -115,7 +115,15 @@ def _validate_stage_split(layers: int, par, need, mtp_layers: int = 0):
         need(par.pp > 1, "parallel.layout", "needs parallel.pp > 1")
         need(first is None and last is None, "parallel.layout",
              "set with parallel.first_stage_layers / last_stage_layers: use one or the other")
-        stage_layout.check(par.layout, par.pp, layers, mtp_layers, need)
+        stage_layout.check(par.layout, par.pp, layers, mtp_layers, need, par.vpp)
+        return
+    if par.vpp > 1:
+        need(par.pp > 1, "parallel.vpp", f"{par.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline stages)")
+        need(first is None and last is None, "parallel.vpp",
+             f"{par.vpp} with parallel.first_stage_layers / last_stage_layers: give uneven chunks as parallel.layout")
+        chunks = par.pp * par.vpp
+        need(layers % chunks == 0, "parallel.vpp",
+             f"model.num_layers={layers} is not divisible by pp × vpp = {chunks} model chunks (or give parallel.layout)")
         return
     if first is None and last is None:
         need(layers % par.pp == 0, "parallel.pp",
@@ -299,6 +307,10 @@ def _validate_pipeline(cfg: Config, router, need):
          "pipeline schedule's backward passes bypass (the update comes out silently wrong); use zero.stage 1")
     need(cfg.model.layout == "dense" or not router.pipeline_refusal, "model.moe.router",
          f"{cfg.model.moe.router} {router.pipeline_refusal}; use parallel.pp 1")
+    if cfg.parallel.vpp > 1:
+        need(not cfg.model.mtp.num_layers, "parallel.vpp",
+             f"{cfg.parallel.vpp} with model.mtp.num_layers: multi-token prediction with virtual stages is not run "
+             "yet (DeepSeek-V3 trained it under DualPipe); use parallel.vpp 1")
     need(not cfg.eval.core_every, "eval.core_every",
          "the CORE subset during training needs the whole model on each rank; with parallel.pp > 1 "
          "evaluate the checkpoints afterwards (launch/eval_core.py consolidates them)")

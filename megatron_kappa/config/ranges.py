@@ -42,7 +42,7 @@ RANGES = {
     "model.kappa.freeze_fraction": FRACTION, "model.kappa.freeze_min_steps": NON_NEGATIVE,
     "model.kappa.lr": NON_NEGATIVE, "model.kappa.lr_end": NON_NEGATIVE, "model.kappa.warmup": NON_NEGATIVE,
     "model.kappa.l2_alpha": NON_NEGATIVE, "model.kappa.l2_bias": NON_NEGATIVE,
-    "parallel.tp": POSITIVE, "parallel.ep": POSITIVE, "parallel.etp": POSITIVE, "parallel.pp": POSITIVE,
+    "parallel.tp": POSITIVE, "parallel.ep": POSITIVE, "parallel.etp": POSITIVE, "parallel.pp": POSITIVE, "parallel.vpp": POSITIVE,
     "parallel.first_stage_layers": POSITIVE, "parallel.last_stage_layers": POSITIVE,
     "parallel.timeout_s": POSITIVE,
     "train.steps": POSITIVE, "train.seed": NON_NEGATIVE, "train.micro_batch": POSITIVE,

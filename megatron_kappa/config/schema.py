@@ -286,8 +286,13 @@ class ParallelConfig:
     layout: Optional[str] = _f(
         None, "megatron's pipeline_model_parallel_layout instead of first/last_stage_layers: each stage's layers, "
               "stages separated by '|': E the embedding (opens the first), t a decoder layer, m an MTP layer, L the "
-              "loss (closes the last); x*n and (...)*n repeat, e.g. 'Et*3|t*2mL'; one entry per stage, each with a t "
+              "loss (closes the last); x*n and (...)*n repeat, e.g. 'Et*3|t*2mL'; one entry per stage and virtual stage "
+              "(pp × vpp, megatron's order: entry c on rank c mod pp), each with a t "
               "(megatron_kappa/config/stage_layout.py)")
+    vpp: int = _f(1, "virtual pipeline stages per pipeline rank (megatron's virtual_pipeline_model_parallel_size): "
+                     "interleaved 1F1B over pp × vpp model chunks, chunk c on rank c mod pp; the layers split evenly "
+                     "over the chunks, or as parallel.layout says with pp × vpp entries; the micro-batches per step "
+                     "must be a multiple of pp (docs/pipeline.md)")
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)")
 

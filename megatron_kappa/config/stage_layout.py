@@ -4,8 +4,8 @@ The string lists each pipeline stage's layers, stages separated by `|`: `E` the 
 decoder layer, `m` an MTP layer, `L` the output layer and loss; `x*n` repeats a layer and
 `(…)*n` a group, commas are cosmetic (megatron's PipelineParallelLayerLayout.parse_str_to_list).
 DeepSeek-V3's 61 layers on 16 stages with the embedding and the loss given a layer's share each:
-"Et*3|(t*4|)*14t*2mL". One entry per stage: megatron reads more entries than stages as virtual
-stages, which this trainer does not run yet.
+"Et*3|(t*4|)*14t*2mL". With virtual stages (parallel.vpp) there is one entry per model chunk,
+pp × vpp of them in megatron's order: entry c is virtual stage c // pp of rank c mod pp.
 """
 from __future__ import annotations
 
@@ -23,20 +23,21 @@ def stages(text: str) -> list[str]:
 
 
 def decoder_counts(text: str) -> list[int]:
-    """The number of decoder layers on each stage."""
+    """The number of decoder layers of each entry (stage, or model chunk with virtual stages)."""
     return [stage.count("t") for stage in stages(text)]
 
 
-def check(text: str, pp: int, num_layers: int, mtp_layers: int, need) -> None:
-    """What this trainer runs: `pp` stages, the embedding opening the first, the loss closing the
-    last after the MTP layers, every decoder layer placed and each stage holding at least one."""
+def check(text: str, pp: int, num_layers: int, mtp_layers: int, need, vpp: int = 1) -> None:
+    """What this trainer runs: `pp` × `vpp` entries, the embedding opening the first, the loss
+    closing the last after the MTP layers, every decoder layer placed and each entry holding at
+    least one."""
     key = "parallel.layout"
     split = stages(text)
     unknown = sorted({c for stage in split for c in stage if c not in LAYERS})
     need(not unknown, key, f"unknown layer {', '.join(map(repr, unknown))} in {text!r}: expected "
          + ", ".join(f"{c} ({what})" for c, what in LAYERS.items()) + ", with x*n and (...)*n repeats")
-    need(len(split) == pp, key, f"{text!r} has {len(split)} stages for parallel.pp={pp} (one entry per stage: "
-         "virtual stages are not run yet)")
+    need(len(split) == pp * vpp, key, f"{text!r} has {len(split)} entries for parallel.pp={pp} × parallel.vpp={vpp} "
+         "(one entry per stage and virtual stage)")
     joined = "".join(split)
     need(split[0].startswith("E") and joined.count("E") == 1, key, f"{text!r}: E (the embedding) must open the "
          "first stage, once")

@@ -37,4 +37,6 @@ Modules:
                        routing maps)
   sorted_dispatch.py   A token dispatcher with no host sync, for MoE layers whose experts all live
                        on this rank
+  virtual_stages.py    A pipeline rank's model chunks (virtual stages, parallel.vpp > 1) seen as one
+                       module
 """

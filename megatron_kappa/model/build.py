@@ -38,6 +38,7 @@ from megatron_kappa.model import fp8, init, nanochat, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
+from megatron_kappa.model.virtual_stages import VirtualStages
 
 
 def recompute_settings(m: ModelConfig, has_moe: bool) -> dict:
@@ -75,6 +76,12 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         num_layers_in_first_pipeline_stage=par.first_stage_layers if par.pp > 1 else None,
         num_layers_in_last_pipeline_stage=par.last_stage_layers if par.pp > 1 else None,
         pipeline_model_parallel_layout=par.layout if par.pp > 1 else None,
+        virtual_pipeline_model_parallel_size=par.vpp if par.pp > 1 and par.vpp > 1 else None,
+        # interleaved 1F1B sends to both neighbours at once, which are one rank when pp = 2; gloo
+        # pairs a pair's messages in posting order, and the batched ops post rank 0's [gradient to
+        # prev, activation to next] against rank 1's [activation from prev, gradient from next]: the
+        # two arrive swapped. megatron's unbatched ops put the two directions on two groups.
+        batch_p2p_comm=par.vpp == 1,
         expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp,
         use_cpu_initialization=torch.device(device).type == "cpu",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
@@ -249,11 +256,12 @@ def softmoe_layer(cfg: Config, kappa: bool):
 
 
 def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
-                layout: ModelLayout | None = None, inputs: nanochat.BlockInputs | None = None
-                ) -> TransformerBlockSubmodules:
-    """Local (plain torch) specs per layer for a model on `device` (of one pipeline stage, when
-    given); the MoE layers' router, experts and layer class come from router_spec, experts_spec
-    and moe_layer_spec. `inputs`: what the nanochat block's layers read (the model's BlockInputs)."""
+                layout: ModelLayout | None = None, inputs: nanochat.BlockInputs | None = None,
+                vp_stage: int = 0) -> TransformerBlockSubmodules:
+    """Local (plain torch) specs per layer for a model on `device` (of one pipeline stage and
+    virtual stage, when given); the MoE layers' router, experts and layer class come from
+    router_spec, experts_spec and moe_layer_spec. `inputs`: what the nanochat block's layers read
+    (the model's BlockInputs)."""
     layout = layout or model_layout(cfg)
     inputs = inputs or nanochat.BlockInputs()
     spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
@@ -268,7 +276,7 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
     layers = [moe if is_moe else dense for is_moe in layout.moe_layers]
     if pipeline_stage is not None:  # this stage's layers only (megatron numbers them from its offset)
-        start, stop = layout.stage_layers(pipeline_stage)
+        start, stop = layout.stage_layers(pipeline_stage, vp_stage)
         layers = layers[start:stop]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg.model))
 
@@ -301,6 +309,15 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
     tconfig = transformer_config(cfg, device, layout)
     if meta:
         tconfig.perform_initialization = False
+    if layout.vpp == 1:
+        return _build_chunk(cfg, device, meta, layout, tconfig)
+    # virtual stages: one chunk per virtual stage, built in order (their initialisation draws from
+    # the same generators one after the other), seen as one module (model/virtual_stages.py)
+    return VirtualStages([_build_chunk(cfg, device, meta, layout, tconfig, v) for v in range(layout.vpp)])
+
+
+def _build_chunk(cfg: Config, device, meta: bool, layout: ModelLayout, tconfig, vp_stage: int | None = None):
+    """One GPT model: this rank's pipeline stage, or its virtual stage `vp_stage` of them."""
     m = cfg.model
     with torch.device("meta") if meta else contextlib.nullcontext():
         # model.cross_entropy_chunk: the chunked loss inside the model; 0: megatron's own
@@ -312,16 +329,17 @@ def build_model(cfg: Config, device: torch.device | str | None = None, meta: boo
         stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         if stages != cfg.parallel.pp:
             raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
-        specs = layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs)
+        specs = layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs, vp_stage or 0)
         if m.mtp.num_layers:  # one layer of the model's last layer's kind per MTP depth, on the last stage
             model_class = partial(model_class, mtp_block_spec=mtp_block_spec(cfg, tconfig, device, layout, inputs))
         model = model_class(
             config=tconfig,
             transformer_layer_spec=specs,
-            pre_process=stage == 0, post_process=stage == stages - 1,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vocab_size=layout.padded_vocab, max_sequence_length=cfg.model.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
-            rotary_base=cfg.model.rotary_base,
+            rotary_base=cfg.model.rotary_base, **({} if vp_stage is None else {"vp_stage": vp_stage}),
         )
     if cfg.model.init == "nanochat" and model.post_process and not meta:
         init.init_output_layer(model, cfg.train.seed)

@@ -24,6 +24,7 @@ class ModelLayout:
     first_stage_layers: int | None = None  # uneven stages: parallel.first_stage_layers / last_stage_layers
     last_stage_layers: int | None = None
     stage_layout: str | None = None  # or parallel.layout (megatron's pipeline_model_parallel_layout)
+    vpp: int = 1  # virtual stages per rank: pp × vpp model chunks, chunk c on rank c mod pp
 
     @property
     def has_moe(self) -> bool:
@@ -39,22 +40,30 @@ class ModelLayout:
         layout checks divide by)."""
         return self.num_experts if self.has_moe else None
 
-    def stage_layers(self, stage: int) -> tuple[int, int]:
-        """The [start, stop) layer numbers of a pipeline stage, as megatron splits them
-        (get_transformer_layer_offset): the first and last stages hold first_stage_layers and
-        last_stage_layers where set, the other stages an even share of the rest; or as the stage
-        layout string says."""
-        counts = self.stage_counts()
-        start = sum(counts[:stage])
-        return start, start + counts[stage]
+    def stage_layers(self, stage: int, vp_stage: int = 0) -> tuple[int, int]:
+        """The [start, stop) layer numbers of a pipeline stage (of its virtual stage `vp_stage`:
+        model chunk vp_stage × pp + stage), as megatron splits them (get_transformer_layer_offset):
+        the first and last stages hold first_stage_layers and last_stage_layers where set, the
+        other stages an even share of the rest; or as the stage layout string says."""
+        counts = self.chunk_counts()
+        chunk = vp_stage * self.pp + stage
+        start = sum(counts[:chunk])
+        return start, start + counts[chunk]
 
     def stage_counts(self) -> list[int]:
-        """The number of layers on each pipeline stage."""
+        """The number of layers on each pipeline stage (all its virtual stages together)."""
+        counts = self.chunk_counts()
+        return [sum(counts[stage::self.pp]) for stage in range(self.pp)]
+
+    def chunk_counts(self) -> list[int]:
+        """The number of layers of each model chunk, in the model's order (pp × vpp of them)."""
         first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
         if pp == 1:
             return [len(self.moe_layers)]
         if self.stage_layout is not None:
             return decoder_counts(self.stage_layout)
+        if self.vpp > 1:  # an even split (the checks refuse first/last stage counts with vpp)
+            return [len(self.moe_layers) // (pp * self.vpp)] * (pp * self.vpp)
         middle_stages = pp - (first is not None) - (last is not None)
         rest = len(self.moe_layers) - (first or 0) - (last or 0)
         per = rest // middle_stages if middle_stages else 0
@@ -65,16 +74,20 @@ class ModelLayout:
             counts[-1] = last
         return counts
 
+    def stage_layer_indices(self, stage: int) -> list[int]:
+        """The global indices of a stage's layers (of all its virtual stages, in order)."""
+        return [i for v in range(self.vpp) for i in range(*self.stage_layers(stage, v))]
+
     def stage_moe_layers(self, stage: int) -> tuple[int, ...]:
-        start, stop = self.stage_layers(stage)
-        return self.moe_layers[start:stop]
+        """Which of a stage's layers are MoE (of all its virtual stages, in order)."""
+        return tuple(self.moe_layers[i] for i in self.stage_layer_indices(stage))
 
 
 def model_layout(cfg: Config) -> ModelLayout:
     par = cfg.parallel
     return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg)), num_experts=cfg.model.moe.num_experts,
                        padded_vocab=padded_vocab_size(cfg), pp=par.pp, first_stage_layers=par.first_stage_layers,
-                       last_stage_layers=par.last_stage_layers, stage_layout=par.layout)
+                       last_stage_layers=par.last_stage_layers, stage_layout=par.layout, vpp=par.vpp)
 
 
 def moe_layer_pattern(cfg: Config) -> list[int]:
@@ -112,7 +125,10 @@ def padded_vocab_size(cfg: Config) -> int:
 
 
 def layer_offset(model) -> int:
-    """The global index of this pipeline stage's first layer (`decoder.layers.<i>` is local)."""
+    """The global index of this pipeline stage's first layer (`decoder.layers.<i>` is local); 0
+    for a rank's virtual stages (model.virtual_stages), which name their layers by the global index."""
+    if getattr(model, "names_are_global", False):
+        return 0
     layers = model.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 

@@ -50,7 +50,7 @@ class Layout:
     ep: int = 1
     etp: int = 1
     cp: int = 1  # context parallelism: planned only (megatron_kappa.plan.planned)
-    vpp: int = 1  # virtual pipeline stages per rank: planned only
+    vpp: int = 1  # virtual pipeline stages per rank (parallel.vpp: interleaved 1F1B)
 
     @property
     def dp(self) -> int:
@@ -69,22 +69,25 @@ class Layout:
         return self.world // (self.ep * self.etp * self.pp)
 
     def label(self) -> str:
-        planned = f" CP{self.cp}" * (self.cp > 1) + f" VPP{self.vpp}" * (self.vpp > 1)
-        return f"TP{self.tp} PP{self.pp}{planned} EP{self.ep} ETP{self.etp} DP{self.dp} (EDP{self.edp})"
+        extra = f" CP{self.cp}" * (self.cp > 1) + f" VPP{self.vpp}" * (self.vpp > 1)
+        return f"TP{self.tp} PP{self.pp}{extra} EP{self.ep} ETP{self.etp} DP{self.dp} (EDP{self.edp})"
 
 
 def layout_of(cfg: Config, world: int) -> Layout:
     par = cfg.parallel
-    return Layout(world=world, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp)
+    return Layout(world=world, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, vpp=par.vpp)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
-    """`cfg` in `layout`; the config's uneven stage split only for its own number of stages."""
+    """`cfg` in `layout`; the config's uneven stage split only for its own number of stages (its
+    layout string also for its own virtual stages; other virtual stages are the planner's sums)."""
     same_pp = layout.pp == cfg.parallel.pp
+    same_chunks = same_pp and layout.vpp == cfg.parallel.vpp
     par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
                               first_stage_layers=cfg.parallel.first_stage_layers if same_pp else None,
                               last_stage_layers=cfg.parallel.last_stage_layers if same_pp else None,
-                              layout=cfg.parallel.layout if same_pp else None)
+                              layout=cfg.parallel.layout if same_chunks else None,
+                              vpp=cfg.parallel.vpp if same_chunks else 1)
     return dataclasses.replace(cfg, parallel=par)
 
 
@@ -181,8 +184,7 @@ def stage_params(cfg: Config, layout: Layout, stage: int) -> dict[str, int]:
     """Every parameter one rank of pipeline stage `stage` holds, by kind."""
     shape = model_shape(cfg, layout)
     total = dict.fromkeys(KINDS, 0)
-    first, _ = shape.stage_layers(stage)
-    for index, is_moe in enumerate(shape.stage_moe_layers(stage), first):
+    for index, is_moe in zip(shape.stage_layer_indices(stage), shape.stage_moe_layers(stage)):
         for kind, n in layer_params(cfg, layout, is_moe, index).items():
             total[kind] += n
     vocab = shape.padded_vocab // layout.tp * cfg.model.hidden_size

@@ -39,9 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-imbalance", type=positive_float, default=1.0,
                     help="the busiest EP rank's routed tokens over the average, under dropless routing (>= 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
+    ap.add_argument("--vpp", type=positive_int, default=None,
+                    help="virtual pipeline stages per rank (interleaved 1F1B; default: the config's parallel.vpp)")
     planned = ap.add_argument_group("planned only", "settings the planner models and the trainer does not run")
     planned.add_argument("--cp", type=positive_int, default=1, help="context-parallel size")
-    planned.add_argument("--vpp", type=positive_int, default=1, help="virtual pipeline stages per rank")
     planned.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
                          help="the optimizer's moments in bf16 (the master copy stays fp32)")
     planned.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default="none",
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
                                  args.expert_imbalance, extra)
             print(json.dumps(rows, indent=1) if args.json else search.render_search(rows))
             return 0 if rows else 1
-        layout = dataclasses.replace(planner.layout_of(cfg, args.world), cp=args.cp, vpp=args.vpp)
+        layout = planner.layout_of(cfg, args.world)
+        layout = dataclasses.replace(layout, cp=args.cp, vpp=args.vpp or layout.vpp)
         result = planner.plan(cfg, layout, args.gpu_mem, args.gpus_per_node, rates, args.expert_imbalance, extra)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

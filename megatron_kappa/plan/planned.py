@@ -4,8 +4,6 @@ The published frontier runs use them (docs/plan.md's table cites which run used 
   context parallelism (Layout.cp)   the sequence split over cp ranks (megatron's ring attention):
                                     activations and tokens per rank / cp, the K and V chunks
                                     passed around the ring, dense gradients over DP × CP
-  virtual stages (Layout.vpp)       interleaved 1F1B: the bubble / v, more micro-batches in flight
-                                    on the early stages, v times the stage-to-stage traffic
   overlap (Planned.overlap)         traffic that runs beside the compute instead of after it
                                     (megatron_kappa.plan.speed says how much of it stays exposed)
 and the memory savings of this dataclass. The trainer refuses none of them by config: they are
@@ -69,7 +67,7 @@ class Planned:
 
     def labels(self, layout) -> list[str]:
         """What of this plan the trainer cannot run, for the output."""
-        out = [f"CP{layout.cp}"] * (layout.cp > 1) + [f"VPP{layout.vpp}"] * (layout.vpp > 1)
+        out = [f"CP{layout.cp}"] * (layout.cp > 1)
         out += ["bf16 optimizer moments"] * (self.optimizer_states == "bf16")
         out += [f"fp8 activations ({self.fp8_activations})"] * (self.fp8_activations != "none")
         out += ["norm recompute"] * self.recompute_norms

@@ -1,6 +1,6 @@
 """`--search`: the layouts that fit, fastest first, each at its fastest micro-batch and recompute
-mode (the step-time estimate of megatron_kappa.plan.speed). Context parallelism and virtual
-stages are searched too (planned only: megatron_kappa.plan.planned)."""
+mode (the step-time estimate of megatron_kappa.plan.speed). Virtual stages and context
+parallelism are searched too (the latter planned only: megatron_kappa.plan.planned)."""
 from __future__ import annotations
 
 import dataclasses

@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_kappa.config import Config
 from megatron_kappa.model import embedding_copy
 from megatron_kappa.model.nanochat import pipeline_seq_length
+from megatron_kappa.model.virtual_stages import chunks_of
 from megatron_kappa.parallel.groups import dp_mean, pipeline_sum
 from megatron_kappa.train import recipe
 from megatron_kappa.train.data import batch_at, train_first_sample
@@ -36,7 +37,8 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
     """The mean loss of `batches` (micro-batches) through every stage, on every rank of the
     pipeline; with forward_only=False the gradients are accumulated in `.grad` (megatron's
     schedule divides each micro-batch's loss by their count)."""
-    data = iter(batches)
+    chunks = chunks_of(model)  # virtual stages: megatron's interleaved schedule, each chunk its own iterator
+    data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
 
     def forward_step(data_iterator, module):
         batch = next(data_iterator)
@@ -45,7 +47,7 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
         return output, lambda per_token: _loss(per_token, batch["loss_mask"])
 
     results = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=len(batches),
+        forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=len(batches),
         seq_length=pipeline_seq_length(cfg), micro_batch_size=cfg.train.micro_batch, forward_only=forward_only)
     device = position_ids.device
     loss = torch.zeros((), device=device)

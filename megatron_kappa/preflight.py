@@ -45,7 +45,8 @@ def check_parallel(cfg: Config, world: int):
     pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
     if vpp > 1:  # megatron's interleaved schedule runs the micro-batches in groups of pp per chunk
         micro = cfg.train.global_batch // per_step
-        for key, count in (("train.global_batch", micro), ("eval.valid_iters", cfg.eval.valid_iters)):
+        validations = (("eval.valid_iters", cfg.eval.valid_iters),) if cfg.eval.valid_every else ()
+        for key, count in (("train.global_batch", micro), *validations):
             if count % pp:
                 raise ConfigError(f"config: {key}: {count} micro-batches per rank, not a multiple of parallel.pp={pp} "
                                   f"(interleaved 1F1B with parallel.vpp={vpp} runs them in groups of pp)")

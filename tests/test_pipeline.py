@@ -512,6 +512,8 @@ def test_virtual_stage_micro_batches_come_in_groups_of_pp():
         check_parallel(load_config("configs/tiny.yaml", sets + ["train.global_batch=8", "eval.valid_iters=3"]), 2)
     check_parallel(load_config("configs/tiny.yaml", ["parallel.pp=2", "train.micro_batch=2", "train.global_batch=6",
                                                      "eval.valid_iters=3"]), 2)  # fine without virtual stages
+    check_parallel(load_config("configs/tiny.yaml", sets + ["train.global_batch=8", "eval.valid_iters=3",
+                                                            "eval.valid_every=0"]), 2)  # no validation: not checked
 
 
 def test_a_rank_s_chunks_are_one_module_under_the_full_model_s_names():

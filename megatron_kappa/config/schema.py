@@ -425,7 +425,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    valid_every: int = _f(500, "steps between validation losses (0: only at the end)")
+    valid_every: int = _f(500, "steps between validation losses, and one at the last step (0: no validation)")
     valid_iters: int = _f(10, "micro-batches per validation")
     core_every: int = _f(0, "steps between quick CORE subsets (0: never during training)")
     core_max_per_task: int = _f(100, "examples per task in the quick CORE subset")

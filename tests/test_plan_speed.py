@@ -85,7 +85,7 @@ def test_backward_is_twice_the_forward_and_full_recompute_adds_one(world1):
 def test_selective_modules_add_their_forward_matmuls(world1, modules, extra):
     """Each recompute module's extra backward matmuls, as torch counts them, are the parts
     recomputed_flops charges for it."""
-    from megatron_kappa.model.layout import recompute_modules
+    from megatron_kappa.config import recompute as selective
     cfg = load_config("configs/tiny.yaml", [*SHAPE, *extra])
     shape = planner.model_shape(cfg, Layout(1))
     tokens = 2 * cfg.model.seq_length
@@ -95,7 +95,7 @@ def test_selective_modules_add_their_forward_matmuls(world1, modules, extra):
     chosen_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
                                                                      recompute_modules=modules))
     want = sum(speed.recomputed_flops(speed.layer_flops(cfg, is_moe, tokens, 1), "selective",
-                                      recompute_modules(chosen_cfg.model, True)) for is_moe in shape.moe_layers)
+                                      selective.selected(chosen_cfg.model, True)) for is_moe in shape.moe_layers)
     assert want > 0 and mm(chosen) - mm(plain) == want
 
 
@@ -193,3 +193,23 @@ def test_latency_by_hand():
     assert ms["pipeline"] - none["pipeline"] == pytest.approx(1e-3 * 2 * micro)  # one boundary, there and back
     assert ms["data"] - none["data"] == pytest.approx(1e-3 * 2 * (3 + 3))  # DP4 and EDP4 rings
     assert ms["context"] == none["context"] == 0
+
+
+def test_every_recompute_module_is_known_to_each_estimate():
+    """megatron_kappa/config/recompute.py owns the module names: each one, alone, makes the
+    activation estimate keep less than no recompute (the estimate has its rule), and its FLOP
+    parts are parts layer_flops computes (test_selective_modules_add_their_forward_matmuls checks
+    them against torch's count)."""
+    from megatron_kappa.config import recompute as selective
+    from megatron_kappa.plan.activations import activation_bytes
+    cfg = load_config("configs/tiny.yaml", ["model.moe.grouped_gemm=true", "model.moe.shared_ffn_hidden_size=32",
+                                            *MLA])
+    layout = Layout(1)
+    plain = activation_bytes(cfg, layout, 0, "none", 1)
+    parts = speed.layer_flops(cfg, True, 64, 1).keys() | speed.layer_flops(cfg, False, 64, 1).keys()
+    for name, module in selective.MODULES.items():
+        chosen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
+                                                                    recompute_modules=[name]))
+        assert module.needs(chosen.model) is None, name
+        assert activation_bytes(chosen, layout, 0, "selective", 1) < plain, name
+        assert set(module.flops) <= parts, name

@@ -12,6 +12,8 @@ Modules:
   ranges.py        The allowed range of every numeric config key, in one table: checked when a
                    config is validated (before the cross-field checks of
                    megatron_kappa.config.checks) and shown in the generated docs/config.md
+  recompute.py     `model.recompute_modules`: megatron's selective-recompute modules that run here,
+                   in one table
   reference.py     docs/config.md, generated from the schema (`python -m megatron_kappa.config
                    --markdown`)
   schema.py        The config schema: one dataclass per YAML section, each value with its default

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from megatron_kappa import routers
 from megatron_kappa.config import ranges, stage_layout
+from megatron_kappa.config import recompute as selective
 from megatron_kappa.config.schema import Config, ConfigError, TrainConfig
 from megatron_kappa.kappa import DEFAULTS as KAPPA
 from megatron_kappa.kappa import inputs as kappa_inputs
@@ -261,9 +262,6 @@ def _validate_muon(t: TrainConfig, need):
          f"orthogonalised update, not the gradient (got {t.grad_clip})")
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
-
-
 def _validate_recompute(m, need):
     """model.recompute_modules: megatron's module names that run here (its layernorm recompute
     needs Transformer Engine's FP8 state), each where it exists, with selective recompute."""
@@ -274,15 +272,13 @@ def _validate_recompute(m, need):
         return
     need(m.recompute == "selective", "model.recompute_modules",
          f"applies to model.recompute: selective (got {m.recompute})")
-    need(isinstance(mods, list) and len(mods) > 0 and all(x in RECOMPUTE_MODULES for x in mods)
+    need(isinstance(mods, list) and len(mods) > 0 and all(x in selective.MODULES for x in mods)
          and len(set(mods)) == len(mods), "model.recompute_modules",
-         f"expected a non-empty list of distinct names from {list(RECOMPUTE_MODULES)} (megatron's layernorm "
+         f"expected a non-empty list of distinct names from {list(selective.MODULES)} (megatron's layernorm "
          f"needs Transformer Engine), got {mods!r}")
-    need("mla_up_proj" not in mods or m.mla.enabled, "model.recompute_modules", "mla_up_proj needs model.mla")
-    need("moe_act" not in mods or m.moe.grouped_gemm, "model.recompute_modules",
-         "moe_act needs model.moe.grouped_gemm (megatron recomputes the grouped experts' activation)")
-    need("shared_experts" not in mods or m.moe.shared_ffn_hidden_size, "model.recompute_modules",
-         "shared_experts needs model.moe.shared_ffn_hidden_size")
+    for name in mods:
+        why = selective.MODULES[name].needs(m)
+        need(why is None, "model.recompute_modules", why)
 
 
 def _validate_block(cfg: Config, need):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from megatron_kappa import routers
+from megatron_kappa.config import recompute as selective
 from megatron_kappa.kappa import DEFAULTS as KAPPA
 from megatron_kappa.kappa import inputs as kappa_inputs
 
@@ -254,9 +255,8 @@ class ModelConfig:
               "method); the others keep their activations. null: every layer (the uniform method)")
     recompute_modules: list | None = _f(
         None, "with recompute: selective, megatron's modules to recompute in backward (null: core_attn, and "
-              "moe_act with grouped GEMMs): core_attn (the attention core), mla_up_proj (MLA's up-projections; "
-              "model.mla), moe_act (the experts' activation; grouped GEMMs), mlp (a dense layer's MLP), moe (the "
-              "whole MoE layer), shared_experts. megatron's layernorm needs Transformer Engine")
+              f"moe_act with grouped GEMMs): {selective.describe()}. megatron's layernorm needs Transformer Engine "
+              "(megatron_kappa/config/recompute.py)")
     attention: Literal["sdpa", "local", "te"] = _f(
         "sdpa", "core attention: torch's scaled_dot_product_attention (flash/cuDNN/memory-efficient "
                 "kernels), megatron's local DotProductAttention (materialises the scores; for "

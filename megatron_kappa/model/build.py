@@ -32,7 +32,8 @@ from megatron_kappa.model.mla import SequenceParallelMLA
 from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
-from megatron_kappa.model.layout import ModelLayout, model_layout, recompute_modules
+from megatron_kappa.config import recompute as selective
+from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
 from megatron_kappa.model import fp8, init, nanochat, softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
@@ -48,7 +49,7 @@ def recompute_settings(m: ModelConfig, has_moe: bool) -> dict:
     if m.recompute == "full":  # every layer's input kept, each layer recomputed in backward
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if m.recompute == "selective":
-        modules = recompute_modules(m, has_moe)
+        modules = selective.selected(m, has_moe)
         return dict(recompute_granularity="selective", recompute_modules=list(modules))
     return {}
 

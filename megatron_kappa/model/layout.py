@@ -101,14 +101,6 @@ def moe_layer_pattern(cfg: Config) -> list[int]:
     return [1 if i in (middle - 1, middle) else 0 for i in range(m.num_layers)]
 
 
-def recompute_modules(m, has_moe: bool) -> tuple[str, ...]:
-    """The modules selective recompute recomputes: model.recompute_modules, else core attention and
-    (with grouped GEMMs) the experts' activation. The planner counts the same ones."""
-    if m.recompute_modules is not None:
-        return tuple(m.recompute_modules)
-    return ("core_attn",) + (("moe_act",) if has_moe and m.moe.grouped_gemm else ())
-
-
 VALUE_GATE_CHANNELS = 32  # a value-embedding gate reads x[..., :32] (14c9b04 nanochat/gpt.py 360)
 
 

@@ -31,7 +31,7 @@ activation offload leaves two chunks on the GPU.
 from __future__ import annotations
 
 from megatron_kappa.config import Config
-from megatron_kappa.model.layout import recompute_modules
+from megatron_kappa.config import recompute as selective
 from megatron_kappa.plan.planned import Planned
 
 
@@ -72,7 +72,7 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t
     shape = model_shape(cfg, layout)
-    modules = set(recompute_modules(m, shape.has_moe)) if recompute == "selective" else set()
+    modules = set(selective.selected(m, shape.has_moe)) if recompute == "selective" else set()
     norms = planned.recompute_norms and recompute == "selective"  # a selective module, as in megatron
     linear, moe_fp8 = planned.fp8_activations == "linear", planned.fp8_activations == "moe"
     layers = []

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa.config import Config
+from megatron_kappa.config import recompute as selective
 from megatron_kappa.plan.planned import OVERLAP
 
 
@@ -114,17 +115,14 @@ def recomputed_flops(f: dict[str, float], recompute: str, modules: tuple[str, ..
         return f["matmul"] + f["scores"]
     if recompute != "selective":
         return 0.0
-    parts = {"core_attn": ("scores",), "mla_up_proj": ("mla_up",), "mlp": ("mlp",),
-             "moe": ("router", "experts", "shared"), "shared_experts": ("shared",), "moe_act": ()}
-    chosen = {p for mod in modules for p in parts[mod]}
+    chosen = {p for mod in modules for p in selective.MODULES[mod].flops}
     return sum(f[p] for p in chosen)
 
 
 def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0) -> float:
     """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute)."""
-    from megatron_kappa.model.layout import recompute_modules
     m = cfg.model
-    modules = recompute_modules(m, shape.has_moe)
+    modules = selective.selected(m, shape.has_moe)
     total = 0.0
     blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
     for i, is_moe in enumerate(shape.stage_moe_layers(stage)):

@@ -80,13 +80,15 @@ def mtp_runs(world1, tmp_path_factory):
     layout = ["parallel.tp=2", "parallel.ep=2", "eval.valid_iters=2", "checkpoint.interval=1", "checkpoint.keep=3"]
     launch(tmp, [{"overrides": sets + layout + [f"run.dir={tmp / 'tp2_ep2'}"]},
                  {"overrides": sets + LAYOUTS["pp2_ep2"][1] + [f"run.dir={tmp / 'pp2_ep2'}"]},
+                 # virtual stages: the MTP depth and the embedding's copy in rank 1's last chunk
+                 {"overrides": sets + LAYOUTS["pp2_ep2"][1] + ["parallel.vpp=2", f"run.dir={tmp / 'pp2_vpp2_ep2'}"]},
                  {"overrides": sets + LAYOUTS["pp2_ep2"][1] + [f"run.dir={tmp / 'unsynced'}"],
                   "negative": "embedding_copy_unsynced"}], 4)
     return tmp, sets + layout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2_ep2", "pp2_ep2"])
+@pytest.mark.parametrize("name", ["tp2_ep2", "pp2_ep2", "pp2_vpp2_ep2"])
 def test_mtp_layouts_match_one_process(mtp_runs, name):
     """The losses, mtp_loss and gradient norms of every step and the validation loss. With PP2 the
     last stage's embedding copy must take the first stage's update: left with its own gradient
@@ -104,12 +106,14 @@ def test_mtp_layouts_match_one_process(mtp_runs, name):
 
 
 @pytest.mark.slow
-def test_the_embedding_copy_stays_the_first_stages(mtp_runs):
-    """PP2×EP2 after 3 steps: the last stage's copy of the input embedding equals the first
-    stage's bit for bit on every rank, and both equal the one-process run's embedding."""
+@pytest.mark.parametrize("name", ["pp2_ep2", "pp2_vpp2_ep2"])
+def test_the_embedding_copy_stays_the_first_stages(mtp_runs, name):
+    """PP2×EP2 (and with virtual stages) after 3 steps: the last stage's copy of the input
+    embedding equals the first stage's bit for bit on every rank, and both equal the one-process
+    run's embedding."""
     from megatron_kappa.checkpoint.store import Checkpoints
     tmp, _ = mtp_runs
-    run = Checkpoints(tmp / "pp2_ep2")
+    run = Checkpoints(tmp / name)
     step = run.latest()
     files = run.rank_files(step)
     name = "embedding.word_embeddings.weight"

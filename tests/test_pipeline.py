@@ -494,7 +494,8 @@ def test_virtual_stages_split_as_megatron_does(monkeypatch):
                ("parallel.pp=2", "parallel.vpp=3"): "not divisible by pp × vpp = 6",
                ("parallel.pp=2", "parallel.vpp=2", "parallel.first_stage_layers=2"): "give uneven chunks as parallel.layout",
                ("parallel.pp=2", "parallel.vpp=2", "parallel.layout=Et|t|ttL"): "3 entries for parallel.pp=2 × parallel.vpp=2",
-               ("parallel.pp=2", "parallel.vpp=2", "model.mtp.num_layers=1"): "multi-token prediction with virtual stages"}
+               ("parallel.pp=2", "parallel.vpp=2", "model.num_layers=5", "model.mtp.num_layers=1",
+                "parallel.layout=Et|t|tm|ttL"): "MTP layers (m) before L"}
     for sets, message in refused.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config("configs/tiny.yaml", list(sets))

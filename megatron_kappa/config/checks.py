@@ -303,10 +303,6 @@ def _validate_pipeline(cfg: Config, router, need):
          "pipeline schedule's backward passes bypass (the update comes out silently wrong); use zero.stage 1")
     need(cfg.model.layout == "dense" or not router.pipeline_refusal, "model.moe.router",
          f"{cfg.model.moe.router} {router.pipeline_refusal}; use parallel.pp 1")
-    if cfg.parallel.vpp > 1:
-        need(not cfg.model.mtp.num_layers, "parallel.vpp",
-             f"{cfg.parallel.vpp} with model.mtp.num_layers: multi-token prediction with virtual stages is not run "
-             "yet (DeepSeek-V3 trained it under DualPipe); use parallel.vpp 1")
     need(not cfg.eval.core_every, "eval.core_every",
          "the CORE subset during training needs the whole model on each rank; with parallel.pp > 1 "
          "evaluate the checkpoints afterwards (launch/eval_core.py consolidates them)")

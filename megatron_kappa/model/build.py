@@ -282,10 +282,11 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg.model))
 
 
-def mtp_block_spec(cfg: Config, tconfig, device, layout: ModelLayout, inputs):
+def mtp_block_spec(cfg: Config, tconfig, device, layout: ModelLayout, inputs, vp_stage: int | None = None):
     """megatron's MTP block spec (model.mtp) for the last layer's kind, with our norms: megatron's
-    local ones refuse sequence parallelism."""
-    spec = get_gpt_mtp_block_spec(tconfig, layer_specs(cfg, device, None, layout, inputs), use_transformer_engine=False)
+    local ones refuse sequence parallelism. None off the last stage (of its last virtual stage)."""
+    spec = get_gpt_mtp_block_spec(tconfig, layer_specs(cfg, device, None, layout, inputs), use_transformer_engine=False,
+                                  vp_stage=vp_stage)
     if spec is None:  # not the last pipeline stage
         return None
     norm = norm_spec(cfg.model)
@@ -332,7 +333,7 @@ def _build_chunk(cfg: Config, device, meta: bool, layout: ModelLayout, tconfig, 
             raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
         specs = layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs, vp_stage or 0)
         if m.mtp.num_layers:  # one layer of the model's last layer's kind per MTP depth, on the last stage
-            model_class = partial(model_class, mtp_block_spec=mtp_block_spec(cfg, tconfig, device, layout, inputs))
+            model_class = partial(model_class, mtp_block_spec=mtp_block_spec(cfg, tconfig, device, layout, inputs, vp_stage))
         model = model_class(
             config=tconfig,
             transformer_layer_spec=specs,

@@ -69,7 +69,8 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     batches = [batch_at(train_ds, train_first_sample(step, micro, cfg, dp_rank, dp), cfg.train.micro_batch, device)
                for micro in range(micro_batches)]
     loss = run_schedule(engine.module, batches, cfg, position_ids, forward_only=False)
-    embedding_copy.all_reduce_grads(model)  # MTP's embedding copy on the last stage steps with the first's
+    for chunk in chunks_of(model):  # MTP's embedding copy on the last stage steps with the first's
+        embedding_copy.all_reduce_grads(chunk)
     l2 = recipe.kappa_l2(model, cfg, device)
     if l2.requires_grad:  # this stage holds α, b
         (l2 * recipe.l2_scale()).backward()

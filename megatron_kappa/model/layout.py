@@ -118,7 +118,7 @@ def padded_vocab_size(cfg: Config) -> int:
 
 def layer_offset(model) -> int:
     """The global index of this pipeline stage's first layer (`decoder.layers.<i>` is local); 0
-    for a rank's virtual stages (model.virtual_stages), which name their layers by the global index."""
+    for a rank's virtual stages (model/virtual_stages.py), which name their layers by the global index."""
     if getattr(model, "names_are_global", False):
         return 0
     layers = model.decoder.layers

@@ -42,7 +42,7 @@ class VirtualStages(nn.Module):
     def _place(owner: nn.Module, name: str, module: nn.Module | None):
         """A chunk's own part (the embedding, the final norm, the output layer) under its name; the
         parts without parameters or buffers (rotary embedding) stay with their chunk."""
-        if module is None or not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
+        if module is None or not _holds_tensors(module):
             return
         if name in owner._modules:
             raise ValueError(f"virtual stages: two model chunks of this rank hold '{name}'")
@@ -52,9 +52,7 @@ class VirtualStages(nn.Module):
         """Every module of the chunks that holds parameters or buffers is in the view."""
         mine = {id(m) for m in self.modules()}
         for chunk in self.chunks:
-            missing = [n for n, m in chunk.named_modules() if id(m) not in mine
-                       and any(True for _ in m.named_parameters(recurse=False))
-                       or id(m) not in mine and any(True for _ in m.named_buffers(recurse=False))]
+            missing = [n for n, m in chunk.named_modules() if id(m) not in mine and _holds_tensors(m, recurse=False)]
             if missing:
                 raise ValueError(f"virtual stages: '{missing[0]}' of a model chunk has no name in the rank's view")
 
@@ -67,6 +65,11 @@ class VirtualStages(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError("virtual stages run through megatron's interleaved schedule (model.chunks), "
                            "not as one module")
+
+
+def _holds_tensors(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether `module` has parameters or buffers (its own only, unless `recurse`)."""
+    return any(True for _ in module.parameters(recurse)) or any(True for _ in module.buffers(recurse))
 
 
 def chunks_of(model: nn.Module) -> list[nn.Module]:

@@ -23,7 +23,9 @@ LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "pp2_ep2": (4, ["parallel.pp=2", "para
            "pp2_dp2": (4, ["parallel.pp=2", "eval.valid_iters=2"]),
            # four stages: the middle ones hold neither the embedding nor the output layer, so
            # DeepSpeed's optimizer groups differ by stage (megatron_kappa.parallel.stage_norm)
-           "pp4": (4, ["parallel.pp=4"])}
+           "pp4": (4, ["parallel.pp=4"]),
+           # virtual stages with TP2 and sequence parallelism: the chunks' p2p tensors are s/TP long
+           "pp2_vpp2_tp2": (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2"])}
 
 
 def records(run_dir):
@@ -69,7 +71,7 @@ def stage_runs(world1, tmp_path_factory):
                   {"overrides": sets + VPP + [f"run.dir={base / 'vpp2_batched'}"], "negative": "batched_p2p"},
                   {"overrides": uneven_sets_ + VPP_LAYOUT + [f"run.dir={uneven / 'vpp_layout'}"]}], 2)
     launch(base, [{"overrides": sets + LAYOUTS[name][1] + [f"run.dir={base / name}"]}
-                  for name in ("pp2_ep2", "pp2_dp2", "pp4")], 4)
+                  for name in ("pp2_ep2", "pp2_dp2", "pp4", "pp2_vpp2_tp2")], 4)
     return out
 
 
@@ -133,7 +135,8 @@ def test_pipeline_layout_matches_one_process(runs, name):
     ref, got = records(tmp / "ref"), records(tmp / name)
     assert_same_run(ref, got, name)  # validation through the stages' forward-only schedule included
     for r, g in zip(ref, got):
-        assert abs(r["aux_loss"] - g["aux_loss"]) <= 1e-6 and abs(r["kappa_l2"] - g["kappa_l2"]) <= 1e-9
+        assert abs(r["aux_loss"] - g["aux_loss"]) <= 1e-6 and abs(r["kappa_l2"] - g["kappa_l2"]) <= 1e-9, (name, r, g)
+        assert abs(r["z_loss"] - g["z_loss"]) <= 1e-9, (name, r["z_loss"], g["z_loss"])
     # κ's α and b of every MoE layer, merged from the stages under the full model's layer numbers
     # (the routed-token statistics sample the last micro-batch, which depends on the DP split)
     kappa = [k for k in ref[-1] if k.endswith(("/alpha_abs", "/bias_abs"))]

@@ -57,14 +57,24 @@ def kappa_stats(model, device: torch.device) -> dict:
 
 def router_losses(config, micro_batches: int, device: torch.device) -> dict:
     """Weighted aux and z losses (what entered the objective), summed over layers, averaged over
-    micro-batches and DP ranks; clears megatron's tracker for the next step."""
+    micro-batches and DP ranks; clears megatron's tracker for the next step. Each entry is first
+    combined over the groups its router named, as megatron's own reduction does: under sequence
+    parallelism a TP rank records its tokens' share of the balance loss (summed over the TP group)
+    and its tokens' mean z-loss (averaged over TP × DP). Every rank of those groups sits on the
+    same stage and holds the same entries, so the collectives match."""
     tracker = get_moe_metrics_tracker()
     totals = torch.zeros(2, device=device)
     for key, entry in tracker.metrics.items():
+        value = entry.values.sum()
+        if entry.reduce_group is not None:
+            dist.all_reduce(value, group=entry.reduce_group)
+        if entry.avg_group is not None:  # gloo has no AVG
+            dist.all_reduce(value, group=entry.avg_group)
+            value = value / dist.get_world_size(entry.avg_group)
         if key == "z_loss":
-            totals[1] += entry.values.sum() * (config.moe_z_loss_coeff or 0.0)
+            totals[1] += value * (config.moe_z_loss_coeff or 0.0)
         else:
-            totals[0] += entry.values.sum() * (config.moe_aux_loss_coeff or 0.0)
+            totals[0] += value * (config.moe_aux_loss_coeff or 0.0)
     tracker.clear()
     aux, z = dp_mean(pipeline_sum(totals) / micro_batches).tolist()  # each stage has its layers
     return {"aux_loss": aux, "z_loss": z}

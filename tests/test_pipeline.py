@@ -349,18 +349,26 @@ def uneven_runs(stage_runs):
 
 @pytest.mark.slow
 def test_uneven_stages_match_one_process_resume_and_consolidate(uneven_runs, resumed):
-    import torch
-
-    from megatron_kappa.evaluation.loading import load_model_for_eval
     tmp, _ = uneven_runs
     assert_same_run(records(tmp / "ref"), records(tmp / "pp2"), "uneven pp2")
     assert [r["loss"] for r in records(resumed["uneven"])] == [r["loss"] for r in records(tmp / "pp2")]
-    weights = {run: final_weights(tmp / run) for run in ("ref", "pp2")}
-    assert weights["pp2"].keys() == weights["ref"].keys() and any(".layers.4." in k for k in weights["ref"])
-    assert max((weights["pp2"][k] - weights["ref"][k]).abs().max().item() for k in weights["ref"]) < 1e-5
+    weights = assert_consolidates_and_evaluates_as_one_process(tmp, "pp2")
+    assert any(".layers.4." in k for k in weights)
+
+
+def assert_consolidates_and_evaluates_as_one_process(tmp, run) -> dict:
+    """The run's last checkpoint, consolidated, has the one-process run's (tmp/ref) weights
+    (< 1e-5) and evaluates to its logits (< 1e-4); returns the consolidated weights."""
+    import torch
+
+    from megatron_kappa.evaluation.loading import load_model_for_eval
+    weights = {name: final_weights(tmp / name) for name in ("ref", run)}
+    assert weights[run].keys() == weights["ref"].keys()
+    assert max((weights[run][k] - weights["ref"][k]).abs().max().item() for k in weights["ref"]) < 1e-5
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
-    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("pp2", "ref")}
-    assert (logits["pp2"] - logits["ref"]).abs().max().item() < 1e-4
+    logits = {name: load_model_for_eval(tmp / name)[0](tokens) for name in (run, "ref")}
+    assert (logits[run] - logits["ref"]).abs().max().item() < 1e-4
+    return weights[run]
 
 
 @pytest.mark.slow
@@ -425,9 +433,6 @@ def test_virtual_stages_match_one_process_resume_consolidate_and_evaluate(runs, 
     statistics by global layer; an exact resume from step 1; the checkpoint holds each rank's
     interleaved layers under the full model's numbers, consolidates to the one process's weights
     and evaluates to its logits."""
-    import torch
-
-    from megatron_kappa.evaluation.loading import load_model_for_eval
     tmp, _ = runs
     ref, got = records(tmp / "ref"), records(tmp / "vpp2")
     assert_same_run(ref, got, "pp2 x vpp2")
@@ -439,12 +444,7 @@ def test_virtual_stages_match_one_process_resume_consolidate_and_evaluate(runs, 
     assert len(kappa) == 6 and all(got[-1][k] == pytest.approx(ref[-1][k], rel=1e-6) for k in kappa)
     assert [r["loss"] for r in records(resumed["vpp2"])] == [r["loss"] for r in got]
     assert stage_layers(tmp / "vpp2") == [{0, 2}, {1, 3}]  # interleaved, not contiguous
-    weights = {run: final_weights(tmp / run) for run in ("ref", "vpp2")}
-    assert weights["vpp2"].keys() == weights["ref"].keys()
-    assert max((weights["vpp2"][k] - weights["ref"][k]).abs().max().item() for k in weights["ref"]) < 1e-5
-    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
-    logits = {run: load_model_for_eval(tmp / run)[0](tokens) for run in ("vpp2", "ref")}
-    assert (logits["vpp2"] - logits["ref"]).abs().max().item() < 1e-4
+    assert_consolidates_and_evaluates_as_one_process(tmp, "vpp2")
 
 
 @pytest.mark.slow

@@ -27,11 +27,11 @@ def layout_record(par: ParallelConfig, world: int) -> dict:
     record = {"world": world, "tp": par.tp, "ep": par.ep, "etp": par.expert_tp}
     if par.pp > 1:  # absent for pp 1, so checkpoints written before parallel.pp existed still match
         record["pp"] = par.pp
-    # the stages' split likewise, where set: another split is another layout (the rank files
-    # then hold other layers), loaded through the full model's names
-    if par.pp > 1 and par.vpp > 1:
-        record["vpp"] = par.vpp
-    for key in ("first_stage_layers", "last_stage_layers", "layout"):
-        if par.pp > 1 and getattr(par, key) is not None:
-            record[key] = getattr(par, key)
+        # the stages' split likewise, where set: another split is another layout (the rank files
+        # then hold other layers), loaded through the full model's names
+        if par.vpp > 1:
+            record["vpp"] = par.vpp
+        for key in ("first_stage_layers", "last_stage_layers", "layout"):
+            if getattr(par, key) is not None:
+                record[key] = getattr(par, key)
     return record

@@ -109,7 +109,7 @@ def test_sbatch_two_hosts_equals_one_process(hosts, straight, one_process):
 
 # Stand-in rank: a gloo all-reduce over the step's tasks, with or without the interface choice.
 GLOO = r'''
-import os, sys
+import gc, os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 from megatron_kappa.parallel import launch_env, network
@@ -120,6 +120,11 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=20))
 t = torch.tensor([float(found.rank + 1)])
 dist.all_reduce(t)
 os.write(1, f"SUM {found.rank} {t.item()} {os.environ.get('GLOO_SOCKET_IFNAME')}\n".encode())
+# leave the group while the interpreter is alive (groups.teardown's reason): left to the exit,
+# gloo's threads now and then took a rank down with SIGABRT after the sum was printed
+dist.barrier()
+dist.destroy_process_group()
+gc.collect()
 '''
 
 

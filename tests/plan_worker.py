@@ -3,10 +3,13 @@ world, and writes each rank's parameter counts by kind (rank 0 writes OUT):
 
     torchrun --nproc_per_node 8 tests/plan_worker.py PLAN.json OUT.json
 
-PLAN: a list of {"name", "overrides"}; each is configs/tiny.yaml with those overrides."""
+PLAN: a list of {"name", "overrides"}; each is configs/tiny.yaml with those overrides. A case with
+"rows": true is also built for real and runs one forward of a micro-batch: each rank then reports
+the rows its routed experts received in each MoE layer (what megatron's dispatcher delivered)."""
 import json
 import sys
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
@@ -42,6 +45,22 @@ def kind(name: str) -> str:
     raise ValueError(f"no kind for {name}")
 
 
+def routed_rows(cfg) -> list[int]:
+    """One forward of a micro-batch (the same tokens on every rank): the rows each MoE layer's
+    experts received on this rank, read at the experts' input."""
+    torch.manual_seed(5)
+    model = build_model(cfg, device="cpu")
+    rows = []
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts"):
+            module.register_forward_pre_hook(lambda _, args: rows.append(int(args[0].shape[0])))
+    tokens = torch.randint(cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    return rows
+
+
 def main(plan_path, out_path):
     dist.init_process_group("gloo")
     results = {}
@@ -52,6 +71,8 @@ def main(plan_path, out_path):
         for name, p in build_model(cfg, meta=True).named_parameters():
             counts[kind(name)] = counts.get(kind(name), 0) + p.numel()
         mine = {"stage": ps.get_pipeline_model_parallel_rank(), "counts": counts}
+        if case.get("rows"):
+            mine["rows"] = routed_rows(cfg)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         results[case["name"]] = every

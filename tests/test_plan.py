@@ -13,6 +13,7 @@ from megatron_kappa import plan as planner
 from megatron_kappa.plan import search
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.plan import GIB, Layout
+from megatron_kappa.plan.activations import routed_rows_per_rank
 from test_mla import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,8 @@ GRID = {  # name: (tp, pp, ep, etp) over 4 ranks
     "pp2_tp2": (2, 2, 1, 2), "pp2_ep2": (1, 2, 2, 1), "pp2_ep2_etp1_tp2": (2, 2, 2, 1),
 }
 
+ROWS = {"rows_tp2_ep2_etp1": (2, 1, 2, 1), "rows_tp2_ep2_etp2": (2, 1, 2, 2), "rows_ep4": (1, 1, 4, 1)}
+
 
 def overrides(tp, pp, ep, etp, extra=()):
     return SHAPE + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}", *extra]
@@ -33,6 +36,8 @@ def overrides(tp, pp, ep, etp, extra=()):
 def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
     cases = [{"name": n, "overrides": overrides(*lay)} for n, lay in GRID.items()]
+    for name, lay in ROWS.items():  # dropless: every routed row reaches an expert
+        cases.append({"name": name, "overrides": overrides(*lay, ("model.moe.capacity_factor=null",)), "rows": True})
     cases.append({"name": "sandwich_pp2_plain", "overrides": overrides(1, 2, 2, 1, (
         "model.layout=sandwich", "model.kappa.enabled=false", "model.moe.shared_ffn_hidden_size=null"))})
     for name, lay in (("nanochat_tp2_ep2_etp2", (2, 1, 2, 2)), ("nanochat_pp2_tp2", (2, 2, 1, 2))):
@@ -66,6 +71,25 @@ def test_parameter_counts_equal_meta_builds_of_every_rank(built):
             assert got["counts"] == want, (case["name"], rank, got, want)
         if "model.moe.shared_ffn_hidden_size=null" not in case["overrides"]:
             assert any("shared_experts" in r["counts"] for r in ranks)
+
+
+@pytest.mark.slow
+def test_routed_rows_per_rank_equal_what_the_dispatcher_delivers(built):
+    """The activation estimate's routed rows per rank (tokens·k·etp/tp: each TP rank routes its
+    sequence-parallel share, megatron's dispatcher gathers the rows over expert TP) against the
+    rows each rank's experts received in one forward, averaged over the ranks (dropless routing:
+    the average is exact whatever the balance). The negative control is the ETP1 case: counting
+    every token's rows on each TP rank, as the estimate did, gives twice the rows received."""
+    _, results = built
+    for name, lay in ROWS.items():
+        cfg = load_config("configs/tiny.yaml", overrides(*lay, ("model.moe.capacity_factor=null",)))
+        layout = planner.layout_of(cfg, WORLD)
+        received = [r["rows"] for r in results[name]]
+        moe_layers = len(received[0])
+        assert moe_layers == cfg.model.num_layers - cfg.model.first_dense > 0
+        average = sum(map(sum, received)) / WORLD / moe_layers
+        tokens = cfg.model.seq_length * cfg.train.micro_batch
+        assert average == routed_rows_per_rank(cfg, layout, tokens), (name, received)
 
 
 def test_parameter_counts_sum_to_the_full_model():
@@ -146,6 +170,26 @@ def test_activations_drop_what_each_recompute_module_recomputes():
     assert MLA[3:] == ["model.mla.qk_head_dim=16", "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
     assert act("core_attn", "mla_up_proj", extra=MLA) - act("core_attn", extra=MLA) == \
         -4 * tokens * heads * (2 * (16 + 8) + 24) * size  # q, k (nope + rope) and v of every layer
+
+
+def test_routed_rows_per_rank_follow_tp_and_expert_tp():
+    """Each TP rank routes its sequence-parallel share of the tokens and megatron's dispatcher
+    gathers the rows over expert TP: tokens·k·etp/tp routed rows per rank, each keeping its fc1
+    input (h) and fc1 output and activation (3F/etp). Hand count on tiny (fp32, one micro-batch of
+    2 x 128 tokens, three MoE layers of top-2, expert ffn 256): TP2 with ETP2 keeps 2·128·2 rows of
+    64 + 3·128 per layer, with ETP1 half the rows of 64 + 3·256; the difference is tokens·k·h/2."""
+    cfg = load_config("configs/tiny.yaml", ["train.micro_batch=2", "train.global_batch=2", "parallel.tp=2"])
+    tokens, k, h, ffn, size = 2 * 128, 2, 64, 256, 4
+    assert (cfg.model.moe.topk, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (k, h, ffn)
+    etp1, etp2 = (planner.activation_bytes(cfg, Layout(2, tp=2, etp=e), 0, "none", 2) for e in (1, 2))
+    rows_etp2, rows_etp1 = tokens * k, tokens * k / 2
+    assert rows_etp2 * (h + 3 * ffn / 2) - rows_etp1 * (h + 3 * ffn) == tokens * k * h / 2
+    assert etp2 - etp1 == 3 * tokens * k * h / 2 * size
+    # TP1: every token's rows on the one rank, ffn whole
+    one = planner.activation_bytes(cfg, Layout(1), 0, "none", 2)
+    dense_and_attention_tp1 = one - 3 * tokens * k * (h + 3 * ffn) * size
+    dense_and_attention_tp2 = etp1 - 3 * rows_etp1 * (h + 3 * ffn) * size
+    assert dense_and_attention_tp2 < dense_and_attention_tp1  # the rest is split by TP too
 
 
 def test_activations_when_only_the_first_layers_are_recomputed():

@@ -7,9 +7,10 @@ SDPA (no s² scores kept):
              (MLA: the latents, q and k of nope + rope width per head, v:
              s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
   dense MLP  norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
-  MoE        norm input and router input s·b·2h/tp, the s·b·k routed rows (times the capacity
-             factor when set, else `imbalance`: the busiest rank's share over the average) with
-             their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
+  MoE        norm input and router input s·b·2h/tp, the s·b·k·etp/tp routed rows (each rank routes
+             its sequence-parallel share, the dispatcher gathers them over expert TP; times the
+             capacity factor when set, else `imbalance`: the busiest rank's share over the average)
+             with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
 in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
 core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts' activation, mlp a
 dense MLP's fc1 output and activation, moe the routed rows' tensors and the shared expert's,
@@ -43,11 +44,20 @@ def in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:
     return min(chunks, vpp * micro_batches) / vpp
 
 
+def routed_rows_per_rank(cfg: Config, layout, tokens: float, imbalance: float = 1.0) -> float:
+    """The routed rows one rank's experts hold for a micro-batch of `tokens` tokens (its replica's,
+    over CP): each TP rank routes its sequence-parallel share, tokens / tp, and megatron's dispatcher
+    gathers the rows over the expert-TP group, so tokens·k·etp/tp (times the capacity factor or the
+    imbalance: megatron_kappa.plan.speed.routed_rows)."""
+    from megatron_kappa.plan import speed
+    return speed.routed_rows(cfg, tokens, imbalance) * layout.etp / layout.tp
+
+
 def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batch: int,
                      imbalance: float = 1.0, planned: Planned = Planned()) -> float:
     """An estimate of the activations one rank of `stage` keeps for backward, in bytes (the
     module's docstring gives the count)."""
-    from megatron_kappa.plan import model_shape, speed, value_bytes
+    from megatron_kappa.plan import model_shape, value_bytes
     m, moe, t = cfg.model, cfg.model.moe, layout.tp
     h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch / layout.cp
     head_dim = m.head_dim or h // m.num_attention_heads
@@ -68,7 +78,7 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
         up = tokens * m.num_attention_heads * (2 * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim)
                                                + m.mla.v_head_dim) / t
     norm_out = tokens * h / t  # a norm's output: the qkv input, the fc1 or router input
-    rows = speed.routed_rows(cfg, tokens, imbalance)
+    rows = routed_rows_per_rank(cfg, layout, tokens, imbalance)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t
     shape = model_shape(cfg, layout)

@@ -27,6 +27,7 @@ class Published:
     rates: Rates
     source: str
     note: str = ""
+    measured_s: float | None = None  # the step time the source measured, where it gives one
 
 
 RUNS = (
@@ -80,6 +81,49 @@ RUNS = (
         "overlap_p2p_comm)"),
 )
 
+# NVIDIA's throughput-tuned layouts for the same models, with the step times they measured on H100
+# (80 GB, 8 per node, InfiniBand 8 × 50 GB/s per node): Megatron-MoE-ModelZoo at e865051
+# (github.com/yanring/Megatron-MoE-ModelZoo). Qwen3's 94 layers with the embedding and the loss
+# each counted as a layer in the split (--account-for-embedding/loss-in-pipeline-split): 32 chunks
+# of 3. bf16 runs add --tp-comm-overlap, every model config sets overlap_grad_reduce and
+# overlap_param_gather, megatron overlaps the interleaved schedule's sends by default, and A2A_OVERLAP
+# adds --overlap-moe-expert-parallel-comm (sbatch_benchmarking.sh:95, :115); DeepEP is the flex
+# dispatcher (node-limited sends).
+ZOO = "Megatron-MoE-ModelZoo e865051 "
+QWEN3_SPLIT = "Ett|" + "ttt|" * 30 + "ttL"
+QWEN3_TUNED = ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null", f"parallel.layout={QWEN3_SPLIT}",
+               "train.micro_batch=1", "train.global_batch=2048")
+TUNED = (
+    Published(
+        "Qwen3-235B-A22B (NVIDIA, H100)", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
+        (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=selective", "model.recompute_modules=[moe_act]"),
+        Planned(recompute_norms=True, overlap=("data", "tensor", "pipeline"), node_dispatch=True), Rates(),
+        ZOO + "best_practice/qwen3/readme.md:14 (DeepEP, norm and act recomputed, GBS 2048, MBS 1)",
+        measured_s=19.7),
+    Published(
+        "Qwen3-235B-A22B (NVIDIA, H100, all-to-all overlapped)", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
+        (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=selective", "model.recompute_modules=[moe_act]"),
+        Planned(recompute_norms=True, overlap=("data", "tensor", "pipeline", "expert"), node_dispatch=True), Rates(),
+        ZOO + "best_practice/qwen3/readme.md:15 (the same, +1F1B A2A overlap); run_h100_235b.sh",
+        measured_s=17.6),
+    Published(
+        "Qwen3-235B-A22B (NVIDIA, H100, TP4 EP8)", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=4, pp=8, ep=8, etp=1, vpp=4),
+        (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=none"),
+        Planned(overlap=("data", "tensor", "pipeline"), node_dispatch=True), Rates(),
+        ZOO + "best_practice/qwen3/readme.md:19 (DeepEP, no recompute, GBS 2048, MBS 1)",
+        measured_s=29.0),
+    Published(
+        "Mixtral-8x22B (NVIDIA, H100)", "configs/frontier/mixtral_8x22b.yaml",
+        Layout(128, tp=2, pp=8, ep=8, etp=1, vpp=7),
+        ("parallel.vpp=7", "model.recompute=none", "train.micro_batch=1", "train.global_batch=256"),
+        Planned(overlap=("data", "tensor", "pipeline")), Rates(),
+        ZOO + "runtime_configs/benchmarking/runtime.conf:8 and best_practice/mixtral/run_mixtral_8x22B.sh:19-28 "
+        "(16 nodes, TP2 PP8 VPP7 EP8, all-to-all dispatcher, GBS 256, MBS 1; about 445 TFLOP/s per GPU)"),
+)
+
 
 def config_of(run: Published):
     from megatron_kappa.config import load_config
@@ -98,5 +142,10 @@ def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
     out = {"name": run.name, "plan": p, "fits": p["fits"], "gib": p["most_loaded"]["total_bytes"] / 2 ** 30}
     if ranked:
         rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, planned=run.planned)
-        out.update(rank=rank_of(rows, run.layout), layouts_that_fit=len(rows))
+        own = p["speed"]["tokens_per_s"]
+        # by_speed: where the run's own estimate falls among the searched layouts' best ones (also
+        # for a stage split the search does not try, such as an uneven split with virtual stages)
+        out.update(rank=rank_of(rows, run.layout), layouts_that_fit=len(rows),
+                   by_speed=1 + sum(r["speed"]["tokens_per_s"] > own for r in rows),
+                   of_first=own / rows[0]["speed"]["tokens_per_s"] if rows else None)
     return out

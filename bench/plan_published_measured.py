@@ -1,0 +1,50 @@
+"""The planner's step-time estimate against step times measured on GPUs by others (issue 37):
+NVIDIA's throughput-tuned layouts for Qwen3-235B-A22B on 256 H100s, and their tuned Mixtral-8x22B
+layout (megatron_kappa.plan.published.TUNED cites each).
+
+    python bench/plan_published_measured.py [--no-rank]
+
+Prints, for each tuned layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
+450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
+ratio of the two, Spearman's rank correlation of the estimated with the measured step times, and
+(without --no-rank) each layout's position among --search's layouts at its world size.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.plan_calibration import spearman  # noqa: E402
+from megatron_kappa.plan.published import TUNED, check_run  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-rank", action="store_true", help="skip the searches (a few seconds instead of minutes)")
+    args = ap.parse_args(argv)
+    measured, estimated = [], []
+    for run in TUNED:
+        t0 = time.monotonic()
+        r = check_run(run, ranked=not args.no_rank)
+        est = r["plan"]["speed"]["seconds"]
+        line = f"{run.name}: {r['plan']['label']}: {r['gib']:.1f} GiB, {'fits' if r['fits'] else 'does NOT fit'}; " \
+               f"estimate {est:.2f} s"
+        if run.measured_s:
+            measured.append(run.measured_s)
+            estimated.append(est)
+            line += f", measured {run.measured_s:.1f} s (estimate/measured {est / run.measured_s:.2f})"
+        if not args.no_rank:
+            line += (f"; search position {r['rank'] or '-'} of {r['layouts_that_fit']}, by its own estimate "
+                     f"{r['by_speed']} ({r['of_first']:.2f}x the first) [{time.monotonic() - t0:.0f} s]")
+        print(line, flush=True)
+    print(f"Spearman's rank correlation, estimated vs measured step time ({len(measured)} layouts): "
+          f"{spearman(measured, estimated):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,7 @@
 NVIDIA's throughput-tuned layouts for Qwen3-235B-A22B on 256 H100s, and their tuned Mixtral-8x22B
 layout (megatron_kappa.plan.published.TUNED cites each).
 
-    python bench/plan_published_measured.py [--no-rank]
+    python -m bench.plan_published_measured [--no-rank]
 
 Prints, for each tuned layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
 450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.plan_calibration import spearman  # noqa: E402
-from megatron_kappa.plan.published import TUNED, check_run  # noqa: E402
+from bench.plan_calibration import spearman
+from megatron_kappa.plan.published import TUNED, check_run
 
 
 def main(argv=None) -> int:

@@ -149,6 +149,25 @@ def test_every_published_run_fits_with_its_published_settings():
         assert not check_run(bare, ranked=False)["fits"], run.name
 
 
+def test_nvidia_tuned_layouts_fit_as_they_ran():
+    """NVIDIA's tuned Qwen3-235B and Mixtral-8x22B layouts (published.TUNED) ran on 80 GB H100s:
+    the planner must say they fit, each at its own split (Qwen3's 32 chunks of 3 with the embedding
+    and the loss counted) and virtual stages. The same layouts on 48 GB do not (the verdict is
+    not vacuous)."""
+    from megatron_kappa.plan.published import TUNED, check_run, config_of
+    assert [r.layout.label().split(" DP")[0] for r in TUNED] == [
+        "TP2 PP8 VPP4 EP32 ETP1", "TP2 PP8 VPP4 EP32 ETP1", "TP4 PP8 VPP4 EP8 ETP1", "TP2 PP8 VPP7 EP8 ETP1"]
+    for run in TUNED:
+        cfg = config_of(run)
+        assert cfg.parallel.vpp == run.layout.vpp and cfg.train.micro_batch == 1
+        got = check_run(run, ranked=False)
+        assert got["fits"], (run.name, got["gib"])
+        assert got["plan"]["speed"]["virtual_stages"] == run.layout.vpp
+        assert not check_run(run, gpu_mem_gib=48, ranked=False)["fits"], run.name
+    assert config_of(TUNED[0]).parallel.layout.count("t") == 94
+    assert [r.measured_s for r in TUNED] == [19.7, 17.6, 29.0, None]
+
+
 def test_command_line_planned_flags():
     import subprocess
     import sys

@@ -191,7 +191,9 @@ def test_command_line_planned_flags():
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "train.global_batch 8 is not divisible by train.micro_batch × DP = 4 × 4" in done.stderr
     done = run("--published")
-    assert done.returncode == 0 and done.stdout.count("GiB, fits;") == 4, done.stdout + done.stderr
+    assert done.returncode == 0 and done.stdout.count("GiB, fits;") == 8, done.stdout + done.stderr
+    assert "NVIDIA's tuned layouts, measured on H100" in done.stdout
+    assert "TP4 PP8 VPP4 EP8 ETP1 DP8 (EDP4) on 256 GPUs" in done.stdout and "(measured: 29.0 s)" in done.stdout
     assert "DeepSeek-V3: TP1 PP16 EP64 ETP1 DP128 (EDP2) on 2048 GPUs" in done.stdout
     assert "  note: DualPipe planned as 1F1B" in done.stdout  # what a row assumes is printed with it
     for extra in (["--world", "8"], ["--config", "configs/tiny.yaml", "--search"]):

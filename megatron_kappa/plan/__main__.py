@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
     ap.add_argument("--rank", action="store_true",
-                    help="with --published: also rank each run among --search's layouts (a search each: about a minute for all four)")
+                    help="with --published: also rank each run among --search's layouts (a search each: about three minutes for all eight)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
@@ -99,23 +99,40 @@ def main(argv=None) -> int:
 
 
 def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -> int:
-    """Each published run: its plan's verdict and (`ranked`) its position among --search's layouts."""
-    from megatron_kappa.plan.published import RUNS, check_run
+    """Each published run (the reports' and recipes' layouts, then NVIDIA's tuned ones with the
+    step times they measured): its plan's verdict and (`ranked`) its position among --search's
+    layouts."""
+    from megatron_kappa.plan.published import RUNS, TUNED, check_run
     rows = []
-    for run in RUNS:
-        r = check_run(run, gpu_mem, gpus_per_node, ranked)
-        rows.append(r)
+    for title, runs in (("published runs", RUNS), ("NVIDIA's tuned layouts, measured on H100 (Megatron-MoE-ModelZoo)", TUNED)):
         if not as_json:
-            p = r["plan"]
-            rank = f"; search position {r['rank']} of {r['layouts_that_fit']} that fit" if ranked else ""
-            print(f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
-                  f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s{rank}"
-                  + (f"; planned only: {', '.join(p['planned_only'])}" if p["planned_only"] else ""), flush=True)
-            if run.note:
-                print(f"  note: {run.note}", flush=True)
+            print(f"{title}:", flush=True)
+        for run in runs:
+            r = check_run(run, gpu_mem, gpus_per_node, ranked)
+            r["measured_s"] = run.measured_s
+            rows.append(r)
+            if not as_json:
+                print(describe(run, r, ranked), flush=True)
+                if run.note:
+                    print(f"  note: {run.note}", flush=True)
     if as_json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1, default=str))
     return 0 if all(r["fits"] for r in rows) else 1
+
+
+def describe(run, r: dict, ranked: bool) -> str:
+    """One line: layout, memory, verdict, estimate (and the measured step time), search position."""
+    p = r["plan"]
+    line = (f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
+            f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s")
+    if run.measured_s:
+        line += f", {p['speed']['seconds']:.2f} s per step (measured: {run.measured_s:.1f} s)"
+    if ranked:
+        at = r["rank"] or f"{r['by_speed']} by its own estimate"
+        line += f"; search position {at} of {r['layouts_that_fit']} that fit ({r['of_first']:.2f}x the first)"
+    if p["planned_only"]:
+        line += f"; planned only: {', '.join(p['planned_only'])}"
+    return line
 
 
 if __name__ == "__main__":

@@ -346,25 +346,30 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed-launch.py"])
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed-launch.py", "torchrun-pp2-vpp2"])
 def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path, launcher):
     """SIGTERM to torchrun, or to DeepSpeed's launch.py (the runner's child), alone, not to the
     group: the launcher ends its 2 ranks with SIGTERM and a grace period, in which they agree on
-    a step, checkpoint there and exit; the rerun resumes from that checkpoint and finishes."""
+    a step, checkpoint there and exit; the rerun resumes from that checkpoint and finishes. The
+    same with 4 ranks in two pipeline stages of two virtual stages each (the interleaved
+    schedule between the signal and the agreed step)."""
     from test_training import deepspeed_cmd, env
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
     steps = 200
+    layout = ["parallel.pp=2", "parallel.vpp=2", "train.global_batch=8"] if launcher.endswith("vpp2") else ["parallel.ep=2"]
     args = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *SETTINGS, f"train.steps={steps}",
-            f"run.dir={tmp_path}", "parallel.ep=2"]
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
+            f"run.dir={tmp_path}", *layout]
+    if launcher.startswith("torchrun"):
+        ranks = 4 if launcher.endswith("vpp2") else 2
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
+               *args]
     else:
         cmd = deepspeed_cmd(*args, port=free_port())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_step(proc, 2)
     target = proc.pid
-    if launcher != "torchrun":  # the runner's child: python -m deepspeed.launcher.launch
+    if not launcher.startswith("torchrun"):  # the runner's child: python -m deepspeed.launcher.launch
         target = next(p for p in _children(proc.pid)
                       if b"deepspeed.launcher.launch" in Path(f"/proc/{p}/cmdline").read_bytes())
     os.kill(target, signal.SIGTERM)
@@ -374,7 +379,7 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
         out[-3000:]
     # no rank's traceback; torchrun itself ends a SIGTERM with its own (torch's SignalException)
     assert all("SignalException" in t and "got signal: 15" in t for t in out.split("Traceback")[1:]), out[-3000:]
-    if launcher != "torchrun":
+    if not launcher.startswith("torchrun"):
         cmd = deepspeed_cmd(*args, port=free_port())
     resumed = subprocess.run([*cmd, f"train.steps={stopped + 2}"], cwd=ROOT, env=env(), capture_output=True,
                              text=True, timeout=300)

@@ -179,6 +179,32 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
         speed.step_time(capped, layout, speed.Rates(), 8, params)["terms"]
 
 
+def test_expert_tp_gathers_the_rows_by_hand():
+    """Expert TP: after the all-to-all, megatron's dispatcher all-gathers the routed rows over the
+    ETP group and the combine reduce-scatters them (token_dispatcher.py's dispatch_postprocess and
+    combine_preprocess, on the expert-TP group): per MoE layer, forward and backward, 4 collectives
+    in which a rank receives (or sends) rows x (ETP - 1) x h x 2 bytes, rows = tokens x k / TP.
+    The layout of test_step_terms_by_hand with ETP2 (EP2 x ETP2 = 4 ranks: one node of 4) against
+    ETP1."""
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
+    terms = {}
+    for etp in (1, 2):
+        layout = Layout(16, tp=2, pp=2, ep=2, etp=etp)
+        params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+        terms[etp] = speed.step_time(cfg, layout, rates, 4, params)["terms"]
+    tokens, h, k = 32 * 1024 / 4, 64, 2
+    gather = 4 * 2 * (tokens * k / 2) * (2 - 1) * h * 2 / 200e9  # stage 1: 2 MoE layers; ETP2 in a node
+    assert terms[2]["expert"] - terms[1]["expert"] == pytest.approx(gather)
+    assert terms[2]["tensor"] == terms[1]["tensor"]  # sequence parallelism's own collectives are apart
+    one = Layout(16, tp=2, pp=2, ep=2, etp=2)
+    ms = speed.step_time(cfg, one, speed.Rates(latency_us=1000), 4, [planner.stage_params(cfg, one, s) for s in range(2)])
+    zero = speed.step_time(cfg, one, speed.Rates(latency_us=0), 4, [planner.stage_params(cfg, one, s) for s in range(2)])
+    # 4 all-to-alls (EP2: 1 peer) and 4 ETP collectives (1 peer) per MoE layer and micro-batch
+    assert ms["terms"]["expert"] - zero["terms"]["expert"] == pytest.approx(1e-3 * (4 + 4) * 2 * 4 * 1)
+
+
 def test_latency_by_hand():
     """Each term's messages at 1 ms each, on the layout of test_step_terms_by_hand (the slowest
     stage, 1, has two MoE layers; 4 micro-batches per step)."""

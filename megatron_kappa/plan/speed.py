@@ -205,6 +205,11 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         rows = routed_rows(cfg, tokens, imbalance) / t
         expert = 4 * sum(layers) * (_dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
                                     + alpha * micro * (ep - 1))
+        # expert TP: after the all-to-all megatron's dispatcher all-gathers the rows over the ETP
+        # group (each rank receives its ETP peers' rows) and the combine reduce-scatters them:
+        # with their backward, 4 collectives per MoE layer of rows x (etp - 1) x h
+        expert += 4 * sum(layers) * (rows * (etp - 1) * m.hidden_size * WIRE_BYTES
+                                     / (ib if _span(etp, 1, gpus_per_node) else nvlink) + alpha * micro * (etp - 1))
         ring = 3 * (cp - 1) * len(layers) * tokens * kv_width(cfg, t) * WIRE_BYTES
         context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * 3 * (cp - 1) * len(layers) * micro
         boundaries = (stage > 0) + (stage < p - 1)

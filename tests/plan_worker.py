@@ -4,8 +4,9 @@ world, and writes each rank's parameter counts by kind (rank 0 writes OUT):
     torchrun --nproc_per_node 8 tests/plan_worker.py PLAN.json OUT.json
 
 PLAN: a list of {"name", "overrides"}; each is configs/tiny.yaml with those overrides. A case with
-"rows": true is also built for real and runs one forward of a micro-batch: each rank then reports
-the rows its routed experts received in each MoE layer (what megatron's dispatcher delivered)."""
+"rows": true is also built for real and runs one forward and backward of a micro-batch: each rank
+then reports the rows its routed experts received in each MoE layer (what megatron's dispatcher
+delivered) and the messages it sent on the dispatcher's groups."""
 import json
 import sys
 
@@ -45,20 +46,47 @@ def kind(name: str) -> str:
     raise ValueError(f"no kind for {name}")
 
 
-def routed_rows(cfg) -> list[int]:
-    """One forward of a micro-batch (the same tokens on every rank): the rows each MoE layer's
-    experts received on this rank, read at the experts' input."""
+COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
+               "reduce_scatter", "all_reduce", "_all_gather_base", "_reduce_scatter_base")
+
+
+def dispatch_census(cfg) -> dict:
+    """One forward and backward of a micro-batch (the same tokens on every rank): the rows each
+    MoE layer's experts received on this rank (read at the experts' input: what megatron's
+    dispatcher delivered), and the messages this rank sent on the dispatcher's groups (EP, expert
+    TP, and the two together): each collective call on a group of n ranks counts n - 1."""
+    from megatron.core.tensor_parallel import mappings
     torch.manual_seed(5)
     model = build_model(cfg, device="cpu")
     rows = []
     for name, module in model.named_modules():
         if name.endswith(".mlp.experts"):
             module.register_forward_pre_hook(lambda _, args: rows.append(int(args[0].shape[0])))
-    tokens = torch.randint(cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_length),
-                           generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    return rows
+    groups_of_dispatcher = {ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                            ps.get_expert_tensor_and_model_parallel_group()}
+    messages = [0]
+    originals = {}
+
+    def counted(fn):
+        def call(*args, group=None, **kwargs):
+            if group in groups_of_dispatcher:
+                messages[0] += dist.get_world_size(group) - 1
+            return fn(*args, group=group, **kwargs)
+        return call
+    for name in COLLECTIVES:
+        originals[(dist, name)] = getattr(dist, name)
+        setattr(dist, name, counted(getattr(dist, name)))
+    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):  # bound at megatron's import
+        originals[(mappings, name)] = getattr(mappings, name)
+        setattr(mappings, name, counted(getattr(mappings, name)))
+    try:
+        tokens = torch.randint(cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_length),
+                               generator=torch.Generator().manual_seed(0))
+        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float().sum().backward()
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+    return {"rows": rows, "messages": messages[0]}
 
 
 def main(plan_path, out_path):
@@ -72,7 +100,7 @@ def main(plan_path, out_path):
             counts[kind(name)] = counts.get(kind(name), 0) + p.numel()
         mine = {"stage": ps.get_pipeline_model_parallel_rank(), "counts": counts}
         if case.get("rows"):
-            mine["rows"] = routed_rows(cfg)
+            mine.update(dispatch_census(cfg))
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         results[case["name"]] = every

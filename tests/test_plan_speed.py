@@ -162,7 +162,7 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
     even = speed.step_time(cfg, layout, speed.Rates(), 8, params)
     busy = speed.step_time(cfg, layout, speed.Rates(), 8, params, imbalance=1.5)
-    latency = 1e-5 * 4 * 2 * 4 * 1  # the all-to-alls' messages do not grow (test_latency_by_hand)
+    latency = 1e-5 * (4 + 2 + 1) * 2 * 4 * 1  # the dispatcher's messages do not grow (test_latency_by_hand)
     assert busy["terms"]["expert"] - latency == pytest.approx(1.5 * (even["terms"]["expert"] - latency))
     tokens = 32 * 1024 / 4
     experts = sum(speed.layer_flops(cfg, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
@@ -201,8 +201,9 @@ def test_expert_tp_gathers_the_rows_by_hand():
     one = Layout(16, tp=2, pp=2, ep=2, etp=2)
     ms = speed.step_time(cfg, one, speed.Rates(latency_us=1000), 4, [planner.stage_params(cfg, one, s) for s in range(2)])
     zero = speed.step_time(cfg, one, speed.Rates(latency_us=0), 4, [planner.stage_params(cfg, one, s) for s in range(2)])
-    # 4 all-to-alls (EP2: 1 peer) and 4 ETP collectives (1 peer) per MoE layer and micro-batch
-    assert ms["terms"]["expert"] - zero["terms"]["expert"] == pytest.approx(1e-3 * (4 + 4) * 2 * 4 * 1)
+    # per MoE layer and micro-batch: over EP2 (1 peer) and over ETP2 (1 peer) the tokens' 4 and the
+    # probabilities' 2 collectives each, and the counts' all-gather over EP x ETP = 4 ranks (3 peers)
+    assert ms["terms"]["expert"] - zero["terms"]["expert"] == pytest.approx(1e-3 * (6 + 6 + 3) * 2 * 4)
 
 
 def test_latency_by_hand():
@@ -216,7 +217,8 @@ def test_latency_by_hand():
     ms = speed.step_time(cfg, layout, speed.Rates(latency_us=1000), 4, params)["terms"]
     micro = 4
     assert ms["tensor"] - none["tensor"] == pytest.approx(1e-3 * 8 * 2 * micro * 1)  # 8 per layer, TP2: 1 peer
-    assert ms["expert"] - none["expert"] == pytest.approx(1e-3 * 4 * 2 * micro * 1)  # stage 1: 2 MoE layers, EP2
+    # stage 1: 2 MoE layers, EP2: the tokens' 4 all-to-alls, the probabilities' 2, the counts' all-gather
+    assert ms["expert"] - none["expert"] == pytest.approx(1e-3 * (4 + 2 + 1) * 2 * micro * 1)
     assert ms["pipeline"] - none["pipeline"] == pytest.approx(1e-3 * 2 * micro)  # one boundary, there and back
     assert ms["data"] - none["data"] == pytest.approx(1e-3 * 2 * (3 + 3))  # DP4 and EDP4 rings
     assert ms["context"] == none["context"] == 0

@@ -177,6 +177,16 @@ def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvli
     return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)
 
 
+def dispatcher_messages(ep: int, etp: int) -> int:
+    """Messages one rank sends per MoE layer and micro-batch, forward and backward, through
+    megatron's alltoall dispatcher (token_dispatcher.py): the tokens' all-to-all at dispatch and
+    combine and the probabilities' at dispatch, with their backward (6 over EP), the same over
+    expert TP (the rows' all-gather and reduce-scatter, the probabilities' all-gather), and the
+    tokens-per-expert counts all-gathered over EP x ETP once, forward only. The probabilities
+    and counts are small: they cost messages, their bytes are left out."""
+    return 6 * (ep - 1) + 6 * (etp - 1) + (ep * etp - 1)
+
+
 def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
               imbalance: float = 1.0, overlap: tuple[str, ...] = (), node_dispatch: bool = False) -> dict:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
@@ -203,13 +213,13 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
             + alpha * 8 * len(layers) * micro * (t - 1)
         rows = routed_rows(cfg, tokens, imbalance) / t
-        expert = 4 * sum(layers) * (_dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
-                                    + alpha * micro * (ep - 1))
+        expert = 4 * sum(layers) * _dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
         # expert TP: after the all-to-all megatron's dispatcher all-gathers the rows over the ETP
         # group (each rank receives its ETP peers' rows) and the combine reduce-scatters them:
         # with their backward, 4 collectives per MoE layer of rows x (etp - 1) x h
-        expert += 4 * sum(layers) * (rows * (etp - 1) * m.hidden_size * WIRE_BYTES
-                                     / (ib if _span(etp, 1, gpus_per_node) else nvlink) + alpha * micro * (etp - 1))
+        expert += 4 * sum(layers) * rows * (etp - 1) * m.hidden_size * WIRE_BYTES \
+            / (ib if _span(etp, 1, gpus_per_node) else nvlink)
+        expert += alpha * sum(layers) * micro * dispatcher_messages(ep, etp)
         ring = 3 * (cp - 1) * len(layers) * tokens * kv_width(cfg, t) * WIRE_BYTES
         context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * 3 * (cp - 1) * len(layers) * micro
         boundaries = (stage > 0) + (stage < p - 1)

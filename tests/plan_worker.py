@@ -55,7 +55,7 @@ def dispatch_census(cfg) -> dict:
     MoE layer's experts received on this rank (read at the experts' input: what megatron's
     dispatcher delivered), and the messages this rank sent on the dispatcher's groups (EP, expert
     TP, and the two together): each collective call on a group of n ranks counts n - 1."""
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import layers, mappings
     torch.manual_seed(5)
     model = build_model(cfg, device="cpu")
     rows = []
@@ -64,29 +64,35 @@ def dispatch_census(cfg) -> dict:
             module.register_forward_pre_hook(lambda _, args: rows.append(int(args[0].shape[0])))
     groups_of_dispatcher = {ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
                             ps.get_expert_tensor_and_model_parallel_group()}
+    tensor_group = ps.get_tensor_model_parallel_group()
     messages = [0]
+    tensor_messages = [0]
     originals = {}
 
     def counted(fn):
         def call(*args, group=None, **kwargs):
             if group in groups_of_dispatcher:
                 messages[0] += dist.get_world_size(group) - 1
+            elif group is tensor_group:
+                tensor_messages[0] += dist.get_world_size(group) - 1
             return fn(*args, group=group, **kwargs)
         return call
     for name in COLLECTIVES:
         originals[(dist, name)] = getattr(dist, name)
         setattr(dist, name, counted(getattr(dist, name)))
-    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):  # bound at megatron's import
-        originals[(mappings, name)] = getattr(mappings, name)
-        setattr(mappings, name, counted(getattr(mappings, name)))
+    for owner in (mappings, layers):  # bound at megatron's import
+        for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+            originals[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, counted(getattr(owner, name)))
     try:
         tokens = torch.randint(cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_length),
                                generator=torch.Generator().manual_seed(0))
-        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float().sum().backward()
+        labels = torch.roll(tokens, -1, dims=1)
+        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=labels).sum().backward()
     finally:
         for (owner, name), fn in originals.items():
             setattr(owner, name, fn)
-    return {"rows": rows, "messages": messages[0]}
+    return {"rows": rows, "messages": messages[0], "tensor_messages": tensor_messages[0]}
 
 
 def main(plan_path, out_path):

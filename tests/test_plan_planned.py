@@ -210,9 +210,11 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
     hidden terms cost what exceeds the stage's compute, ZeRO's traffic under "data" one layer's
     share (2 layers a stage) or what exceeds the compute; the bubble shrinks with the busy time;
     the "overlapped" term is the traffic hidden, so the terms still add up to the step.
-    Rates make the traffic cheap or dear against the compute: both branches of each max taken."""
+    Rates make the traffic cheap or dear against the compute: both branches of each max taken.
+    Every layer MoE (first_dense 0), so that stage 1, with the output layer and the loss, is the
+    slowest under both rates (with tiny's dense first layer, stage 0's TP traffic is the larger)."""
     cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
-                                            "model.moe.capacity_factor=null"])
+                                            "model.moe.capacity_factor=null", "model.first_dense=0"])
     layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
     micro = 4

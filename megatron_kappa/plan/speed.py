@@ -7,23 +7,25 @@ Per step, for one rank of the slowest pipeline stage:
             at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
             of its s² scores, as flash attention computes them
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
-            stages (planned only: the trainer runs v = 1)
+            stages (parallel.vpp: megatron's interleaved schedule)
   context   context parallelism's ring attention (planned only): each layer passes the rank's K
             and V chunk round the CP ring, cp - 1 hops forward, twice that in backward (K, V and
             their gradients): 3 (cp - 1) x the rank's tokens x the TP-split K and V width
-  tensor    sequence parallelism's all-gather and reduce-scatter around attention and the MLP:
-            4 collectives forward and 4 backward per layer of the rank's tokens x hidden
+  tensor    sequence parallelism's collectives of the rank's tokens x hidden: 5 per TP-split
+            block, the embedding's and the output layer's (tensor_collectives)
   expert    the token dispatcher's all-to-all, dispatch and combine, forward and backward: 4 x
             the rank's routed rows x hidden per MoE layer, the share (EP - 1) / EP leaving the rank
-            (planned only, node-limited dispatch: a token crosses to each node once; _dispatch_seconds)
+            (planned only, node-limited dispatch: a token crosses to each node once; _dispatch_seconds),
+            and with expert TP the rows' all-gather and reduce-scatter over ETP
   pipeline  each micro-batch's activation forward and its gradient backward between stages (v
             times with v virtual stages: each chunk boundary is crossed)
   data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, 2 bytes
             per parameter each, (D - 1) / D of it on the wire (dense over DP x CP, experts over EDP)
 Each collective also pays `Rates.latency_us` per message: a ring over n ranks, or an all-to-all
-among n, sends n - 1 (tensor: 8 collectives per layer and micro-batch; context: 3 (cp - 1) hops;
-expert: 4 all-to-alls per MoE layer and micro-batch; pipeline: one message per boundary crossing;
-data: a reduce-scatter and an all-gather per step).
+among n, sends n - 1 (tensor: tensor_collectives per micro-batch, the loss's all-reduces with
+them; context: 3 (cp - 1) hops; expert: dispatcher_messages per MoE layer and micro-batch;
+pipeline: one message per boundary crossing; data: a reduce-scatter and an all-gather per step).
+The tensor and expert counts are megatron's own (tests/test_plan.py counts its calls).
 A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron
 orders the ranks TP, CP, DP, PP for dense groups (CP ranks TP apart, DP ranks TP·CP apart, stages
 TP·CP·DP apart) and ETP, EP,
@@ -177,6 +179,29 @@ def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvli
     return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)
 
 
+def tensor_collectives(cfg: Config, shape, stage: int) -> tuple[int, int]:
+    """Sequence parallelism's collectives on the TP group per micro-batch, forward and backward, on
+    one rank of `stage`: (those of tokens x h values, those of a few values per token). Each
+    TP-split block (attention, a dense MLP, a shared expert; the routed experts go through the
+    dispatcher instead) all-gathers its input and reduce-scatters its output forward, and backward
+    reduce-scatters the input's gradient, all-gathers the output's gradient and all-gathers the
+    input again for the weight gradient (megatron's linear layers keep only their sequence
+    share): 5. The first stage's embedding reduce-scatters forward and all-gathers backward; the
+    last stage's output layer is a column-parallel linear (3), and the loss all-reduces the max,
+    the sum of exponentials and the target logit of each loss chunk (model.cross_entropy_chunk
+    tokens of the micro-batch's, whole under megatron's own loss)."""
+    m = cfg.model
+    shared = bool(m.moe.shared_ffn_hidden_size)
+    blocks = sum(1 + ((not is_moe) or shared) for is_moe in shape.stage_moe_layers(stage))
+    wide = 5 * blocks + 2 * (stage == 0)
+    small = 0
+    if stage == shape.pp - 1:
+        wide += 3
+        tokens = m.seq_length * cfg.train.micro_batch
+        small = 3 * (-(-tokens // m.cross_entropy_chunk) if m.cross_entropy_chunk else 1)
+    return wide, small
+
+
 def dispatcher_messages(ep: int, etp: int) -> int:
     """Messages one rank sends per MoE layer and micro-batch, forward and backward, through
     megatron's alltoall dispatcher (token_dispatcher.py): the tokens' all-to-all at dispatch and
@@ -210,8 +235,9 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
-        tensor = 8 * len(layers) * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
-            + alpha * 8 * len(layers) * micro * (t - 1)
+        wide, small = tensor_collectives(cfg, shape, stage)
+        tensor = wide * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
+            + alpha * (wide + small) * micro * (t - 1) if t > 1 else 0.0
         rows = routed_rows(cfg, tokens, imbalance) / t
         expert = 4 * sum(layers) * _dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
         # expert TP: after the all-to-all megatron's dispatcher all-gathers the rows over the ETP

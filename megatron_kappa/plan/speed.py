@@ -179,27 +179,38 @@ def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvli
     return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)
 
 
-def tensor_collectives(cfg: Config, shape, stage: int) -> tuple[int, int]:
+def tensor_collectives(cfg: Config, shape, stage: int) -> tuple[float, int]:
     """Sequence parallelism's collectives on the TP group per micro-batch, forward and backward, on
-    one rank of `stage`: (those of tokens x h values, those of a few values per token). Each
-    TP-split block (attention, a dense MLP, a shared expert; the routed experts go through the
-    dispatcher instead) all-gathers its input and reduce-scatters its output forward, and backward
+    one rank of `stage`: (their volume in tokens x h collectives, their number). Each TP-split
+    block (attention, a dense MLP, a shared expert; the routed experts go through the dispatcher
+    instead) all-gathers its input and reduce-scatters its output forward, and backward
     reduce-scatters the input's gradient, all-gathers the output's gradient and all-gathers the
     input again for the weight gradient (megatron's linear layers keep only their sequence
-    share): 5. The first stage's embedding reduce-scatters forward and all-gathers backward; the
-    last stage's output layer is a column-parallel linear (3), and the loss all-reduces the max,
-    the sum of exponentials and the target logit of each loss chunk (model.cross_entropy_chunk
-    tokens of the micro-batch's, whole under megatron's own loss)."""
+    share): 5. MLA (megatron's MLASelfAttention, model/mla.py's down projection) adds 3 for each of
+    its narrow gathers, forward, gradient and again for the weight gradient: the q latent (with
+    q_lora_rank) gathered over the heads and over the sequence, [c_kv; k_pe] over the heads, k_pe
+    and c_kv over the sequence (counted against megatron's calls with a q latent; without one,
+    unmeasured: that MLA needs Transformer Engine); their volume in units of h from their widths. The first stage's
+    embedding reduce-scatters forward and all-gathers backward; the last stage's output layer is
+    a column-parallel linear (3), and the loss all-reduces the max, the sum of exponentials and
+    the target logit of each loss chunk (model.cross_entropy_chunk tokens of the micro-batch's,
+    whole under megatron's own loss): a few values per token, counted in number only."""
     m = cfg.model
     shared = bool(m.moe.shared_ffn_hidden_size)
-    blocks = sum(1 + ((not is_moe) or shared) for is_moe in shape.stage_moe_layers(stage))
-    wide = 5 * blocks + 2 * (stage == 0)
-    small = 0
+    layers = shape.stage_moe_layers(stage)
+    blocks = sum(1 + ((not is_moe) or shared) for is_moe in layers)
+    volume, count = 5 * blocks + 2 * (stage == 0), 5 * blocks + 2 * (stage == 0)
+    if m.mla.enabled:
+        a = m.mla
+        narrow = [a.kv_lora_rank + a.qk_pos_emb_head_dim, a.qk_pos_emb_head_dim, a.kv_lora_rank]
+        narrow += [a.q_lora_rank] * 2 if a.q_lora_rank else []
+        volume += 3 * len(layers) * sum(narrow) / m.hidden_size
+        count += 3 * len(layers) * len(narrow)
     if stage == shape.pp - 1:
-        wide += 3
         tokens = m.seq_length * cfg.train.micro_batch
-        small = 3 * (-(-tokens // m.cross_entropy_chunk) if m.cross_entropy_chunk else 1)
-    return wide, small
+        volume += 3
+        count += 3 + 3 * (-(-tokens // m.cross_entropy_chunk) if m.cross_entropy_chunk else 1)
+    return volume, count
 
 
 def dispatcher_messages(ep: int, etp: int) -> int:
@@ -235,9 +246,9 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
-        wide, small = tensor_collectives(cfg, shape, stage)
-        tensor = wide * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
-            + alpha * (wide + small) * micro * (t - 1) if t > 1 else 0.0
+        volume, count = tensor_collectives(cfg, shape, stage)
+        tensor = volume * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
+            + alpha * count * micro * (t - 1) if t > 1 else 0.0
         rows = routed_rows(cfg, tokens, imbalance) / t
         expert = 4 * sum(layers) * _dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
         # expert TP: after the all-to-all megatron's dispatcher all-gathers the rows over the ETP

@@ -179,7 +179,7 @@ def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvli
     return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)
 
 
-def tensor_collectives(cfg: Config, shape, stage: int) -> tuple[float, int]:
+def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[float, int]:
     """Sequence parallelism's collectives on the TP group per micro-batch, forward and backward, on
     one rank of `stage`: (their volume in tokens x h collectives, their number). Each TP-split
     block (attention, a dense MLP, a shared expert; the routed experts go through the dispatcher
@@ -190,11 +190,12 @@ def tensor_collectives(cfg: Config, shape, stage: int) -> tuple[float, int]:
     its narrow gathers, forward, gradient and again for the weight gradient: the q latent (with
     q_lora_rank) gathered over the heads and over the sequence, [c_kv; k_pe] over the heads, k_pe
     and c_kv over the sequence (counted against megatron's calls with a q latent; without one,
-    unmeasured: that MLA needs Transformer Engine); their volume in units of h from their widths. The first stage's
-    embedding reduce-scatters forward and all-gathers backward; the last stage's output layer is
-    a column-parallel linear (3), and the loss all-reduces the max, the sum of exponentials and
-    the target logit of each loss chunk (model.cross_entropy_chunk tokens of the micro-batch's,
-    whole under megatron's own loss): a few values per token, counted in number only."""
+    unmeasured: that MLA needs Transformer Engine); their volume in units of h from their widths.
+    The first stage's embedding reduce-scatters forward and all-gathers backward; the last stage's
+    output layer is a column-parallel linear (3), and the loss all-reduces the max, the sum of
+    exponentials and the target logit of each loss chunk (model.cross_entropy_chunk of the rank's
+    tokens, s·b/cp; one chunk under megatron's own loss): a few values per token, counted in
+    number only. MTP layers are not counted."""
     m = cfg.model
     shared = bool(m.moe.shared_ffn_hidden_size)
     layers = shape.stage_moe_layers(stage)
@@ -207,7 +208,7 @@ def tensor_collectives(cfg: Config, shape, stage: int) -> tuple[float, int]:
         volume += 3 * len(layers) * sum(narrow) / m.hidden_size
         count += 3 * len(layers) * len(narrow)
     if stage == shape.pp - 1:
-        tokens = m.seq_length * cfg.train.micro_batch
+        tokens = m.seq_length * cfg.train.micro_batch // cp
         volume += 3
         count += 3 + 3 * (-(-tokens // m.cross_entropy_chunk) if m.cross_entropy_chunk else 1)
     return volume, count
@@ -246,7 +247,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
-        volume, count = tensor_collectives(cfg, shape, stage)
+        volume, count = tensor_collectives(cfg, shape, stage, cp)
         tensor = volume * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
             + alpha * count * micro * (t - 1) if t > 1 else 0.0
         rows = routed_rows(cfg, tokens, imbalance) / t

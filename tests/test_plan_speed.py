@@ -202,8 +202,9 @@ def test_expert_tp_gathers_the_rows_by_hand():
     assert terms[2]["expert"] - terms[1]["expert"] == pytest.approx(gather)
     assert terms[2]["tensor"] == terms[1]["tensor"]  # sequence parallelism's own collectives are apart
     one = Layout(16, tp=2, pp=2, ep=2, etp=2)
-    ms = speed.step_time(cfg, one, speed.Rates(latency_us=1000), 4, [planner.stage_params(cfg, one, s) for s in range(2)])
-    zero = speed.step_time(cfg, one, speed.Rates(latency_us=0), 4, [planner.stage_params(cfg, one, s) for s in range(2)])
+    params = [planner.stage_params(cfg, one, s) for s in range(2)]
+    ms = speed.step_time(cfg, one, speed.Rates(latency_us=1000), 4, params)
+    zero = speed.step_time(cfg, one, speed.Rates(latency_us=0), 4, params)
     # per MoE layer and micro-batch: over EP2 (1 peer) and over ETP2 (1 peer) the tokens' 4 and the
     # probabilities' 2 collectives each, and the counts' all-gather over EP x ETP = 4 ranks (3 peers)
     assert ms["terms"]["expert"] - zero["terms"]["expert"] == pytest.approx(1e-3 * (6 + 6 + 3) * 2 * 4)

@@ -200,7 +200,7 @@ def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[flo
     shared = bool(m.moe.shared_ffn_hidden_size)
     layers = shape.stage_moe_layers(stage)
     blocks = sum(1 + ((not is_moe) or shared) for is_moe in layers)
-    volume, count = 5 * blocks + 2 * (stage == 0), 5 * blocks + 2 * (stage == 0)
+    volume = count = 5 * blocks + 2 * (stage == 0)  # each of tokens x h
     if m.mla.enabled:
         a = m.mla
         narrow = [a.kv_lora_rank + a.qk_pos_emb_head_dim, a.qk_pos_emb_head_dim, a.kv_lora_rank]

@@ -106,6 +106,9 @@ def test_fp8_activations_and_norm_recompute_by_hand():
     dense = 2 * TOKENS * H + TOKENS * HEADS_D + TOKENS * FFN
     moe = 2 * TOKENS * H + TOKENS * HEADS_D + rows * H + rows * FFN
     assert base - act(cfg, planned=Planned(fp8_activations="linear")) == (dense + 3 * moe) * size / 2
+    # "linear+moe" (DeepSeek-V3 §3.3.3): both, the routed rows' fc1 input once
+    assert base - act(cfg, planned=Planned(fp8_activations="linear+moe")) == \
+        (dense + 3 * moe + 3 * rows * 2 * FFN) * size / 2
     # fp32 tensors have no fp8 copy to keep: nothing changes
     fp32 = load_config("configs/tiny.yaml", ["train.micro_batch=1"])
     assert act(fp32, planned=Planned(fp8_activations="linear")) == act(fp32)
@@ -147,6 +150,13 @@ def test_every_published_run_fits_with_its_published_settings():
     for run in RUNS[:2]:
         bare = dataclasses.replace(run, planned=Planned())
         assert not check_run(bare, ranked=False)["fits"], run.name
+    # DeepSeek-V3 under DualPipe (two stages a rank) fits by §3.3.3's MoE savings: the SwiGLU's
+    # input in fp8 and its output recomputed; without them it does not
+    deepseek = RUNS[0]
+    assert deepseek.planned.dualpipe and "DualPipe" in check_run(deepseek, ranked=False)["plan"]["planned_only"]
+    without = dataclasses.replace(deepseek, planned=dataclasses.replace(deepseek.planned, fp8_activations="linear"),
+                                  sets=tuple(s.replace(",moe_act", "") for s in deepseek.sets))
+    assert without.sets != deepseek.sets and not check_run(without, ranked=False)["fits"]
 
 
 def test_nvidia_tuned_layouts_fit_as_they_ran():
@@ -195,11 +205,19 @@ def test_command_line_planned_flags():
     assert "NVIDIA's tuned layouts, measured on H100" in done.stdout
     assert "TP4 PP8 VPP4 EP8 ETP1 DP8 (EDP4) on 256 GPUs" in done.stdout and "(measured: 29.0 s)" in done.stdout
     assert "DeepSeek-V3: TP1 PP16 EP64 ETP1 DP128 (EDP2) on 2048 GPUs" in done.stdout
-    assert "  note: DualPipe planned as 1F1B" in done.stdout  # what a row assumes is printed with it
+    assert "  note: micro-batch 1 assumed; the attention output's E5M6" in done.stdout  # what a row assumes
+    assert "planned only: bf16 optimizer moments, fp8 activations (linear+moe)" in done.stdout
+    assert "node-limited dispatch, DualPipe" in done.stdout
     for extra in (["--world", "8"], ["--config", "configs/tiny.yaml", "--search"]):
         done = run("--published", *extra)  # each run has its own config and world: not silently ignored
         assert done.returncode == 2 and "--published plans each run at its own config" in done.stderr
         assert f"leave out {extra[0]}" in done.stderr
+    done = run("--config", "configs/tiny.yaml", "--world", "4", "--dualpipe", "--set", "parallel.pp=4",
+               "model.num_layers=8", "train.global_batch=16", "train.micro_batch=1")
+    assert done.returncode == 0 and "planned only  DualPipe" in done.stdout, done.stderr
+    done = run("--config", "configs/tiny.yaml", "--world", "4", "--dualpipe", "--set", "parallel.pp=4",
+               "model.num_layers=8", "train.micro_batch=1", "train.global_batch=6")  # 2 × PP are needed
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "at least 2 × PP = 8, got 6" in done.stderr
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--rank")
     assert done.returncode == 2 and "--rank goes with --published" in done.stderr
 

@@ -12,6 +12,8 @@ Modules:
   __main__.py     `python -m megatron_kappa.plan`: the command line of megatron_kappa.plan
   activations.py  The activations one rank of a pipeline stage keeps for backward: an estimate, per
                   recompute mode
+  dualpipe.py     DeepSeek-V3's DualPipe as the planner models it (planned only: the trainer runs
+                  1F1B or interleaved 1F1B)
   planned.py      Settings the planner models that the trainer does not run: each is printed as
                   "planned only"
   published.py    The layouts and memory settings the published frontier runs trained with, each
@@ -29,7 +31,7 @@ import dataclasses
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout
-from megatron_kappa.plan import speed
+from megatron_kappa.plan import dualpipe, speed
 from megatron_kappa.plan.planned import Planned
 from megatron_kappa.plan.activations import activation_bytes  # noqa: E402 (re-exported)
 
@@ -326,13 +328,16 @@ def bucket_bytes(cfg: Config) -> float:
 
 def plan_stage(cfg: Config, layout: Layout, stage: int, recompute: str | None = None, imbalance: float = 1.0,
                planned: Planned = Planned()) -> dict:
-    params = stage_params(cfg, layout, stage)
+    """One rank of pipeline stage `stage` (under DualPipe: pipeline rank `stage`, holding two)."""
+    dual = dualpipe.applies(planned, layout)
+    params = dualpipe.rank_params(cfg, layout, stage) if dual else stage_params(cfg, layout, stage)
     recompute = recompute or cfg.model.recompute
     states = state_bytes(params, cfg, layout, planned)
     offloaded = states.pop("offloaded", 0.0)
     grads = gradient_bytes(params, cfg, layout, planned)
     buckets = bucket_bytes(cfg)
-    activations = {mode: activation_bytes(cfg, layout, stage, mode, cfg.train.micro_batch, imbalance, planned)
+    keeps = dualpipe.rank_activations if dual else activation_bytes
+    activations = {mode: keeps(cfg, layout, stage, mode, cfg.train.micro_batch, imbalance, planned)
                    for mode in ("none", "selective", "full")}
     total = sum(states.values()) + buckets + activations[recompute]
     return {"stage": stage, "params": params, "param_count": sum(params.values()), "cpu_bytes": offloaded,
@@ -348,6 +353,9 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
     rows over the average, under dropless routing (1: balanced). `planned`: settings the trainer
     does not run (and the layout's CP and VPP), listed as "planned_only"."""
     check(cfg, layout)
+    dual = dualpipe.applies(planned, layout)
+    if dual:
+        dualpipe.check(layout, cfg.train.global_batch // (cfg.train.micro_batch * layout.dp))
     shown = planned  # zero.offload_optimizer: the trainer runs it, so it is not "planned only"
     if cfg.zero.offload_optimizer:
         shown, planned = dataclasses.replace(planned, offload_optimizer=False), \
@@ -365,9 +373,11 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "micro_batch": cfg.train.micro_batch,
             "expert_imbalance": imbalance,
             "planned_only": shown.labels(layout),
-            "speed": speed.step_time(cfg, layout, rates, gpus_per_node, [r["params"] for r in stages],
+            "speed": speed.step_time(cfg, layout, rates, gpus_per_node,
+                                     [stage_params(cfg, layout, s) for s in range(layout.pp)] if dual
+                                     else [r["params"] for r in stages],
                                      imbalance=imbalance, overlap=planned.overlap,
-                                     node_dispatch=planned.node_dispatch)}
+                                     node_dispatch=planned.node_dispatch, dualpipe=dual)}
 
 
 def render(p: dict) -> str:

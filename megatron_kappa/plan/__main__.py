@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     planned.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
                          help="the optimizer's moments in bf16 (the master copy stays fp32)")
     planned.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default="none",
-                         help="saved tensors kept in fp8: every linear layer's input, or the experts' (moe)")
+                         help="saved tensors kept in fp8: every linear layer's input, the experts' (moe), or both")
     planned.add_argument("--recompute-norms", action="store_true", help="megatron's layernorm recompute module")
     planned.add_argument("--offload-optimizer", action="store_true", help="master copy and moments in CPU memory")
     planned.add_argument("--offload-activations", action="store_true",
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
                          help=f"traffic run beside the compute, comma-separated: {','.join(OVERLAP)}")
     planned.add_argument("--node-dispatch", action="store_true",
                          help="EP across nodes: a token crosses to each node once, then NVLink (DeepEP)")
+    planned.add_argument("--dualpipe", action="store_true",
+                         help="DeepSeek-V3's DualPipe in place of 1F1B (even PP, no VPP; searched beside 1F1B)")
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
     ap.add_argument("--rank", action="store_true",
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us)
     extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
-                    args.offload_activations, args.overlap, args.node_dispatch)
+                    args.offload_activations, args.overlap, args.node_dispatch, args.dualpipe)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:

@@ -26,7 +26,8 @@ chunks plus the one in backward, each 1/v of the stage's layers (at most v × th
 Planned only (megatron_kappa.plan.planned): norm recompute drops the qkv and fc1/router inputs
 (the norms' outputs); fp8 activations keep their tensors in 1 byte ("linear": the qkv and the
 fc1 or router inputs, the core output, the dense and routed activations, the routed rows' fc1
-input, the shared expert's activation; "moe": the routed rows' fc1 input and fc1 output, the SwiGLU's input);
+input, the shared expert's activation; "moe": the routed rows' fc1 input and fc1 output, the SwiGLU's
+input; "linear+moe" both, the fc1 input once);
 activation offload leaves two chunks on the GPU.
 """
 from __future__ import annotations
@@ -54,9 +55,10 @@ def routed_rows_per_rank(cfg: Config, layout, tokens: float, imbalance: float = 
 
 
 def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batch: int,
-                     imbalance: float = 1.0, planned: Planned = Planned()) -> float:
+                     imbalance: float = 1.0, planned: Planned = Planned(), held: float | None = None) -> float:
     """An estimate of the activations one rank of `stage` keeps for backward, in bytes (the
-    module's docstring gives the count)."""
+    module's docstring gives the count); `held`: that many micro-batches of the stage instead of
+    the schedule's in-flight count (megatron_kappa.plan.dualpipe gives its own)."""
     from megatron_kappa.plan import model_shape, value_bytes
     m, moe, t = cfg.model, cfg.model.moe, layout.tp
     h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch / layout.cp
@@ -84,7 +86,7 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     shape = model_shape(cfg, layout)
     modules = set(selective.selected(m, shape.has_moe)) if recompute == "selective" else set()
     norms = planned.recompute_norms and recompute == "selective"  # a selective module, as in megatron
-    linear, moe_fp8 = planned.fp8_activations == "linear", planned.fp8_activations == "moe"
+    linear, moe_fp8 = "linear" in planned.fp8_activations, "moe" in planned.fp8_activations
     layers = []
     for is_moe in shape.stage_moe_layers(stage):
         dropped = core * ("core_attn" in modules) + up * ("mla_up_proj" in modules) + 2 * norm_out * norms
@@ -101,7 +103,7 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
                 dropped += rows * expert_ffn * act_dropped + 3 * shared_ffn * shared_dropped
             fp8 += linear * (rows * h * (not routed_dropped) + rows * expert_ffn * (not act_dropped)
                              + shared_ffn * (not shared_dropped))
-            fp8 += moe_fp8 * rows * (h + 2 * expert_ffn) * (not routed_dropped)
+            fp8 += moe_fp8 * rows * (h * (not linear) + 2 * expert_ffn) * (not routed_dropped)
         else:
             mlp = tokens * (2 * h + 3 * ffn / t)
             dropped += tokens * 3 * ffn / t * ("mlp" in modules)
@@ -119,8 +121,9 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     if stage == layout.pp - 1:
         chunk = min(m.cross_entropy_chunk or tokens, tokens)
         kept += chunk * shape.padded_vocab / t * 4 / size
-    micro_batches = max(1, cfg.train.global_batch // (micro_batch * layout.dp))
-    held = in_flight(layout.pp, stage, micro_batches, layout.vpp)
-    if planned.offload_activations:
-        held = min(held, 2 / layout.vpp)
+    if held is None:
+        micro_batches = max(1, cfg.train.global_batch // (micro_batch * layout.dp))
+        held = in_flight(layout.pp, stage, micro_batches, layout.vpp)
+        if planned.offload_activations:
+            held = min(held, 2 / layout.vpp)
     return kept * size * held

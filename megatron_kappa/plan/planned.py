@@ -6,6 +6,8 @@ The published frontier runs use them (docs/plan.md's table cites which run used 
                                     passed around the ring, dense gradients over DP × CP
   overlap (Planned.overlap)         traffic that runs beside the compute instead of after it
                                     (megatron_kappa.plan.speed says how much of it stays exposed)
+  DualPipe (Planned.dualpipe)       DeepSeek-V3's bidirectional schedule in place of 1F1B
+                                    (megatron_kappa.plan.dualpipe)
 and the memory savings of this dataclass. The trainer refuses none of them by config: they are
 not config keys, only the planner's flags (`python -m megatron_kappa.plan --help`).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-FP8_ACTIVATIONS = ("none", "linear", "moe")
+FP8_ACTIVATIONS = ("none", "linear", "moe", "linear+moe")
 OVERLAP = ("data", "expert", "pipeline", "tensor", "context")
 
 
@@ -33,7 +35,8 @@ class Planned:
     fp8_activations: str = "none"
     """What backward's saved tensors keep in fp8 (1 byte) instead of bf16: "linear" every linear
     layer's input (DeepSeek-V3: q/kv projections, the output projection, fc1, fc2, the experts'),
-    "moe" the routed experts' fc1 input and their SwiGLU's input (Kimi K2)."""
+    "moe" the routed experts' fc1 input and their SwiGLU's input (Kimi K2), "linear+moe" both
+    (DeepSeek-V3 §3.3.3: every linear layer's input and the MoE SwiGLU's input)."""
     recompute_norms: bool = False
     """megatron's "layernorm" recompute module (it needs Transformer Engine in the trainer): the
     norms' outputs, the attention's and the MLP's inputs, are not kept but recomputed."""
@@ -56,6 +59,10 @@ class Planned:
     """Where EP crosses nodes, a token is sent over InfiniBand once per destination node and
     forwarded to its experts there over NVLink (DeepSeek-V3 §3.2.2, DeepEP; megatron's flex
     dispatcher), instead of once per routed expert; with num_groups, at most group_topk nodes."""
+    dualpipe: bool = False
+    """The pipeline runs DeepSeek-V3's DualPipe instead of 1F1B where it can (even stages, no
+    virtual stages, at least 2 × PP micro-batches): each rank holds two stages, a smaller bubble
+    (megatron_kappa.plan.dualpipe)."""
 
     def __post_init__(self):
         if self.optimizer_states not in ("fp32", "bf16"):
@@ -74,4 +81,5 @@ class Planned:
         out += ["optimizer offload"] * self.offload_optimizer + ["activation offload"] * self.offload_activations
         out += [f"overlap ({', '.join(self.overlap)})"] * bool(self.overlap)
         out += ["node-limited dispatch"] * self.node_dispatch
+        out += ["DualPipe"] * (self.dualpipe and layout.pp > 1)
         return out

@@ -2,9 +2,8 @@
 `python -m megatron_kappa.plan --published` plans each one (does it fit?) and ranks it among the
 layouts `--search` finds at its world size. docs/plan.md has the table.
 
-What a row cannot express is said in its `note`: DeepSeek-V3's DualPipe (1F1B in its place:
-DualPipe also keeps a second copy of the parameters, which is not counted), and anything the report
-does not give (Kimi K2's number of virtual stages, micro-batch sizes) is an assumption named there.
+What a row cannot express is said in its `note`, and anything the report does not give (Kimi K2's
+number of virtual stages, micro-batch sizes) is an assumption named there.
 """
 from __future__ import annotations
 
@@ -33,16 +32,18 @@ class Published:
 RUNS = (
     Published(
         "DeepSeek-V3", "configs/frontier/deepseek_v3.yaml", Layout(2048, tp=1, pp=16, ep=64, etp=1),
-        ("precision=fp8", "model.recompute=selective", "model.recompute_modules=[mla_up_proj]",
+        ("precision=fp8", "model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]",
          "train.micro_batch=1", "train.global_batch=15360"),
-        Planned(optimizer_states="bf16", fp8_activations="linear", recompute_norms=True,
-                overlap=("expert", "pipeline"), node_dispatch=True), H800,
+        Planned(optimizer_states="bf16", fp8_activations="linear+moe", recompute_norms=True,
+                overlap=("expert", "pipeline"), node_dispatch=True, dualpipe=True), H800,
         "DeepSeek-V3 Technical Report, arXiv:2412.19437: §3.2 (2,048 H800 GPUs, PP16, EP64 over 8 nodes, "
         "ZeRO-1 DP, no TP), §3.2.3 (RMSNorm and MLA up-projections recomputed), §3.3 (FP8 GEMMs, "
-        "activations cached in FP8, AdamW moments in BF16, master weights FP32), §3.2.1 (DualPipe hides "
-        "the all-to-all and the pipeline's sends behind computation), §3.2.2 (a token reaches at "
-        "most 4 nodes, crossing to each once over InfiniBand, then NVLink), §4.2 (4K sequences, batch 15,360)",
-        "DualPipe planned as 1F1B (its second parameter copy is not counted); micro-batch 1 assumed"),
+        "AdamW moments in BF16, master weights FP32), §3.3.3 (linear layers' inputs cached in FP8; the "
+        "MoE SwiGLU's input cached in FP8 and its output recomputed), §3.2.1 (DualPipe: two copies of "
+        "the parameters, the all-to-all and the pipeline's sends hidden behind computation), §3.2.2 (a "
+        "token reaches at most 4 nodes, crossing to each once over InfiniBand, then NVLink), §4.2 (4K "
+        "sequences, batch 15,360)",
+        "micro-batch 1 assumed; the attention output's E5M6 (1.5 bytes) planned as FP8"),
     Published(
         "Kimi K2", "configs/frontier/kimi_k2.yaml", Layout(256, tp=1, pp=16, ep=16, etp=1, vpp=2),
         ("model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "train.optimizer=muon",

@@ -1,6 +1,7 @@
 """`--search`: the layouts that fit, fastest first, each at its fastest micro-batch and recompute
 mode (the step-time estimate of megatron_kappa.plan.speed). Virtual stages and context
-parallelism are searched too (the latter planned only: megatron_kappa.plan.planned)."""
+parallelism are searched too, and with --dualpipe DualPipe beside 1F1B (both planned only:
+megatron_kappa.plan.planned)."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,15 @@ def settings(cfg: Config, layout: Layout):
                                                                 recompute_modules=modules))
 
 
+def schedules(planned: Planned, layout: Layout) -> list[Planned]:
+    """The pipeline schedules tried for `layout`: with DualPipe asked for, DualPipe (where it can
+    run, megatron_kappa.plan.dualpipe.check) and 1F1B, as DualPipe's second parameter copy may not
+    fit where 1F1B does."""
+    if planned.dualpipe and layout.pp > 1:
+        return [planned, dataclasses.replace(planned, dualpipe=False)]
+    return [planned]
+
+
 def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int | None = 10,
            rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned()) -> list[dict]:
     """The layouts that fit, fastest first (estimated tokens/s, megatron_kappa.plan.speed), each
@@ -61,12 +71,14 @@ def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, 
     best = {}
     for layout in candidates(cfg, world, gpus_per_node):
         for variant in settings(cfg, layout):
-            try:
-                p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates, imbalance, planned)
-            except ConfigError:  # e.g. a global batch the layout's data-parallel ranks cannot split
-                continue
-            if p["fits"] and (layout not in best or p["speed"]["tokens_per_s"] > best[layout]["speed"]["tokens_per_s"]):
-                best[layout] = p
+            for schedule in schedules(planned, layout):
+                try:
+                    p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates, imbalance, schedule)
+                except ConfigError:  # e.g. a global batch the layout's data-parallel ranks cannot split
+                    continue
+                if p["fits"] and (layout not in best
+                                  or p["speed"]["tokens_per_s"] > best[layout]["speed"]["tokens_per_s"]):
+                    best[layout] = p
     return sorted(best.values(), key=lambda p: -p["speed"]["tokens_per_s"])[:top]
 
 

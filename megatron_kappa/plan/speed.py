@@ -7,7 +7,8 @@ Per step, for one rank of the slowest pipeline stage:
             at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
             of its s² scores, as flash attention computes them
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
-            stages (parallel.vpp: megatron's interleaved schedule)
+            stages (parallel.vpp: megatron's interleaved schedule); planned only, DualPipe's
+            (p/2 - 1)(F&B + B - 3W), each rank running two stages (megatron_kappa.plan.dualpipe)
   context   context parallelism's ring attention (planned only): each layer passes the rank's K
             and V chunk round the CP ring, cp - 1 hops forward, twice that in backward (K, V and
             their gradients): 3 (cp - 1) x the rank's tokens x the TP-split K and V width
@@ -225,12 +226,13 @@ def dispatcher_messages(ep: int, etp: int) -> int:
 
 
 def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
-              imbalance: float = 1.0, overlap: tuple[str, ...] = (), node_dispatch: bool = False) -> dict:
+              imbalance: float = 1.0, overlap: tuple[str, ...] = (), node_dispatch: bool = False,
+              dualpipe: bool = False) -> dict:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
     the busiest EP rank's routed rows over the average (dropless routing); `overlap`: the terms
-    that run beside the compute, `node_dispatch`: each token crosses to a node once (planned
-    only; see the module)."""
+    that run beside the compute, `node_dispatch`: each token crosses to a node once, `dualpipe`:
+    the pipeline runs DualPipe (planned only; see the module and megatron_kappa.plan.dualpipe)."""
     from megatron_kappa.plan import EXPERT_KINDS, model_shape
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
@@ -245,6 +247,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     per_stage = []
     for stage in range(p):
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
+        forward = stage_flops(cfg, shape, stage, tokens, t, "none", imbalance) / rate / 3
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
         volume, count = tensor_collectives(cfg, shape, stage, cp)
@@ -271,12 +274,19 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
                 + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
         per_stage.append({"compute": compute, "tensor": tensor, "context": context, "expert": expert,
-                          "pipeline": pipeline, "data": data, "layers": len(layers)})
+                          "pipeline": pipeline, "data": data, "layers": len(layers), "params": dense + experts,
+                          "forward": forward, "recomputed": compute - 3 * forward})
+    if dualpipe:
+        per_stage = _dualpipe_ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha)
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
     busy = _busy(slowest, overlap)
-    bubble = busy * (p - 1) / (v * micro)
+    if dualpipe:
+        from megatron_kappa.plan import dualpipe as dual
+        bubble = dual.bubble(busy, p, micro, slowest["forward"], slowest["recomputed"])
+    else:
+        bubble = busy * (p - 1) / (v * micro)
     waited = max(_exposed_data(r, overlap) for r in per_stage)  # of the ZeRO traffic
-    terms = {k: value for k, value in slowest.items() if k != "layers"}
+    terms = {k: value for k, value in slowest.items() if k in TERMS}
     terms.update(bubble=bubble, data=max(r["data"] for r in per_stage))
     seconds = busy + bubble + waited
     if overlap:
@@ -284,6 +294,32 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": v,
             "tokens_per_s": train.global_batch * m.seq_length / seconds,
             "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}
+
+
+TERMS = ("compute", "tensor", "context", "expert", "pipeline", "data")
+
+
+def _dualpipe_ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: float, ib: float,
+                    alpha: float) -> list[dict]:
+    """Each pipeline rank's terms under DualPipe from its two stages' (megatron_kappa.plan.dualpipe):
+    half the micro-batches through each, so half of each stage's compute and traffic; both stages'
+    ZeRO traffic, and the two copies' gradients summed with the mirror rank (an all-reduce over 2
+    ranks: each sends its gradients once, 2 messages), on NVLink where the ranks of both stages,
+    and those between, fit in one node."""
+    from megatron_kappa.plan import dualpipe as dual
+    p, apart = layout.pp, layout.tp * layout.cp * layout.dp  # ranks between neighbouring stages
+    out = []
+    for rank in range(p):
+        h, mirror = dual.stages_of(p, rank)
+        a, b = per_stage[h], per_stage[mirror]
+        row = {k: (a[k] + b[k]) / 2 for k in ("compute", "tensor", "context", "expert", "pipeline",
+                                              "forward", "recomputed")}
+        one_node = h * apart // gpus_per_node == ((mirror + 1) * apart - 1) // gpus_per_node
+        link = nvlink if one_node else ib
+        row["data"] = a["data"] + b["data"] + WIRE_BYTES * (a["params"] + b["params"]) / link + 2 * alpha
+        row["layers"], row["params"] = a["layers"] + b["layers"], a["params"] + b["params"]
+        out.append(row)
+    return out
 
 
 def _busy(stage: dict, overlap: tuple[str, ...]) -> float:

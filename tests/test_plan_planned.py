@@ -150,6 +150,21 @@ def test_every_published_run_fits_with_its_published_settings():
     for run in RUNS[:2]:
         bare = dataclasses.replace(run, planned=Planned())
         assert not check_run(bare, ranked=False)["fits"], run.name
+    # Kimi K2 ran "with virtual stages", the number not given: the fastest that fits, of those the
+    # search tries for the layout (every divisor of the largest stage's layers above 1)
+    from megatron_kappa.plan.published import chosen_vpp, config_of
+    kimi = RUNS[1]
+    assert kimi.open_vpp and kimi.layout.vpp == 1 and not any(r.open_vpp for r in RUNS if r is not kimi)
+    chosen = chosen_vpp(kimi).layout
+    assert chosen.vpp > 1 and check_run(kimi, ranked=False)["layout"] == chosen
+    cfg = config_of(kimi)
+    most = max(planner.model_shape(cfg, kimi.layout).stage_counts())
+    speeds = {}
+    for v in (v for v in range(2, most + 1) if most % v == 0):
+        got = planner.plan(cfg, dataclasses.replace(kimi.layout, vpp=v), 80, 8, kimi.rates, planned=kimi.planned)
+        if got["fits"]:
+            speeds[v] = got["speed"]["tokens_per_s"]
+    assert len(speeds) > 1 and max(speeds, key=speeds.get) == chosen.vpp
     # DeepSeek-V3 under DualPipe (two stages a rank) fits by §3.3.3's MoE savings: the SwiGLU's
     # input in fp8 and its output recomputed; without them it does not
     deepseek = RUNS[0]

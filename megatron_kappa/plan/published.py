@@ -2,8 +2,10 @@
 `python -m megatron_kappa.plan --published` plans each one (does it fit?) and ranks it among the
 layouts `--search` finds at its world size. docs/plan.md has the table.
 
-What a row cannot express is said in its `note`, and anything the report does not give (Kimi K2's
-number of virtual stages, micro-batch sizes) is an assumption named there.
+What a row cannot express is said in its `note`, and anything the report does not give
+(micro-batch sizes) is an assumption named there. Where a report says the run used virtual
+stages but not how many (Kimi K2), the row leaves the number open (`open_vpp`) and the planner
+takes the fastest that fits, as `--search` picks a layout's micro-batch.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Published:
     source: str
     note: str = ""
     measured_s: float | None = None  # the step time the source measured, where it gives one
+    open_vpp: bool = False  # virtual stages, their number not given: the fastest that fits (chosen_vpp)
 
 
 RUNS = (
@@ -45,7 +48,7 @@ RUNS = (
         "sequences, batch 15,360)",
         "micro-batch 1 assumed; the attention output's E5M6 (1.5 bytes) planned as FP8"),
     Published(
-        "Kimi K2", "configs/frontier/kimi_k2.yaml", Layout(256, tp=1, pp=16, ep=16, etp=1, vpp=2),
+        "Kimi K2", "configs/frontier/kimi_k2.yaml", Layout(256, tp=1, pp=16, ep=16, etp=1),
         ("model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "train.optimizer=muon",
          "train.micro_batch=1", "train.global_batch=16384"),
         Planned(fp8_activations="moe", recompute_norms=True, offload_optimizer=True, offload_activations=True,
@@ -57,8 +60,8 @@ RUNS = (
         "inputs kept in FP8, the other activations offloaded to the CPU; EP all-to-all and PP "
         "communication overlapped with computation under interleaved 1F1B, Figure 7), MuonClip, "
         "4,096-token sequences, 67 M tokens per batch",
-        "32 nodes (the smallest the report names); 2 virtual stages assumed (the report gives none); "
-        "micro-batch 1 assumed"),
+        "32 nodes (the smallest the report names); the number of virtual stages the planner's (the "
+        "report gives none); micro-batch 1 assumed", open_vpp=True),
     Published(
         "Qwen3-235B-A22B", "configs/frontier/qwen3_235b_a22b.yaml", Layout(128, tp=4, pp=16, ep=8, etp=1, cp=2),
         ("parallel.first_stage_layers=5", "parallel.last_stage_layers=5", "model.recompute=none",
@@ -133,14 +136,34 @@ def config_of(run: Published):
                                     f"parallel.ep={par.ep}", f"parallel.etp={par.etp}"])
 
 
+def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8) -> Published:
+    """`run` with its virtual stages: as given, or (open_vpp) the number above 1 that divides its
+    largest stage's layers (as --search tries them) and is fastest among those that fit (the
+    first tried, 2 where it divides, when none fits: the verdict then says so)."""
+    from megatron_kappa.plan import model_shape, plan
+    if not run.open_vpp:
+        return run
+    cfg = config_of(run)
+    most = max(model_shape(cfg, run.layout).stage_counts())
+    tried = [dataclasses.replace(run.layout, vpp=v) for v in range(2, most + 1) if most % v == 0]
+    plans = [(layout, plan(cfg, layout, gpu_mem_gib, gpus_per_node, run.rates, planned=run.planned))
+             for layout in tried]
+    fitting = [(layout, p) for layout, p in plans if p["fits"]] or plans[:1]
+    best = max(fitting, key=lambda lp: lp[1]["speed"]["tokens_per_s"])[0]
+    return dataclasses.replace(run, layout=best)
+
+
 def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, ranked: bool = True) -> dict:
-    """The plan of a published run, and (`ranked`) its position among --search's layouts that fit
-    at its world size with its planned-only settings."""
+    """The plan of a published run (its virtual stages chosen where the source gives no number:
+    chosen_vpp), and (`ranked`) its position among --search's layouts that fit at its world size
+    with its planned-only settings."""
     from megatron_kappa.plan import plan
     from megatron_kappa.plan.search import rank_of, search
+    run = chosen_vpp(run, gpu_mem_gib, gpus_per_node)
     cfg = config_of(run)
     p = plan(cfg, run.layout, gpu_mem_gib, gpus_per_node, run.rates, planned=run.planned)
-    out = {"name": run.name, "plan": p, "fits": p["fits"], "gib": p["most_loaded"]["total_bytes"] / 2 ** 30}
+    out = {"name": run.name, "plan": p, "fits": p["fits"], "gib": p["most_loaded"]["total_bytes"] / 2 ** 30,
+           "layout": run.layout}
     if ranked:
         rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, planned=run.planned)
         own = p["speed"]["tokens_per_s"]

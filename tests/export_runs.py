@@ -39,16 +39,17 @@ def hf_env():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sample_shards, world1):
     """Each RUNS entry trained one step from randomised weights (every part matters: the zero-
-    initialised projections, κ's α and b, the gates and λ drawn at random), on the sample shards."""
-    from megatron_kappa.model.build import build_model
-    from test_nanochat_block import randomize
-    from test_training import free_port
+    initialised projections, κ's α and b, the gates and λ drawn at random), on the sample shards.
+    The first request of a multi-process run trains every run of that process count in one
+    launch (tests/training_worker.py: the imports dominate on CPU)."""
+    from test_pipeline import launch
     made = {}
 
-    def get(name):
-        if name in made:
-            return made[name]
-        model_sets, layout_sets, nproc = RUNS[name]
+    def prepare(name):
+        """The run's folder with its randomised initial weights, and its settings."""
+        from megatron_kappa.model.build import build_model
+        from test_nanochat_block import randomize
+        model_sets, layout_sets, _ = RUNS[name]
         folder = tmp_path_factory.mktemp(name)
         data = [f"data.paths=[{sample_shards['train'][0]}]", f"data.tokenizer={sample_shards['tokenizer']}"]
         sets = [*COMMON, *data, *model_sets]
@@ -57,17 +58,28 @@ def runs(tmp_path_factory, sample_shards, world1):
         randomize(model)
         if "model.moe.router=sigmoid" in model_sets:  # ×4 saturates sigmoid scores at 1.0: exact ties, whose
             with torch.no_grad():                     # order two top-k implementations may break differently
-                for name, p in model.named_parameters():
-                    if name.endswith("router.weight"):
+                for key, p in model.named_parameters():
+                    if key.endswith("router.weight"):
                         p.div_(4)
         torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, folder / "init.pt")
-        head = [sys.executable] if nproc == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-        done = subprocess.run([*head, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets, *layout_sets,
-                               f"train.init_weights={folder / 'init.pt'}", f"run.dir={folder / 'run'}"],
-                              cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-        made[name] = folder / "run"
+        return folder, [*sets, *layout_sets, f"train.init_weights={folder / 'init.pt'}", f"run.dir={folder / 'run'}"]
+
+    def get(name):
+        if name in made:
+            return made[name]
+        nproc = RUNS[name][2]
+        if nproc == 1:
+            folder, sets = prepare(name)
+            done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets],
+                                  cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+            made[name] = folder / "run"
+            return made[name]
+        names = [n for n, (_, _, k) in RUNS.items() if k == nproc and n not in made]
+        prepared = {n: prepare(n) for n in names}
+        launch(tmp_path_factory.mktemp(f"export_runs{nproc}"), [{"overrides": sets} for _, sets in prepared.values()],
+               nproc)
+        made.update({n: folder / "run" for n, (folder, _) in prepared.items()})
         return made[name]
     return get
 

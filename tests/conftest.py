@@ -69,13 +69,14 @@ def sample_shards(tmp_path_factory):
             "tokenizer": str(out / "tokenizer.model"), "dir": out}
 
 
-# The slow files, longest first (worker-seconds in a clean-clone `make test`; only their order
-# matters): pytest-xdist's --dist loadfile hands files to its workers in collection order, so the
-# long ones start first and the last file a worker runs is a short one (a short tail).
-LONGEST_FIRST = ("test_multinode", "test_study", "test_preemption", "test_plan", "test_demo", "test_reshard",
-                 "test_optimizers", "test_export", "test_parallel", "test_gpu_check", "test_training",
-                 "test_pipeline", "test_kappa_aot", "test_mtp", "test_softmoe_training", "test_fp8",
-                 "test_export_tools", "test_mla_training", "test_reliability", "test_slurm", "test_slurm_training")
+# The slow files, longest first (worker-seconds of each file's slow tests in a clean clone, 2026-12-04;
+# only their order matters): pytest-xdist's --dist loadfile hands files to its workers in collection
+# order, so the long ones start first and the last file a worker runs is a short one (a short tail).
+LONGEST_FIRST = ("test_preemption", "test_study", "test_multinode", "test_demo", "test_plan", "test_pipeline",
+                 "test_reshard", "test_export", "test_training", "test_gpu_check", "test_optimizers",
+                 "test_export_tools", "test_mla_training", "test_mtp", "test_parallel", "test_softmoe_training",
+                 "test_kappa_aot", "test_offload", "test_fp8", "test_analysis", "test_loss", "test_reliability",
+                 "test_slurm", "test_slurm_training")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -55,7 +55,7 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
     """2 variants × 2 seeds, each run one process (--launcher python): killed (SIGKILL, the study
     and its run) in its second run after a checkpoint, restarted (the first run is kept, the
     second takes over the dead run's lock and resumes), then rerun (all skipped). Without CORE (an
-    evaluation process less per run): test_study_under_deepspeed_and_python scores it with a
+    evaluation process less per run): test_study_under_deepspeed scores it with a
     multi-process run, and test_summary_statistics_and_pairing tabulates it."""
     study = tmp_path / "study"
     cmd = study_cmd(data, study, launcher="python", core=False)
@@ -121,16 +121,17 @@ def test_study_killed_resumed_skipped_and_tabulated(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_study_under_deepspeed_and_python(data, tmp_path):
-    """The default launcher (deepspeed, 2 processes, EP2) and a plain process each finish a run with
-    its evaluations (test_launch_commands: torchrun's command line)."""
-    for launcher, extra in (("deepspeed", ["parallel.ep=2", "--nproc", "2"]), ("python", [])):
-        study = tmp_path / launcher
-        done = run(study_cmd(data, study, *extra, launcher=launcher, variants="kappa", seeds="28"))
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        result = json.loads((study / "runs/kappa-seed28/result.json").read_text())
-        assert result["steps"] == STEPS and math.isfinite(result["valid_loss"]) and -1 <= result["core"] <= 1
-        assert "Difference to" not in (study / "table.md").read_text()  # no baseline in this study
+def test_study_under_deepspeed(data, tmp_path):
+    """The default launcher (deepspeed, 2 processes, EP2) finishes a run with its evaluations, CORE
+    too (a plain process: test_study_killed_resumed_skipped_and_tabulated; torchrun's command
+    line: test_launch_commands)."""
+    study = tmp_path / "deepspeed"
+    done = run(study_cmd(data, study, "parallel.ep=2", "--nproc", "2", launcher="deepspeed", variants="kappa",
+                         seeds="28"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((study / "runs/kappa-seed28/result.json").read_text())
+    assert result["steps"] == STEPS and math.isfinite(result["valid_loss"]) and -1 <= result["core"] <= 1
+    assert "Difference to" not in (study / "table.md").read_text()  # no baseline in this study
 
 
 def test_launch_commands():

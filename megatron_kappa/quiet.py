@@ -28,6 +28,11 @@ KNOWN_WARNINGS = [
     # torch 2.14 renamed it; DeepSpeed's ZeRO, megatron-core and torch 2.11 (the GPU image) use the old name
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
 ]
+# A library's invalid string escapes (megatron-core's, torchao's docstrings), which Python reports
+# when it compiles the file: once with bytecode cached, at every start of every process when it is
+# not (PYTHONDONTWRITEBYTECODE=1, as many container images set it). Only for files under a
+# site-packages folder: this project's own still show.
+LIBRARY_SOURCE = r".*[/\\]site-packages[/\\]"  # warnings' `module`: a compiled file's path
 # logger name → message regexes: log records, with why
 KNOWN_LOG_LINES = {
     "torch.utils.cpp_extension": [r"No CUDA runtime is found"],  # a CPU machine
@@ -64,6 +69,8 @@ def install() -> bool:
         return True
     for category, pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
+    warnings.filterwarnings("ignore", message=r"invalid escape sequence", category=SyntaxWarning,
+                            module=LIBRARY_SOURCE)
     for name, patterns in KNOWN_LOG_LINES.items():
         logging.getLogger(name).addFilter(_DropKnown(patterns))
     _installed = True

@@ -346,6 +346,26 @@ def test_every_numeric_key_has_a_range_that_refuses_values_outside_it():
     assert "| `train.lr_wsd_decay_fraction` | `0.5` | finite number (0, 1] |" in open("docs/config.md").read()
 
 
+def test_library_escape_warnings_stay_quiet_without_bytecode(tmp_path):
+    """Without cached bytecode (PYTHONDONTWRITEBYTECODE=1) Python reports a library's invalid
+    string escapes at every start: quiet drops them for files under site-packages; the same
+    warning from a file outside it still shows, and KAPPA_SHOW_WARNINGS=1 shows both (controls)."""
+    import sys
+    (tmp_path / "site-packages").mkdir(), (tmp_path / "own").mkdir()
+    (tmp_path / "site-packages/escaping_library.py").write_text('x = "\\-"\n')
+    (tmp_path / "own/escaping_own.py").write_text('y = "\\-"\n')
+    base = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONPATH": f"{tmp_path / 'site-packages'}{os.pathsep}{tmp_path / 'own'}"}
+    base.pop("KAPPA_SHOW_WARNINGS", None)
+    code = "from megatron_kappa import quiet; quiet.install(); import escaping_library, escaping_own"
+    for show in ("", "1"):
+        done = subprocess.run([sys.executable, "-c", code], env={**base, "KAPPA_SHOW_WARNINGS": show},
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert ("escaping_library.py:1: SyntaxWarning: invalid escape sequence" in done.stderr) == bool(show), done.stderr
+        assert "escaping_own.py:1: SyntaxWarning: invalid escape sequence" in done.stderr, done.stderr
+
+
 @pytest.mark.slow
 def test_launchers_print_no_known_library_warnings(tmp_path):
     """torchrun (OMP_NUM_THREADS unset) and the deepspeed runner (no hostfile), 2 ranks each: no

@@ -86,6 +86,9 @@ def test_each_rank_holds_its_two_stages_by_hand():
     stages = [planner.stage_params(cfg, layout, s) for s in range(4)]
     plans = planner.plan(cfg, layout, 80, planned=DUAL)
     assert plans["planned_only"] == ["DualPipe"]
+    assert f"most loaded   pipeline rank {plans['most_loaded']['stage']} of 4 (stages 0 and 3: DualPipe)" \
+        in planner.render(plans)
+    assert "most loaded   pipeline stage " in planner.render(planner.plan(cfg, layout, 80))
     for rank, (h, mirror) in enumerate(((0, 3), (1, 2), (1, 2), (0, 3))):
         got = planner.plan_stage(cfg, layout, rank, planned=DUAL)
         assert got["params"] == {k: stages[h][k] + stages[mirror][k] for k in stages[h]}

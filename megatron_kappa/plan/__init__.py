@@ -380,12 +380,19 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
                                      node_dispatch=planned.node_dispatch, dualpipe=dual)}
 
 
+def where(stage: int, pp: int, dual: bool) -> str:
+    """The most-loaded rank's place in the pipeline, for the output."""
+    if dual:
+        return "rank {} of {} (stages {} and {}: DualPipe)".format(stage, pp, *dualpipe.stages_of(pp, stage))
+    return f"stage {stage} of {pp}"
+
+
 def render(p: dict) -> str:
     w = p["most_loaded"]
     lines = [f"layout        {p['label']}  on {p['layout']['world']} GPUs ({p['gpus_per_node']} per node)"
              + ("" if p["ep_inside_node"] else "  [EP × ETP crosses nodes]"),
              f"precision     {p['precision']}, ZeRO-{p['zero_stage']}, recompute {w['recompute']}",
-             f"most loaded   pipeline stage {w['stage']} of {p['layout']['pp']}: "
+             f"most loaded   pipeline {where(w['stage'], p['layout']['pp'], 'DualPipe' in p['planned_only'])}: "
              f"{w['param_count'] / 1e9:.3f} B parameters",
              "  by kind     " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in w["params"].items() if v)]
     for key, value in w["bytes"].items():

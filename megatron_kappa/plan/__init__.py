@@ -372,7 +372,7 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "tp_inside_node": layout.tp <= gpus_per_node,
             "micro_batch": cfg.train.micro_batch,
             "expert_imbalance": imbalance,
-            "planned_only": shown.labels(layout),
+            "planned_only": shown.labels(layout), "dualpipe": dual,
             "speed": speed.step_time(cfg, layout, rates, gpus_per_node,
                                      [stage_params(cfg, layout, s) for s in range(layout.pp)] if dual
                                      else [r["params"] for r in stages],
@@ -392,7 +392,7 @@ def render(p: dict) -> str:
     lines = [f"layout        {p['label']}  on {p['layout']['world']} GPUs ({p['gpus_per_node']} per node)"
              + ("" if p["ep_inside_node"] else "  [EP × ETP crosses nodes]"),
              f"precision     {p['precision']}, ZeRO-{p['zero_stage']}, recompute {w['recompute']}",
-             f"most loaded   pipeline {where(w['stage'], p['layout']['pp'], 'DualPipe' in p['planned_only'])}: "
+             f"most loaded   pipeline {where(w['stage'], p['layout']['pp'], p['dualpipe'])}: "
              f"{w['param_count'] / 1e9:.3f} B parameters",
              "  by kind     " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in w["params"].items() if v)]
     for key, value in w["bytes"].items():

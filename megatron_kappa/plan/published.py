@@ -141,11 +141,12 @@ def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8
     largest stage's layers (as --search tries them) and is fastest among those that fit (the
     first tried, 2 where it divides, when none fits: the verdict then says so)."""
     from megatron_kappa.plan import model_shape, plan
+    from megatron_kappa.plan.search import _divisors
     if not run.open_vpp:
         return run
     cfg = config_of(run)
     most = max(model_shape(cfg, run.layout).stage_counts())
-    tried = [dataclasses.replace(run.layout, vpp=v) for v in range(2, most + 1) if most % v == 0]
+    tried = [dataclasses.replace(run.layout, vpp=v) for v in _divisors(most) if v > 1]
     plans = [(layout, plan(cfg, layout, gpu_mem_gib, gpus_per_node, run.rates, planned=run.planned))
              for layout in tried]
     fitting = [(layout, p) for layout, p in plans if p["fits"]] or plans[:1]

@@ -50,6 +50,7 @@ import dataclasses
 
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
+from megatron_kappa.plan import dualpipe as dual
 from megatron_kappa.plan.planned import OVERLAP
 
 
@@ -281,7 +282,6 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
     busy = _busy(slowest, overlap)
     if dualpipe:
-        from megatron_kappa.plan import dualpipe as dual
         bubble = dual.bubble(busy, p, micro, slowest["forward"], slowest["recomputed"])
     else:
         bubble = busy * (p - 1) / (v * micro)
@@ -306,7 +306,6 @@ def _dualpipe_ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: f
     ZeRO traffic, and the two copies' gradients summed with the mirror rank (an all-reduce over 2
     ranks: each sends its gradients once, 2 messages), on NVLink where the ranks of both stages,
     and those between, fit in one node."""
-    from megatron_kappa.plan import dualpipe as dual
     p, apart = layout.pp, layout.tp * layout.cp * layout.dp  # ranks between neighbouring stages
     out = []
     for rank in range(p):

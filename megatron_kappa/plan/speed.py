@@ -15,7 +15,8 @@ Per step, for one rank of the slowest pipeline stage:
   tensor    sequence parallelism's collectives of the rank's tokens x hidden: 5 per TP-split
             block, the embedding's and the output layer's (tensor_collectives)
   expert    the token dispatcher's all-to-all, dispatch and combine, forward and backward: 4 x
-            the rank's routed rows x hidden per MoE layer, the share (EP - 1) / EP leaving the rank
+            the rank's routed rows x hidden per MoE layer, the share (EP - 1) / EP leaving the rank,
+            across nodes the other nodes' share over InfiniBand beside the node's over NVLink
             (planned only, node-limited dispatch: a token crosses to each node once; _dispatch_seconds),
             and with expert TP the rows' all-gather and reduce-scatter over ETP
   pipeline  each micro-batch's activation forward and its gradient backward between stages (v
@@ -165,17 +166,21 @@ OVERLAPPABLE = tuple(t for t in OVERLAP if t != "data")
 def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvlink: float, ib: float,
                       node_dispatch: bool) -> float:
     """One all-to-all (dispatch or combine) of a MoE layer: `rows` routed rows of h values from
-    this rank, (EP - 1) / EP of them to other ranks, on NVLink inside a node, else InfiniBand.
-    With `node_dispatch` and EP across n nodes (DeepSeek-V3's §3.2.2, DeepEP): a token goes once
-    over InfiniBand to each other node holding one of its experts, at most min(top-k, the groups a
-    token may use under num_groups, n) nodes, (n - 1) / n of them remote, then on over NVLink to
-    its experts there (every routed row once), the two links at once (§3.2.2: "fully overlapped")."""
+    this rank, (EP - 1) / EP of them to other ranks, on NVLink inside a node. With EP across n
+    nodes, EP / n ranks in each: (n - 1) / n of the rows go to the other nodes over InfiniBand and
+    (EP / n - 1) / EP to the rank's node peers over NVLink, the two links at once (NCCL's
+    all-to-all posts every peer's send together). With `node_dispatch` (DeepSeek-V3's §3.2.2,
+    DeepEP): a token goes once over InfiniBand to each other node holding one of its experts, at
+    most min(top-k, the groups a token may use under num_groups, n) nodes, (n - 1) / n of them
+    remote, then on over NVLink to its experts there (every routed row once), the two links at
+    once (§3.2.2: "fully overlapped")."""
     moe, h, ep, etp = cfg.model.moe, cfg.model.hidden_size, layout.ep, layout.etp
     if not _span(ep, etp, gpus_per_node):
         return rows * h * WIRE_BYTES * (ep - 1) / ep / nvlink
-    if not node_dispatch:
-        return rows * h * WIRE_BYTES * (ep - 1) / ep / ib
     nodes = -(-ep * etp // gpus_per_node)
+    if not node_dispatch:
+        peers = ep / nodes - 1  # the rank's EP peers in its own node
+        return max(rows * h * WIRE_BYTES * (nodes - 1) / nodes / ib, rows * h * WIRE_BYTES * peers / ep / nvlink)
     reach = min(moe.topk, moe.group_topk if moe.num_groups else nodes, nodes)
     remote = rows / moe.topk * reach * (nodes - 1) / nodes
     return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)

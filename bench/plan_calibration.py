@@ -102,18 +102,18 @@ def terms(cfg, rates) -> dict:
     """The estimate's parts for one layout: compute, traffic (bandwidth only) and the number of
     messages, each with its share of the bubble (the bubble is a fraction of the busy time)."""
     from megatron_kappa import plan as planner
-    from megatron_kappa.plan.speed import Rates
 
     def step(latency_us):
-        r = Rates(rates.tflops, rates.nvlink_gbs, rates.ib_gbs, latency_us)
+        r = dataclasses.replace(rates, latency_us=latency_us)
         p = planner.plan(cfg, planner.layout_of(cfg, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD, rates=r)
         return p["speed"]
     zero, one = step(0.0), step(1e6)  # latency 1 s per message: the count of messages
     t = zero["terms"]
-    busy = t["compute"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
+    gemms = t["compute"] + t["memory"]  # the memory-bound experts' excess is GEMM time too
+    busy = gemms + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
     grow = 1 + t["bubble"] / busy
     comm = lambda s: sum(s["terms"][k] for k in ("tensor", "context", "expert", "pipeline", "data"))  # noqa: E731
-    return {"compute": t["compute"] * grow, "traffic": comm(zero) * grow, "messages": (comm(one) - comm(zero)) * grow,
+    return {"compute": gemms * grow, "traffic": comm(zero) * grow, "messages": (comm(one) - comm(zero)) * grow,
             "estimated": step(rates.latency_us)["seconds"]}
 
 
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     # default / a, and so on; on one machine every group is "in a node" (NVLink's rate is used)
     fitted = Rates(tflops=defaults.tflops / k["compute"] if k["compute"] else 1e9,
                    nvlink_gbs=defaults.nvlink_gbs / k["traffic"] if k["traffic"] else 1e9,
-                   ib_gbs=defaults.ib_gbs, latency_us=k["messages"] * 1e6)
+                   ib_gbs=defaults.ib_gbs, latency_us=k["messages"] * 1e6,
+                   hbm_tbs=defaults.hbm_tbs / k["compute"] if k["compute"] else 1e9)
     for r in rows:
         r["fitted"] = k["c"] + k["compute"] * r["compute"] + k["traffic"] * r["traffic"] + k["messages"] * r["messages"]
         r["calibrated"] = terms(configs[r["layout"]], fitted)["estimated"]

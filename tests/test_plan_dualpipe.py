@@ -136,7 +136,7 @@ def test_step_terms_by_hand():
     data = [zero(params[h]) + zero(params[m]) + 2 * (sum(params[h].values()) + sum(params[m].values())) / 200e9
             for h, m in ((0, 3), (1, 2))]
     assert got["terms"]["data"] == pytest.approx(max(data))
-    busy = sum(got["terms"][k] for k in ("compute", "tensor", "context", "expert", "pipeline"))
+    busy = sum(got["terms"][k] for k in ("compute", "memory", "tensor", "context", "expert", "pipeline"))
     micro = 16 // 2
     assert got["terms"]["bubble"] == pytest.approx((4 / 2 - 1) * busy / micro * 2 / 3)
     assert got["seconds"] == pytest.approx(sum(got["terms"].values()))

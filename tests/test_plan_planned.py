@@ -69,7 +69,7 @@ def test_virtual_stages_in_flight_bubble_and_traffic():
     a, b = (speed.step_time(cfg, lay, speed.Rates(), 8, params)["terms"] for lay in (one, two))
     assert b["pipeline"] == 2 * a["pipeline"]  # every chunk boundary crossed
     for t, v in ((a, 1), (b, 2)):
-        busy = t["compute"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
+        busy = t["compute"] + t["memory"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
         assert t["bubble"] == pytest.approx(busy * 3 / (v * 16))
 
 
@@ -258,17 +258,20 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
         assert plain["seconds"] == pytest.approx(sum(t.values()))  # nothing hidden: the control
         got = speed.step_time(cfg, layout, rates, 4, params, overlap=("expert", "pipeline", "data"))
         # stage 1 (2 MoE layers, the loss) is the slowest either way
-        busy = max(t["compute"], t["expert"] + t["pipeline"]) + t["tensor"] + t["context"]
+        # the GEMMs' time: compute and the memory-bound experts' excess (the same 2 MoE layers on
+        # either stage: test_plan_speed.test_memory_bound_experts_by_hand)
+        gemms = t["compute"] + t["memory"]
+        busy = max(gemms, t["expert"] + t["pipeline"]) + t["tensor"] + t["context"]
         data = [2 * 2 * sum(p.values()) * 3 / 4 / (rates.ib_gbs * 1e9) for p in params]  # across nodes
         compute = [speed.stage_flops(cfg, planner.model_shape(cfg, layout), s, 32 * 1024 / 4, 2, "none") / 100e12
                    for s in range(2)]
         assert compute[1] == t["compute"]
-        exposed = max(max(d / 2, d - c) for d, c in zip(data, compute))
+        exposed = max(max(d / 2, d - c - t["memory"]) for d, c in zip(data, compute))
         assert got["seconds"] == pytest.approx(busy * (1 + 1 / micro) + exposed)
         assert got["terms"]["bubble"] == pytest.approx(busy / micro)
         assert got["seconds"] == pytest.approx(sum(got["terms"].values()))  # "overlapped": the hidden traffic
         traffic = t["tensor"] + t["context"] + t["expert"] + t["pipeline"] + t["data"]
-        assert -got["terms"]["overlapped"] == pytest.approx(traffic - (busy - t["compute"] + exposed))
+        assert -got["terms"]["overlapped"] == pytest.approx(traffic - (busy - gemms + exposed))
         assert got["seconds"] < plain["seconds"]
     with pytest.raises(ValueError, match="overlap: expected some of data, expert, pipeline, tensor, context, got all"):
         Planned(overlap=("all",))

@@ -128,8 +128,9 @@ def test_step_terms_by_hand():
     t = got["terms"]
     assert t["tensor"] == pytest.approx(tensor) and t["expert"] == pytest.approx(expert)
     assert t["pipeline"] == pytest.approx(pipeline) and t["compute"] == pytest.approx(compute)
-    # the bubble: (p - 1) / (v m) of the stage's busy time
-    assert t["bubble"] == pytest.approx((compute + tensor + expert + pipeline) * 1 / micro)
+    # the bubble: (p - 1) / (v m) of the stage's busy time (the memory-bound experts' excess is
+    # GEMM time: test_memory_bound_experts_by_hand)
+    assert t["bubble"] == pytest.approx((compute + t["memory"] + tensor + expert + pipeline) * 1 / micro)
     # data: ZeRO-1's reduce-scatter and all-gather, 2 bytes each per parameter, (D - 1)/D on the wire;
     # DP4 ranks TP2 apart and EDP4 ranks EP x ETP = 2 apart both span 8 ranks: across nodes
     data = [2 * 2 * sum(p.values()) * 3 / 4 / 25e9 for p in params]
@@ -247,3 +248,41 @@ def test_every_recompute_module_is_known_to_each_estimate():
         assert module.needs(chosen.model) is None, name
         assert activation_bytes(chosen, layout, 0, "selective", 1) < plain, name
         assert set(module.flops) <= parts, name
+
+
+def test_memory_bound_experts_by_hand():
+    """The routed experts' GEMMs as a roofline (speed.expert_memory_seconds): each takes the longer
+    of its FLOPs at --tflops and its bytes at --hbm-tbs; "memory" is the excess. The layout of
+    test_step_terms_by_hand at 2 TB/s, where tiny's (fp32) experts are memory-bound. Per micro-batch a
+    rank's expert sees M = etp·ep·k·s·b / (cp·tp·E) = 2·2·2048 / (2·4) = 1024 rows; the bytes
+    are each operand's and the result's, counted from real tensors, the FLOPs torch's own count."""
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0, hbm_tbs=2.0)
+    params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+    assert speed.expert_gemm_rows(cfg, layout) == 1024
+    excess = 0.0
+    for k, n in ((64, 2 * 256), (256, 64)):  # fc1 (gate and up), fc2; h 64, F 256
+        a, b = torch.empty(1024, k), torch.empty(k, n)  # tiny runs in fp32
+        with FlopCounterMode(display=False) as counter:
+            out = a @ b
+        moved = a.nbytes + b.nbytes + out.nbytes
+        excess += max(0.0, moved / 2e12 - counter.get_total_flops() / 100e12)
+    # stage 1: 2 MoE layers, 2 experts a rank (4 / EP2), 4 micro-batches, forward + 2 backward passes
+    want = excess * 2 * 2 * 4 * 3
+    got = speed.step_time(cfg, layout, rates, 4, params)
+    t = got["terms"]
+    assert want > 0 and t["memory"] == pytest.approx(want)
+    assert t["bubble"] == pytest.approx((t["compute"] + t["memory"] + t["tensor"] + t["expert"] + t["pipeline"]) / 4)
+    assert got["seconds"] == pytest.approx(sum(t.values()))
+    # the experts recomputed (selective "moe"): a fourth pass; EP4 gives each expert twice the rows
+    again = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
+                                                               recompute_modules=("moe",)))
+    assert speed.step_time(again, layout, rates, 4, params)["terms"]["memory"] == pytest.approx(want * 4 / 3)
+    assert speed.expert_gemm_rows(cfg, Layout(16, tp=2, pp=2, ep=4, etp=1)) == 2048
+    # controls: at 10 TB/s these GEMMs are compute-bound (no memory term), and the FLOPs-only
+    # compute term is the same either way
+    fast = speed.step_time(cfg, layout, dataclasses.replace(rates, hbm_tbs=10.0), 4, params)["terms"]
+    assert fast["memory"] == 0 and fast["compute"] == t["compute"]

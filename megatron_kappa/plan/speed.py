@@ -6,6 +6,10 @@ Per step, for one rank of the slowest pipeline stage:
             forward of each layer under full recompute, of the selective modules' parts otherwise)
             at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
             of its s² scores, as flash attention computes them
+  memory    the routed experts' GEMMs as a roofline: where a GEMM's bytes at `Rates.hbm_tbs` take
+            longer than its FLOPs at `Rates.tflops` (few rows per expert: fine-grained experts at
+            small EP, small micro-batches), the difference (expert_memory_seconds); GEMM time,
+            like compute, that the traffic can hide behind
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
             stages (parallel.vpp: megatron's interleaved schedule); planned only, DualPipe's
             (p/2 - 1)(F&B + B - 3W), each rank running two stages (megatron_kappa.plan.dualpipe)
@@ -62,6 +66,7 @@ class Rates:
     nvlink_gbs: float = 450.0  # GB/s one way per GPU inside a node (NVLink 4: 900 GB/s both ways)
     ib_gbs: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NDR link per GPU)
     latency_us: float = 10.0  # per message of a collective (a stated assumption: NCCL's small-message scale)
+    hbm_tbs: float = 3.35  # TB/s of GPU memory bandwidth (H100/H800 SXM: 3.35; H200: 4.8)
 
 
 WIRE_BYTES = 2
@@ -142,6 +147,53 @@ def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recomput
             f = layer_flops(cfg, last, tokens, tp, imbalance)
             total += 3 * (f["matmul"] + f["scores"] + 2 * tokens * 2 * m.hidden_size ** 2 / tp + output)
     return total
+
+
+def expert_gemm_rows(cfg: Config, layout, imbalance: float = 1.0) -> float:
+    """M of each local expert's GEMMs per micro-batch on the busiest rank: the micro-batch's tokens
+    on a CP rank, each TP rank routing its sequence-parallel share, k rows a token; an EP rank
+    receives as many rows as it sends (balanced), gathers its ETP peers' too, and spreads them
+    over its E / EP experts: etp · ep · k · s·b / (cp · tp · E)."""
+    m = cfg.model
+    tokens = m.seq_length * cfg.train.micro_batch / layout.cp
+    return routed_rows(cfg, tokens, imbalance) / layout.tp * layout.etp * layout.ep / m.moe.num_experts
+
+
+def expert_memory_seconds(cfg: Config, layout, rate: float, hbm: float, imbalance: float = 1.0) -> float:
+    """What one pass (a forward, or one of backward's two GEMMs of each weight) of one MoE layer's
+    local experts for one micro-batch takes beyond its FLOPs at `rate` where HBM bounds it (a
+    roofline: each GEMM takes the longer of its FLOPs at `rate` and its bytes at `hbm`). A GEMM of
+    M x K by K x N does 2 MKN FLOPs and moves its operands (2 bytes a value, 1 in fp8, 4 in fp32)
+    and its M x N result (2 bytes, 4 in fp32); backward's input and weight gradients move as much and do as many
+    FLOPs. An expert's fc1 is M x h by h x 2F' (gate and up, F' = F / ETP), its fc2 M x F' by
+    F' x h; the rank holds E / EP experts, M = expert_gemm_rows. With few rows per expert
+    (fine-grained experts at small EP) reading the weights dominates, which FLOPs alone leave free."""
+    m, moe = cfg.model, cfg.model.moe
+    rows, h = expert_gemm_rows(cfg, layout, imbalance), m.hidden_size
+    f = (moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h) / layout.etp
+    result = 4 if cfg.precision == "fp32" else 2
+    operand = 1 if cfg.precision == "fp8" else result
+    excess = 0.0
+    for k, n in ((h, 2 * f), (f, h)):  # fc1, fc2
+        excess += max(0.0, (operand * (rows * k + k * n) + result * rows * n) / hbm - 2 * rows * k * n / rate)
+    return excess * moe.num_experts / layout.ep
+
+
+def expert_passes(cfg: Config, shape, stage: int) -> int:
+    """The passes over the routed experts per micro-batch on `stage` (expert_memory_seconds):
+    forward and backward's two for each MoE layer (and each MTP depth of one), one more for each
+    layer whose experts recompute (full recompute of that layer, or the selective "moe" module),
+    as stage_flops counts their FLOPs."""
+    m = cfg.model
+    layers = shape.stage_moe_layers(stage)
+    blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
+    chosen = {p for mod in selective.selected(m, shape.has_moe) for p in selective.MODULES[mod].flops}
+    again = [i < blocks if m.recompute == "full" else m.recompute == "selective" and "experts" in chosen
+             for i in range(len(layers))]
+    passes = sum(3 + a for is_moe, a in zip(layers, again) if is_moe)
+    if stage == shape.pp - 1 and shape.moe_layers[-1]:
+        passes += 3 * m.mtp.num_layers
+    return passes
 
 
 def _span(group: int, stride: int, gpus_per_node: int) -> bool:
@@ -249,11 +301,14 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     rate = rates.tflops * 1e12 * (2.0 if cfg.precision == "fp8" else 1.0)
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
     alpha = rates.latency_us * 1e-6
+    hbm = rates.hbm_tbs * 1e12
 
     per_stage = []
     for stage in range(p):
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         forward = stage_flops(cfg, shape, stage, tokens, t, "none", imbalance) / rate / 3
+        memory = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) * micro * expert_passes(cfg, shape, stage) \
+            if shape.has_moe else 0.0
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
         volume, count = tensor_collectives(cfg, shape, stage, cp)
@@ -279,7 +334,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
                 + 2 * WIRE_BYTES * experts * (edp - 1) / edp
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
                 + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
-        per_stage.append({"compute": compute, "tensor": tensor, "context": context, "expert": expert,
+        per_stage.append({"compute": compute, "memory": memory, "tensor": tensor, "context": context, "expert": expert,
                           "pipeline": pipeline, "data": data, "layers": len(layers), "params": dense + experts,
                           "forward": forward, "recomputed": compute - 3 * forward})
     if dualpipe:
@@ -301,7 +356,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
             "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}
 
 
-TERMS = ("compute", "tensor", "context", "expert", "pipeline", "data")
+TERMS = ("compute", "memory", "tensor", "context", "expert", "pipeline", "data")
 
 
 def _dualpipe_ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: float, ib: float,
@@ -316,7 +371,7 @@ def _dualpipe_ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: f
     for rank in range(p):
         h, mirror = dual.stages_of(p, rank)
         a, b = per_stage[h], per_stage[mirror]
-        row = {k: (a[k] + b[k]) / 2 for k in ("compute", "tensor", "context", "expert", "pipeline",
+        row = {k: (a[k] + b[k]) / 2 for k in ("compute", "memory", "tensor", "context", "expert", "pipeline",
                                               "forward", "recomputed")}
         one_node = h * apart // gpus_per_node == ((mirror + 1) * apart - 1) // gpus_per_node
         link = nvlink if one_node else ib
@@ -327,10 +382,11 @@ def _dualpipe_ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: f
 
 
 def _busy(stage: dict, overlap: tuple[str, ...]) -> float:
-    """A stage's compute and traffic per step, the `overlap` terms hidden behind its compute."""
+    """A stage's compute and traffic per step, the `overlap` terms hidden behind its compute (the
+    GEMMs' time, memory-bound experts' included)."""
     hidden = sum(stage[k] for k in OVERLAPPABLE if k in overlap)
     exposed = sum(stage[k] for k in OVERLAPPABLE if k not in overlap)
-    return max(stage["compute"], hidden) + exposed
+    return max(stage["compute"] + stage["memory"], hidden) + exposed
 
 
 def _exposed_data(stage: dict, overlap: tuple[str, ...]) -> float:
@@ -338,4 +394,4 @@ def _exposed_data(stage: dict, overlap: tuple[str, ...]) -> float:
     layer's share, or what the stage's compute cannot cover, whichever is more."""
     if "data" not in overlap:
         return stage["data"]
-    return max(stage["data"] / max(stage["layers"], 1), stage["data"] - stage["compute"])
+    return max(stage["data"] / max(stage["layers"], 1), stage["data"] - stage["compute"] - stage["memory"])

@@ -286,3 +286,16 @@ def test_memory_bound_experts_by_hand():
     # compute term is the same either way
     fast = speed.step_time(cfg, layout, dataclasses.replace(rates, hbm_tbs=10.0), 4, params)["terms"]
     assert fast["memory"] == 0 and fast["compute"] == t["compute"]
+
+
+def test_search_trades_micro_batch_for_memory_bound_experts():
+    """With the experts' GEMMs bound by a slow HBM (0.05 TB/s), the search's fastest layouts run
+    micro-batch 8 (each expert reads its weights once per micro-batch: fewer, larger ones read them
+    less often) and the largest EP first (more rows per expert); the control, an HBM that bounds
+    nothing, keeps micro-batch 1 and puts plain DP first (the FLOPs alike, the all-to-all not free)."""
+    cfg = load_config("configs/tiny.yaml", ["train.global_batch=64", "model.moe.capacity_factor=null"])
+    slow = search.search(cfg, 4, 80, 4, None, speed.Rates(hbm_tbs=0.05, latency_us=0))
+    assert all(r["micro_batch"] == 8 for r in slow[:5]) and slow[0]["layout"]["ep"] == 4
+    free = search.search(cfg, 4, 80, 4, None, speed.Rates(hbm_tbs=1e6, latency_us=0))
+    assert all(r["micro_batch"] == 1 for r in free[:5]) and free[0]["layout"]["ep"] == 1
+    assert all(r["speed"]["terms"]["memory"] == 0 for r in free)

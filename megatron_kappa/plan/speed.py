@@ -164,8 +164,8 @@ def expert_memory_seconds(cfg: Config, layout, rate: float, hbm: float, imbalanc
     local experts for one micro-batch takes beyond its FLOPs at `rate` where HBM bounds it (a
     roofline: each GEMM takes the longer of its FLOPs at `rate` and its bytes at `hbm`). A GEMM of
     M x K by K x N does 2 MKN FLOPs and moves its operands (2 bytes a value, 1 in fp8, 4 in fp32)
-    and its M x N result (2 bytes, 4 in fp32); backward's input and weight gradients move as much and do as many
-    FLOPs. An expert's fc1 is M x h by h x 2F' (gate and up, F' = F / ETP), its fc2 M x F' by
+    and its M x N result (2 bytes, 4 in fp32); backward's input and weight gradients move as much
+    and do as many FLOPs. An expert's fc1 is M x h by h x 2F' (gate and up, F' = F / ETP), its fc2 M x F' by
     F' x h; the rank holds E / EP experts, M = expert_gemm_rows. With few rows per expert
     (fine-grained experts at small EP) reading the weights dominates, which FLOPs alone leave free."""
     m, moe = cfg.model, cfg.model.moe

@@ -281,6 +281,9 @@ def test_memory_bound_experts_by_hand():
     again = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
                                                                recompute_modules=("moe",)))
     assert speed.step_time(again, layout, rates, 4, params)["terms"]["memory"] == pytest.approx(want * 4 / 3)
+    # full recompute of the stage's first layer only (model.recompute_layers 1): 4 + 3 passes
+    first = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full", recompute_layers=1))
+    assert speed.step_time(first, layout, rates, 4, params)["terms"]["memory"] == pytest.approx(want * 7 / 6)
     assert speed.expert_gemm_rows(cfg, Layout(16, tp=2, pp=2, ep=4, etp=1)) == 2048
     # controls: at 10 TB/s these GEMMs are compute-bound (no memory term), and the FLOPs-only
     # compute term is the same either way

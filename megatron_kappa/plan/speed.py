@@ -129,16 +129,25 @@ def recomputed_flops(f: dict[str, float], recompute: str, modules: tuple[str, ..
     return sum(f[p] for p in chosen)
 
 
+def stage_layers(cfg: Config, shape, stage: int, recompute: str):
+    """Each layer of `stage`: (whether it is a MoE layer, the FLOPs its backward does again as a
+    function of its layer_flops). Full recompute covers the stage's first model.recompute_layers
+    layers (all without it), selective recompute every layer (recomputed_flops)."""
+    m = cfg.model
+    modules = selective.selected(m, shape.has_moe)
+    blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
+    for i, is_moe in enumerate(shape.stage_moe_layers(stage)):
+        again = recompute != "full" or i < blocks
+        yield is_moe, (lambda f, again=again: recomputed_flops(f, recompute, modules) if again else 0.0)
+
+
 def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0) -> float:
     """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute)."""
     m = cfg.model
-    modules = selective.selected(m, shape.has_moe)
     total = 0.0
-    blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
-    for i, is_moe in enumerate(shape.stage_moe_layers(stage)):
+    for is_moe, again in stage_layers(cfg, shape, stage, recompute):
         f = layer_flops(cfg, is_moe, tokens, tp, imbalance)
-        again = recomputed_flops(f, recompute, modules) if recompute != "full" or i < blocks else 0.0
-        total += 3 * (f["matmul"] + f["scores"]) + again
+        total += 3 * (f["matmul"] + f["scores"]) + again(f)
     if stage == shape.pp - 1:
         output = 2 * tokens * m.hidden_size * shape.padded_vocab / tp
         total += 3 * output
@@ -179,18 +188,15 @@ def expert_memory_seconds(cfg: Config, layout, rate: float, hbm: float, imbalanc
     return excess * moe.num_experts / layout.ep
 
 
-def expert_passes(cfg: Config, shape, stage: int) -> int:
+def expert_passes(cfg: Config, shape, stage: int) -> float:
     """The passes over the routed experts per micro-batch on `stage` (expert_memory_seconds):
     forward and backward's two for each MoE layer (and each MTP depth of one), one more for each
     layer whose experts recompute (full recompute of that layer, or the selective "moe" module),
-    as stage_flops counts their FLOPs."""
+    as stage_flops counts their FLOPs (stage_layers)."""
     m = cfg.model
-    layers = shape.stage_moe_layers(stage)
-    blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
-    chosen = {p for mod in selective.selected(m, shape.has_moe) for p in selective.MODULES[mod].flops}
-    again = [i < blocks if m.recompute == "full" else m.recompute == "selective" and "experts" in chosen
-             for i in range(len(layers))]
-    passes = sum(3 + a for is_moe, a in zip(layers, again) if is_moe)
+    one_pass = dict.fromkeys(("attention", "mla_up", "scores", "mlp", "router", "shared"), 0.0)
+    one_pass.update(experts=1.0, matmul=1.0)  # a layer_flops of the experts' one forward alone
+    passes = sum(3 + again(one_pass) for is_moe, again in stage_layers(cfg, shape, stage, m.recompute) if is_moe)
     if stage == shape.pp - 1 and shape.moe_layers[-1]:
         passes += 3 * m.mtp.num_layers
     return passes
@@ -303,12 +309,13 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     alpha = rates.latency_us * 1e-6
     hbm = rates.hbm_tbs * 1e12
 
+    # one pass of one MoE layer's local experts for one micro-batch: the same on every stage
+    per_pass = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
     per_stage = []
     for stage in range(p):
         compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
         forward = stage_flops(cfg, shape, stage, tokens, t, "none", imbalance) / rate / 3
-        memory = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) * micro * expert_passes(cfg, shape, stage) \
-            if shape.has_moe else 0.0
+        memory = per_pass * micro * expert_passes(cfg, shape, stage)
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
         volume, count = tensor_collectives(cfg, shape, stage, cp)

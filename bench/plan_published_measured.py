@@ -1,13 +1,16 @@
 """The planner's step-time estimate against step times measured on GPUs by others (issue 37):
-NVIDIA's throughput-tuned layouts for Qwen3-235B-A22B on 256 H100s, and their tuned Mixtral-8x22B
-layout (megatron_kappa.plan.published.TUNED cites each).
+NVIDIA's throughput-tuned layouts for Qwen3-235B-A22B on 256 H100s and their tuned Mixtral-8x22B
+layout (megatron_kappa.plan.published.TUNED), and one of those layouts at 16K to 128K tokens
+(LONG_CONTEXT, whose source gives megatron's TFLOP/s per GPU: published.measured_seconds reads
+them as step times).
 
     python -m bench.plan_published_measured [--no-rank]
 
-Prints, for each tuned layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
+Prints, for each layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
 450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
-ratio of the two, Spearman's rank correlation of the estimated with the measured step times, and
-(without --no-rank) each layout's position among --search's layouts at its world size.
+ratio of the two, Spearman's rank correlation of the estimated with the measured step times of the
+tuned layouts (the same batch and sequence), and (without --no-rank) each tuned layout's position
+among --search's layouts at its world size (the long-context rows are not searched).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import sys
 import time
 
 from bench.plan_calibration import spearman
-from megatron_kappa.plan.published import TUNED, check_run
+from megatron_kappa.plan.published import LONG_CONTEXT, TUNED, check_run, measured_seconds
 
 
 def main(argv=None) -> int:
@@ -24,21 +27,23 @@ def main(argv=None) -> int:
     ap.add_argument("--no-rank", action="store_true", help="skip the searches (a few seconds instead of minutes)")
     args = ap.parse_args(argv)
     measured, estimated = [], []
-    for run in TUNED:
+    for run in TUNED + LONG_CONTEXT:
         t0 = time.monotonic()
-        r = check_run(run, ranked=not args.no_rank)
-        est = r["plan"]["speed"]["seconds"]
+        ranked = run in TUNED and not args.no_rank
+        r = check_run(run, ranked=ranked)
+        est, seconds = r["plan"]["speed"]["seconds"], measured_seconds(run)
         line = f"{run.name}: {r['plan']['label']}: {r['gib']:.1f} GiB, {'fits' if r['fits'] else 'does NOT fit'}; " \
                f"estimate {est:.2f} s"
-        if run.measured_s:
-            measured.append(run.measured_s)
-            estimated.append(est)
-            line += f", measured {run.measured_s:.1f} s (estimate/measured {est / run.measured_s:.2f})"
-        if not args.no_rank:
+        if seconds:
+            line += f", measured {seconds:.1f} s (estimate/measured {est / seconds:.2f})"
+            if run in TUNED:
+                measured.append(seconds)
+                estimated.append(est)
+        if ranked:
             line += (f"; search position {r['rank'] or '-'} of {r['layouts_that_fit']}, by its own estimate "
                      f"{r['by_speed']} ({r['of_first']:.2f}x the first) [{time.monotonic() - t0:.0f} s]")
         print(line, flush=True)
-    print(f"Spearman's rank correlation, estimated vs measured step time ({len(measured)} layouts): "
+    print(f"Spearman's rank correlation, estimated vs measured step time of the tuned layouts ({len(measured)}): "
           f"{spearman(measured, estimated):.2f}")
     return 0
 

@@ -29,6 +29,7 @@ class Published:
     source: str
     note: str = ""
     measured_s: float | None = None  # the step time the source measured, where it gives one
+    measured_tflops: float | None = None  # where it gives only megatron's model TFLOP/s per GPU (measured_seconds)
     open_vpp: bool = False  # virtual stages, their number not given: the fastest that fits (chosen_vpp)
 
 
@@ -127,6 +128,59 @@ TUNED = (
         ZOO + "runtime_configs/benchmarking/runtime.conf:8 and best_practice/mixtral/run_mixtral_8x22B.sh:19-28 "
         "(16 nodes, TP2 PP8 VPP7 EP8, all-to-all dispatcher, GBS 256, MBS 1; about 445 TFLOP/s per GPU)"),
 )
+
+
+# The same layout as TUNED's TP4 EP8 row (PP8 VPP4, DeepEP, 32 nodes of H100) at 16K to 128K tokens,
+# where the source gives megatron's model TFLOP/s per GPU, not step times (measured_seconds reads them
+# as step times): ModelZoo best_practice/qwen3/readme.md:31-36 and its command at :40 (global batch
+# 256, selective recompute of megatron's layernorm and moe modules, no all-to-all overlap). The
+# forced-balance figures: the planner's experts are balanced (dropless with real routing: 237, 277,
+# 320 and 357). TE's ring attention sends the next K/V chunk while it computes on this one (context
+# overlapped); bf16 runs add --tp-comm-overlap as above.
+LONG_CONTEXT = tuple(
+    Published(
+        f"Qwen3-235B-A22B (NVIDIA, H100, {seq // 1024}K tokens, CP{cp})", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=4, pp=8, ep=8, etp=1, cp=cp, vpp=4),
+        (*QWEN3_TUNED[:-1], "train.global_batch=256", f"model.seq_length={seq}", "parallel.vpp=4",
+         "model.recompute=selective", "model.recompute_modules=[moe]"),
+        Planned(recompute_norms=True, overlap=("data", "tensor", "pipeline", "context"), node_dispatch=True), Rates(),
+        ZOO + f"best_practice/qwen3/readme.md:{line} ({seq:,} tokens, TP4 CP{cp}, GBS 256, {tflops} TFLOP/s "
+        "forced balance)",
+        measured_tflops=tflops)
+    for seq, cp, tflops, line in ((16384, 1, 295, 33), (32768, 2, 335, 34), (65536, 4, 368, 35), (131072, 8, 389, 36)))
+
+
+def megatron_model_flops(cfg) -> float:
+    """One sequence's training FLOPs as megatron-lm counts them for the TFLOP/s per GPU it logs
+    (NVIDIA/Megatron-LM megatron/training/training.py at 001b00c, num_floating_point_operations,
+    its transformer_flops): 3 passes (forward, data and weight gradients) × 2 per multiply-add
+    over the q/k/v and output projections, QKᵀ and AV over the causal half, dense MLPs, the top-k
+    routed and the shared experts (SwiGLU's 3 matrices), and the logits over the vocabulary padded
+    to 128 × TP; no router, norms or recompute. GQA and multi-head attention, no MTP."""
+    from megatron_kappa.model.layout import model_layout, padded_vocab_size
+    m = cfg.model
+    if m.mla.enabled or m.mtp.num_layers:
+        raise ValueError("model.mla / model.mtp: megatron_model_flops counts GQA attention without MTP only")
+    h, s, n = m.hidden_size, m.seq_length, m.num_attention_heads
+    d = m.head_dim or h // n
+    q, kv = n * d, (m.num_query_groups or n) * d
+    attention = h * (q + 2 * kv) + q * s / 2 * 2 + q * h
+    moe_layers = model_layout(cfg).num_moe_layers
+    dense_layers = m.num_layers - moe_layers
+    moe = m.moe
+    mlp = 3 * h * ((m.ffn_hidden_size or 4 * h) * dense_layers
+                   + ((moe.ffn_hidden_size or m.ffn_hidden_size) * moe.topk + (moe.shared_ffn_hidden_size or 0))
+                   * moe_layers)
+    return s * 3 * 2 * (mlp + attention * m.num_layers + h * padded_vocab_size(cfg))
+
+
+def measured_seconds(run: Published) -> float | None:
+    """The step time the source measured: given, or read from megatron's model TFLOP/s per GPU
+    (a step's megatron_model_flops over the rate of all the run's GPUs)."""
+    if run.measured_s or not run.measured_tflops:
+        return run.measured_s
+    cfg = config_of(run)
+    return cfg.train.global_batch * megatron_model_flops(cfg) / (run.measured_tflops * 1e12 * run.layout.world)
 
 
 def config_of(run: Published):

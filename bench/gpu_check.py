@@ -12,8 +12,9 @@ Stages, each a separate process with a time limit, each recorded whether it pass
   4. evaluation of that checkpoint: CORE on tests/core_bundle and loss / bits per byte;
   5. the benchmarks: bench/kappa_activation.py, bench/model_step.py (the expert variants, then
      bf16 against fp8), bench/activation_memory.py (the planner's activation estimate against
-     the allocator; GPU only) and bench/throughput.py at the paper's moe8 / sandwich28 shapes
-     (tiny shapes with --quick or --cpu).
+     the allocator; GPU only), bench/plan_rates.py (the GEMM, grouped-GEMM and attention rates
+     and the per-layer fixed cost behind the planner's step time) and bench/throughput.py at the
+     paper's moe8 / sandwich28 shapes (tiny shapes with --quick or --cpu).
 It writes <out>/report.json and <out>/report.md (paste the latter into docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -184,6 +185,7 @@ def main(argv=None) -> int:
             ["--config", "configs/moe8.yaml", "--set", "parallel.ep=1", "--micro-batch", "4"])),
         ("bench: activation memory vs the planner", ["bench/activation_memory.py"]
          + (["--config", "configs/tiny.yaml"] if small else ["--config", "configs/moe8.yaml", "--micro-batch", "4"])),
+        ("bench: planner rates", ["bench/plan_rates.py"] + (["--quick"] if small else [])),
         ("bench: throughput moe8", ["bench/throughput.py"]
          + (["--config", "configs/tiny.yaml", "--steps", "2"] if small else
             ["--config", "configs/moe8.yaml", "--micro-batch", "4", "--recompute", "none", "selective"])),

@@ -68,3 +68,27 @@ def test_long_context_rows_fit_and_their_estimates_agree_with_the_measurements()
     assert all(0.9 < r < 1.1 for r in ratios), ratios
     four_k = check_run(TUNED[2], ranked=False)["plan"]["speed"]["seconds"] / measured_seconds(TUNED[2])
     assert four_k < 0.6  # the 4K row's gap is what docs/plan.md discusses
+
+
+def test_plan_rates_counts_the_flops_torch_counts():
+    """bench/plan_rates.py's FLOPs per shape against torch's FlopCounterMode: a GEMM directly,
+    the experts as a loop of per-expert matmuls, the attention as explicit QKᵀ and AV matmuls over
+    the whole s² (twice the causal half the bench charges). A wrong count would move every rate
+    the bench prints."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from bench.plan_rates import attention_flops, experts_flops, gemm_flops
+
+    def counted(fn):
+        with FlopCounterMode(display=False) as mode:
+            fn()
+        return mode.get_total_flops()
+
+    a, b = torch.randn(48, 32), torch.randn(32, 80)
+    assert counted(lambda: a @ b) == gemm_flops(48, 32, 80)
+    experts, rows, h, ffn = 3, 16, 32, 24
+    x, w1, w2 = torch.randn(rows, h), torch.randn(h, 2 * ffn), torch.randn(ffn, h)
+    assert counted(lambda: [(x @ w1)[:, :ffn] @ w2 for _ in range(experts)]) == experts_flops(experts, rows, h, ffn)
+    seq, heads, d = 64, 4, 16
+    q, k, v = (torch.randn(heads, seq, d) for _ in range(3))
+    assert counted(lambda: (q @ k.transpose(1, 2)).softmax(-1) @ v) == 2 * attention_flops(seq, heads, d)

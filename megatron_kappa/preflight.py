@@ -17,6 +17,7 @@ import struct
 
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, ModelConfig, to_dict
+from megatron_kappa.config import stage_layout
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir
@@ -43,6 +44,11 @@ def check_parallel(cfg: Config, world: int):
         raise ConfigError(f"config: train.global_batch: {cfg.train.global_batch} is not a multiple of "
                           f"micro_batch × data-parallel size = {cfg.train.micro_batch} × {dp}")
     pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
+    empty = stage_layout.empty_entries(cfg.parallel.layout) if cfg.parallel.layout else []
+    if empty:  # each stage's checkpoint and layer names count from its first decoder layer
+        raise ConfigError(f"config: parallel.layout: {cfg.parallel.layout!r}: entry {empty[0]} holds no decoder layer "
+                          "(t); megatron runs such stages, this trainer does not (python -m megatron_kappa.plan "
+                          "plans them)")
     if vpp > 1:  # megatron's interleaved schedule runs the micro-batches in groups of pp per chunk
         micro = cfg.train.global_batch // per_step
         validations = (("eval.valid_iters", cfg.eval.valid_iters),) if cfg.eval.valid_every else ()

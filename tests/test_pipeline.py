@@ -292,12 +292,14 @@ def test_uneven_stages_split_as_megatron_does(monkeypatch):
 def test_layout_strings_split_as_megatron_does():
     """parallel.layout (megatron's pipeline_model_parallel_layout): ModelLayout's stages against
     megatron's own parse of the string (PipelineParallelLayerLayout: each stage's offset and layer
-    count), repeats and groups included; the checks refuse what the trainer does not run, each in
-    one line naming the key."""
+    count), repeats and groups included, and stages without a decoder layer (the planner's; the
+    trainer's preflight refuses them: tests/test_preflight.py); the checks refuse what megatron
+    does not run, each in one line naming the key."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron_kappa.model.layout import model_layout
     for layers, pp, mtp, text in ((5, 2, 0, "Et*3|ttL"), (5, 2, 0, "Ett|t*3L"), (10, 4, 0, "Et|(t*3|)*2t*3L"),
-                                  (61, 16, 1, "Et*3|(t*4|)*14t*2mL"), (7, 3, 1, "Et,t|ttt|ttmL")):
+                                  (61, 16, 1, "Et*3|(t*4|)*14t*2mL"), (7, 3, 1, "Et,t|ttt|ttmL"),
+                                  (5, 3, 0, "E|t*5|L"), (7, 3, 1, "Et|t*6|mL")):  # stages without a decoder layer
         cfg = load_config("configs/tiny.yaml", [f"model.num_layers={layers}", f"parallel.pp={pp}",
                                                 f"model.mtp.num_layers={mtp}", f"parallel.layout={text}"])
         shape, theirs = model_layout(cfg), PipelineParallelLayerLayout(text, pp)
@@ -310,7 +312,6 @@ def test_layout_strings_split_as_megatron_does():
                "Et*3|tt": "L (the loss) must close the last stage",
                "Et*3|t*3L": "places 6 decoder layers (t); model.num_layers is 5",
                "Et*2|t*2|tL": "has 3 entries for parallel.pp=2 × parallel.vpp=1",
-               "Et*5|L": "stage 1 holds no decoder layer",
                "Et*3|ttxL": "unknown layer 'x'",
                "Et*3|tmtL": "MTP layers (m) before L"}
     for text, message in refused.items():

@@ -90,6 +90,22 @@ def test_layout_against_the_world_size(tmp_path):
     check(tmp_path, ["parallel.ep=2"], world=2)
 
 
+def test_a_stage_without_decoder_layers_is_planned_not_trained(tmp_path):
+    """megatron runs an entry of parallel.layout that holds only the embedding or the loss (the
+    config loads, the planner plans it and says "planned only"); this trainer refuses it in one
+    line. The same 5 layers with a layer on every stage pass (the control)."""
+    from megatron_kappa.plan import Layout, plan
+    pp3 = ["model.num_layers=5", "parallel.pp=3", "train.global_batch=12", "train.micro_batch=1"]
+    for text, entry in (("E|t*5|L", 0), ("Et*4|t|L", 2)):
+        message = error(tmp_path, [*pp3, f"parallel.layout={text}"], world=3)
+        assert f"parallel.layout: '{text}': entry {entry} holds no decoder layer" in message
+        cfg = load_config("configs/tiny.yaml", [*pp3, f"parallel.layout={text}"])
+        assert "stages without decoder layers" in plan(cfg, Layout(3, pp=3), 80)["planned_only"]
+    check(tmp_path, [*pp3, "parallel.layout=Et*3|t|tL"], world=3)
+    cfg = load_config("configs/tiny.yaml", [*pp3, "parallel.layout=Et*3|t|tL"])
+    assert "stages without decoder layers" not in plan(cfg, Layout(3, pp=3), 80)["planned_only"]
+
+
 def test_tokenizer_larger_than_vocab_and_core_bundle(tmp_path):
     from megatron_kappa.tokenizer import train_tokenizer
     words = [" ".join(f"w{i * j % 997}" for j in range(40)) for i in range(400)]

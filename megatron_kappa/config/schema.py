@@ -287,8 +287,8 @@ class ParallelConfig:
         None, "megatron's pipeline_model_parallel_layout instead of first/last_stage_layers: each stage's layers, "
               "stages separated by '|': E the embedding (opens the first), t a decoder layer, m an MTP layer, L the "
               "loss (closes the last); x*n and (...)*n repeat, e.g. 'Et*3|t*2mL'; one entry per stage and virtual stage "
-              "(pp × vpp, megatron's order: entry c on rank c mod pp), each with a t "
-              "(megatron_kappa/config/stage_layout.py)")
+              "(pp × vpp, megatron's order: entry c on rank c mod pp); an entry without a t (e.g. 'Et|(tt|)*30mL') "
+              "is the planner's only: the trainer refuses it (megatron_kappa/config/stage_layout.py)")
     vpp: int = _f(1, "virtual pipeline stages per pipeline rank (megatron's virtual_pipeline_model_parallel_size): "
                      "interleaved 1F1B over pp × vpp model chunks, chunk c on rank c mod pp; the layers split evenly "
                      "over the chunks, or as parallel.layout says with pp × vpp entries; the micro-batches per step "

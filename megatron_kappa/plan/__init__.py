@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import Config, ConfigError, stage_layout
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, ModelLayout, has_value_embedding, model_layout
 from megatron_kappa.plan import dualpipe, speed
 from megatron_kappa.plan.planned import Planned
@@ -372,7 +372,8 @@ def plan(cfg: Config, layout: Layout, gpu_mem_gib: float, gpus_per_node: int = 8
             "tp_inside_node": layout.tp <= gpus_per_node,
             "micro_batch": cfg.train.micro_batch,
             "expert_imbalance": imbalance,
-            "planned_only": shown.labels(layout), "dualpipe": dual,
+            "planned_only": shown.labels(layout) + ["stages without decoder layers"] * bool(
+                cfg.parallel.layout and stage_layout.empty_entries(cfg.parallel.layout)), "dualpipe": dual,
             "speed": speed.step_time(cfg, layout, rates, gpus_per_node,
                                      [stage_params(cfg, layout, s) for s in range(layout.pp)] if dual
                                      else [r["params"] for r in stages],

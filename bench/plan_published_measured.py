@@ -1,16 +1,18 @@
 """The planner's step-time estimate against step times measured on GPUs by others (issue 37):
 NVIDIA's throughput-tuned layouts for Qwen3-235B-A22B on 256 H100s and their tuned Mixtral-8x22B
-layout (megatron_kappa.plan.published.TUNED), and one of those layouts at 16K to 128K tokens
-(LONG_CONTEXT, whose source gives megatron's TFLOP/s per GPU: published.measured_seconds reads
-them as step times).
+layout (megatron_kappa.plan.published.TUNED), and their other H100 runs (MEASURED): a fourth
+ModelZoo layout, Megatron-Bridge's FP8 presets for Qwen3-235B-A22B and DeepSeek-V3, and one
+ModelZoo layout at 16K to 128K tokens (where a source gives tokens/s or megatron's TFLOP/s per
+GPU, published.measured_seconds reads them as step times).
 
     python -m bench.plan_published_measured [--no-rank]
 
 Prints, for each layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
 450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
 ratio of the two, Spearman's rank correlation of the estimated with the measured step times of the
-tuned layouts (the same batch and sequence), and (without --no-rank) each tuned layout's position
-among --search's layouts at its world size (the long-context rows are not searched).
+Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), and (without
+--no-rank) each tuned layout's position among --search's layouts at its world size (MEASURED's
+rows are not searched).
 """
 from __future__ import annotations
 
@@ -19,15 +21,16 @@ import sys
 import time
 
 from bench.plan_calibration import spearman
-from megatron_kappa.plan.published import LONG_CONTEXT, TUNED, check_run, measured_seconds
+from megatron_kappa.plan.published import MEASURED, TUNED, check_run, config_of, measured_seconds
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-rank", action="store_true", help="skip the searches (a few seconds instead of minutes)")
     args = ap.parse_args(argv)
-    measured, estimated = [], []
-    for run in TUNED + LONG_CONTEXT:
+    measured, estimated, ratios = [], [], []
+    work = same_work(TUNED[0])
+    for run in TUNED + MEASURED:
         t0 = time.monotonic()
         ranked = run in TUNED and not args.no_rank
         r = check_run(run, ranked=ranked)
@@ -36,16 +39,24 @@ def main(argv=None) -> int:
                f"estimate {est:.2f} s"
         if seconds:
             line += f", measured {seconds:.1f} s (estimate/measured {est / seconds:.2f})"
-            if run in TUNED:
+            ratios.append(est / seconds)
+            if same_work(run) == work:
                 measured.append(seconds)
                 estimated.append(est)
         if ranked:
             line += (f"; search position {r['rank'] or '-'} of {r['layouts_that_fit']}, by its own estimate "
                      f"{r['by_speed']} ({r['of_first']:.2f}x the first) [{time.monotonic() - t0:.0f} s]")
         print(line, flush=True)
-    print(f"Spearman's rank correlation, estimated vs measured step time of the tuned layouts ({len(measured)}): "
-          f"{spearman(measured, estimated):.2f}")
+    print(f"estimate/measured over the {len(ratios)} measured runs: {min(ratios):.2f} to {max(ratios):.2f}")
+    print(f"Spearman's rank correlation, estimated vs measured step time of the {len(measured)} Qwen3-235B-A22B "
+          f"layouts at 4,096 tokens, batch 2,048, 256 GPUs: {spearman(measured, estimated):.2f}")
     return 0
+
+
+def same_work(run) -> tuple:
+    """What makes two runs' step times comparable: the model, tokens per sequence, batch, GPUs."""
+    cfg = config_of(run)
+    return run.config, cfg.model.seq_length, cfg.train.global_batch, run.layout.world
 
 
 if __name__ == "__main__":

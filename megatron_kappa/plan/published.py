@@ -30,6 +30,7 @@ class Published:
     note: str = ""
     measured_s: float | None = None  # the step time the source measured, where it gives one
     measured_tflops: float | None = None  # where it gives only megatron's model TFLOP/s per GPU (measured_seconds)
+    measured_tokens_per_gpu_s: float | None = None  # where it gives only tokens per second per GPU
     open_vpp: bool = False  # virtual stages, their number not given: the fastest that fits (chosen_vpp)
 
 
@@ -150,6 +151,60 @@ LONG_CONTEXT = tuple(
     for seq, cp, tflops, line in ((16384, 1, 295, 33), (32768, 2, 335, 34), (65536, 4, 368, 35), (131072, 8, 389, 36)))
 
 
+# Other runs NVIDIA measured on H100s (80 GB, 8 per node), planned to set the estimate beside them;
+# not searched (--published --rank searches TUNED's). ModelZoo's fourth H100 row: its 94 layers and
+# the embedding and the loss one to a chunk, so the first chunk holds the embedding alone and the
+# last the loss alone (a stage the trainer refuses and the planner plans). Megatron-Bridge's
+# performance summary (docs/performance-summary.md at 00b7660, the 25.11 H100 table, and
+# performance-summary-archive.md at 0a25f91, the 26.02 and 25.09 H100 tables) gives tokens per
+# second per GPU for its performance presets: scripts/performance/configs/qwen/
+# qwen3_workload_base_configs.py at 01b2977 (QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V1/V2:
+# TP2 PP8 VPP4 EP32, the all-to-all dispatcher with its overlap) and qwen3_llm_pretrain.py at
+# 05c0c90 (no recompute, no TP overlap, forced balance); deepseek/deepseek_workload_base_configs.py
+# at 0426418 (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1: TP2 PP8 VPP4 EP64, MLA up-projections and the
+# dense MLPs recomputed, HybridEP, no all-to-all overlap) and deepseek_llm_pretrain.py (layout
+# Et|(tt|)*30mL, gradient-reduce overlap off, forced balance). FP8 current scaling for both.
+ZOO_PP32_SPLIT = "E|" + "t|" * 94 + "L"
+MEASURED = (
+    Published(
+        "Qwen3-235B-A22B (NVIDIA, H100, TP2 PP32 EP8)", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=2, pp=32, ep=8, etp=1, vpp=3),
+        ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null", f"parallel.layout={ZOO_PP32_SPLIT}",
+         "train.micro_batch=1", "train.global_batch=2048", "parallel.vpp=3", "model.recompute=selective",
+         "model.recompute_modules=[moe_act]"),
+        Planned(recompute_norms=True, overlap=("data", "tensor", "pipeline")), Rates(),
+        ZOO + "best_practice/qwen3/readme.md:18 (all-to-all dispatcher, norm and act recomputed, GBS 2048, MBS 1)",
+        measured_s=24.2),
+    Published(
+        "Qwen3-235B-A22B (NVIDIA, H100, FP8, batch 2,048)", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
+        (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=none", "precision=fp8"),
+        Planned(overlap=("data", "pipeline", "expert")), Rates(),
+        "Megatron-Bridge docs/performance-summary.md (25.11, DGX-H100: 1,575 tokens/s per GPU); "
+        "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V1",
+        measured_tokens_per_gpu_s=1575),
+    Published(
+        "Qwen3-235B-A22B (NVIDIA, H100, FP8, batch 8,192)", "configs/frontier/qwen3_235b_a22b.yaml",
+        Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
+        (*QWEN3_TUNED[:-1], "train.global_batch=8192", "parallel.vpp=4", "model.recompute=none", "precision=fp8"),
+        Planned(overlap=("data", "pipeline", "expert")), Rates(),
+        "Megatron-Bridge docs/performance-summary-archive.md (26.02, DGX-H100: 1,633 tokens/s per GPU); "
+        "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2",
+        measured_tokens_per_gpu_s=1633),
+    Published(
+        "DeepSeek-V3 (NVIDIA, H100, FP8)", "configs/frontier/deepseek_v3.yaml",
+        Layout(1024, tp=2, pp=8, ep=64, etp=1, vpp=4),
+        ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null", "parallel.layout=Et|(tt|)*30mL",
+         "parallel.vpp=4", "precision=fp8", "model.recompute=selective", "model.recompute_modules=[mla_up_proj,mlp]",
+         "train.micro_batch=1", "train.global_batch=8192"),
+        Planned(overlap=("pipeline",), node_dispatch=True), Rates(),
+        "Megatron-Bridge docs/performance-summary-archive.md (25.09, DGX-H100, dropless: 1,297 tokens/s per "
+        "GPU); DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1",
+        measured_tokens_per_gpu_s=1297),
+    *LONG_CONTEXT,
+)
+
+
 def megatron_model_flops(cfg) -> float:
     """One sequence's training FLOPs as megatron-lm counts them for the TFLOP/s per GPU it logs
     (NVIDIA/Megatron-LM megatron/training/training.py at 001b00c, num_floating_point_operations,
@@ -175,11 +230,14 @@ def megatron_model_flops(cfg) -> float:
 
 
 def measured_seconds(run: Published) -> float | None:
-    """The step time the source measured: given, or read from megatron's model TFLOP/s per GPU
-    (a step's megatron_model_flops over the rate of all the run's GPUs)."""
-    if run.measured_s or not run.measured_tflops:
+    """The step time the source measured: given, or read from its tokens per second per GPU (a
+    step's tokens over all the run's GPUs' rate), or from megatron's model TFLOP/s per GPU (a
+    step's megatron_model_flops over the rate of all the run's GPUs)."""
+    if run.measured_s or not (run.measured_tflops or run.measured_tokens_per_gpu_s):
         return run.measured_s
     cfg = config_of(run)
+    if run.measured_tokens_per_gpu_s:
+        return cfg.train.global_batch * cfg.model.seq_length / (run.measured_tokens_per_gpu_s * run.layout.world)
     return cfg.train.global_batch * megatron_model_flops(cfg) / (run.measured_tflops * 1e12 * run.layout.world)
 
 

@@ -194,6 +194,7 @@ def test_nvidia_tuned_layouts_fit_as_they_ran():
 
 
 def test_command_line_planned_flags():
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -206,7 +207,12 @@ def test_command_line_planned_flags():
     assert "TP1 PP1 CP2 EP1" in done.stdout and "DP4" in done.stdout
     assert "planned only  CP2, bf16 optimizer moments, optimizer offload, overlap (data, expert)" in done.stdout
     assert "offloaded" in done.stdout
+    done = run("--config", "configs/tiny.yaml", "--world", "2", "--layer-ms", "1.5", "--attention-tflops", "50", "--json",
+               "--set", "train.micro_batch=2", "train.global_batch=8")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["speed"]["terms"]["fixed"] == pytest.approx(1.5e-3 * 2 * 4)  # 2 micro-batches, 4 layers
     for bad, flag in ((["--latency-us", "-1"], "--latency-us"), (["--cp", "0"], "--cp"),
+                      (["--layer-ms", "-1"], "--layer-ms"), (["--attention-tflops", "0"], "--attention-tflops"),
                       (["--fp8-activations", "all"], "--fp8-activations"), (["--overlap", "data,all"], "--overlap")):
         done = run("--config", "configs/tiny.yaml", "--world", "8", *bad)
         assert done.returncode == 2 and f"argument {flag}" in done.stderr and "Traceback" not in done.stderr

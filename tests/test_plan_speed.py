@@ -302,3 +302,31 @@ def test_search_trades_micro_batch_for_memory_bound_experts():
     free = search.search(cfg, 4, 80, 4, None, speed.Rates(hbm_tbs=1e6, latency_us=0))
     assert all(r["micro_batch"] == 1 for r in free[:5]) and free[0]["layout"]["ep"] == 1
     assert all(r["speed"]["terms"]["memory"] == 0 for r in free)
+
+
+def test_attention_rate_and_fixed_layer_time_by_hand():
+    """--attention-tflops puts the attention cores at their own rate and --layer-ms adds a fixed
+    time per layer and micro-batch, on test_step_terms_by_hand's layout worked out on paper: stage
+    1 holds 2 of tiny's layers, each with QKᵀ and AV over the causal half of 1,024² for its 4
+    heads of 16 (64 wide, split over TP2), forward and twice that backward; 4 micro-batches. With
+    the defaults (the control) the terms are the same as before, "fixed" 0."""
+    cfg = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+                                            "model.moe.capacity_factor=null"])
+    layout, s, tokens, micro = Layout(16, tp=2, pp=2, ep=2, etp=1), 1024, 32 * 1024 / 4, 4
+    base = dict(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
+    params = [planner.stage_params(cfg, layout, st) for st in range(2)]
+    plain = speed.step_time(cfg, layout, speed.Rates(**base), 4, params)
+    got = speed.step_time(cfg, layout, speed.Rates(**base, attention_tflops=25, layer_ms=2.0), 4, params)
+    scores = 3 * 2 * (2 * tokens * s * (64 + 64) / 2 / 2)  # 3 passes, 2 layers: QKᵀ and AV (64 wide each), half, / TP
+    assert speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none", scores_only=True) == scores
+    t, p = got["terms"], plain["terms"]
+    assert t["compute"] == pytest.approx(p["compute"] - scores / 100e12 + scores / 25e12)
+    assert t["fixed"] == pytest.approx(2.0e-3 * micro * 2) and p["fixed"] == 0
+    assert {k: v for k, v in t.items() if k not in ("compute", "fixed", "bubble")} == \
+        {k: v for k, v in p.items() if k not in ("compute", "fixed", "bubble")}
+    busy = t["compute"] + t["memory"] + t["fixed"] + t["tensor"] + t["expert"] + t["pipeline"]
+    assert t["bubble"] == pytest.approx(busy / micro) and got["seconds"] == pytest.approx(sum(t.values()))
+    # full recompute does the scores again once: 4 passes
+    full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full"))
+    assert speed.stage_flops(full, planner.model_shape(full, layout), 1, tokens, 2, "full", scores_only=True) \
+        == scores * 4 / 3

@@ -38,6 +38,11 @@ def main(argv=None) -> int:
                     help="microseconds per message of a collective")
     ap.add_argument("--hbm-tbs", type=positive_float, default=defaults.hbm_tbs,
                     help="TB/s of GPU memory bandwidth (the routed experts' GEMMs as a roofline)")
+    ap.add_argument("--attention-tflops", type=positive_float, default=None,
+                    help="TFLOP/s of the attention cores (QKᵀ, AV; default: --tflops's; bench/plan_rates.py measures it)")
+    ap.add_argument("--layer-ms", type=non_negative_float, default=defaults.layer_ms,
+                    help="ms per layer and micro-batch, forward + backward, that grow with no token (launches, "
+                         "host syncs; bench/plan_rates.py measures it)")
     ap.add_argument("--expert-imbalance", type=positive_float, default=1.0,
                     help="the busiest EP rank's routed tokens over the average, under dropless routing (>= 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
@@ -82,7 +87,8 @@ def main(argv=None) -> int:
     for name in ("world", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us, args.hbm_tbs)
+    rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us, args.hbm_tbs,
+                                args.attention_tflops, args.layer_ms)
     extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
                     args.offload_activations, args.overlap, args.node_dispatch, args.dualpipe)
     try:

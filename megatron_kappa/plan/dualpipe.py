@@ -83,3 +83,25 @@ def rank_activations(cfg, layout, rank: int, recompute: str, micro_batch: int, i
         return 2 * max(one)
     first, second = in_flight(layout.pp, rank)
     return first * one[0] + second * one[1]
+
+
+def ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: float, ib: float, alpha: float,
+          wire_bytes: int) -> list[dict]:
+    """Each pipeline rank's terms under DualPipe from its two stages' (the module's docstring):
+    half the micro-batches through each, so half of each stage's compute and traffic; both stages'
+    ZeRO traffic, and the two copies' gradients summed with the mirror rank (an all-reduce over 2
+    ranks: each sends its gradients once, 2 messages), on NVLink where the ranks of both stages,
+    and those between, fit in one node."""
+    p, apart = layout.pp, layout.tp * layout.cp * layout.dp  # ranks between neighbouring stages
+    out = []
+    for rank in range(p):
+        h, mirror = stages_of(p, rank)
+        a, b = per_stage[h], per_stage[mirror]
+        row = {k: (a[k] + b[k]) / 2 for k in ("compute", "memory", "fixed", "tensor", "context", "expert",
+                                              "pipeline", "forward", "recomputed")}
+        one_node = h * apart // gpus_per_node == ((mirror + 1) * apart - 1) // gpus_per_node
+        link = nvlink if one_node else ib
+        row["data"] = a["data"] + b["data"] + wire_bytes * (a["params"] + b["params"]) / link + 2 * alpha
+        row["layers"], row["params"] = a["layers"] + b["layers"], a["params"] + b["params"]
+        out.append(row)
+    return out

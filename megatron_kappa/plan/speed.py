@@ -5,7 +5,9 @@ Per step, for one rank of the slowest pipeline stage:
   compute   the stage's matmul FLOPs for the rank's tokens (forward, 2x in backward, one more
             forward of each layer under full recompute, of the selective modules' parts otherwise)
             at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
-            of its s² scores, as flash attention computes them
+            of its s² scores, as flash attention computes them (at `Rates.attention_tflops` if set)
+  fixed     `Rates.layer_ms` per layer and micro-batch: launches and host syncs, what does not
+            grow with the tokens (default 0); no traffic hides behind it
   memory    the routed experts' GEMMs as a roofline: where a GEMM's bytes at `Rates.hbm_tbs` take
             longer than its FLOPs at `Rates.tflops` (few rows per expert: fine-grained experts at
             small EP, small micro-batches), the difference (expert_memory_seconds); GEMM time,
@@ -61,12 +63,15 @@ from megatron_kappa.plan.planned import OVERLAP
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What the estimate divides by (the planner's --tflops, --nvlink-gbs, --ib-gbs)."""
+    """What the estimate divides by (the planner's --tflops, --nvlink-gbs, --ib-gbs, ...;
+    bench/plan_rates.py measures the GEMM, attention and per-layer figures on one GPU)."""
     tflops: float = 400.0  # achievable dense bf16 TFLOP/s per GPU: ~40 % of an H100/H200's 989
     nvlink_gbs: float = 450.0  # GB/s one way per GPU inside a node (NVLink 4: 900 GB/s both ways)
     ib_gbs: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NDR link per GPU)
     latency_us: float = 10.0  # per message of a collective (a stated assumption: NCCL's small-message scale)
     hbm_tbs: float = 3.35  # TB/s of GPU memory bandwidth (H100/H800 SXM: 3.35; H200: 4.8)
+    attention_tflops: float | None = None  # the attention cores' (QKᵀ, AV) rate; None: the GEMMs' (fp8's for fp8)
+    layer_ms: float = 0.0  # ms per layer and micro-batch, forward + backward, whatever the tokens (launches, syncs)
 
 
 WIRE_BYTES = 2
@@ -141,13 +146,20 @@ def stage_layers(cfg: Config, shape, stage: int, recompute: str):
         yield is_moe, (lambda f, again=again: recomputed_flops(f, recompute, modules) if again else 0.0)
 
 
-def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0) -> float:
-    """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute)."""
+def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0,
+                scores_only: bool = False) -> float:
+    """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute);
+    `scores_only`: of the attention cores alone (QKᵀ and AV, done again where recomputed)."""
     m = cfg.model
     total = 0.0
     for is_moe, again in stage_layers(cfg, shape, stage, recompute):
         f = layer_flops(cfg, is_moe, tokens, tp, imbalance)
+        if scores_only:
+            f = {**dict.fromkeys(f, 0.0), "scores": f["scores"]}
         total += 3 * (f["matmul"] + f["scores"]) + again(f)
+    if stage == shape.pp - 1 and scores_only:
+        last = layer_flops(cfg, shape.moe_layers[-1], tokens, tp, imbalance)
+        return total + 3 * last["scores"] * m.mtp.num_layers
     if stage == shape.pp - 1:
         output = 2 * tokens * m.hidden_size * shape.padded_vocab / tp
         total += 3 * output
@@ -305,6 +317,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     tokens = train.global_batch * m.seq_length / (dp * cp)  # this rank's share of its replica's tokens
     micro = train.global_batch // (train.micro_batch * dp)
     rate = rates.tflops * 1e12 * (2.0 if cfg.precision == "fp8" else 1.0)
+    attention = rates.attention_tflops * 1e12 if rates.attention_tflops else rate
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
     alpha = rates.latency_us * 1e-6
     hbm = rates.hbm_tbs * 1e12
@@ -313,8 +326,11 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     per_pass = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
     per_stage = []
     for stage in range(p):
-        compute = stage_flops(cfg, shape, stage, tokens, t, m.recompute, imbalance) / rate
-        forward = stage_flops(cfg, shape, stage, tokens, t, "none", imbalance) / rate / 3
+        compute, forward = (_seconds(cfg, shape, stage, tokens, t, r, imbalance, rate, attention)
+                            for r in (m.recompute, "none"))
+        forward /= 3
+        fixed = rates.layer_ms * 1e-3 * micro * (len(shape.stage_moe_layers(stage))
+                                                 + m.mtp.num_layers * (stage == p - 1))
         memory = per_pass * micro * expert_passes(cfg, shape, stage)
         layers = shape.stage_moe_layers(stage)
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
@@ -341,11 +357,12 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
                 + 2 * WIRE_BYTES * experts * (edp - 1) / edp
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
                 + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
-        per_stage.append({"compute": compute, "memory": memory, "tensor": tensor, "context": context, "expert": expert,
+        per_stage.append({"compute": compute, "memory": memory, "fixed": fixed, "tensor": tensor, "context": context,
+                          "expert": expert,
                           "pipeline": pipeline, "data": data, "layers": len(layers), "params": dense + experts,
                           "forward": forward, "recomputed": compute - 3 * forward})
     if dualpipe:
-        per_stage = _dualpipe_ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha)
+        per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha, WIRE_BYTES)
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
     busy = _busy(slowest, overlap)
     if dualpipe:
@@ -363,37 +380,24 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
             "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}
 
 
-TERMS = ("compute", "memory", "tensor", "context", "expert", "pipeline", "data")
+TERMS = ("compute", "memory", "fixed", "tensor", "context", "expert", "pipeline", "data")
 
 
-def _dualpipe_ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: float, ib: float,
-                    alpha: float) -> list[dict]:
-    """Each pipeline rank's terms under DualPipe from its two stages' (megatron_kappa.plan.dualpipe):
-    half the micro-batches through each, so half of each stage's compute and traffic; both stages'
-    ZeRO traffic, and the two copies' gradients summed with the mirror rank (an all-reduce over 2
-    ranks: each sends its gradients once, 2 messages), on NVLink where the ranks of both stages,
-    and those between, fit in one node."""
-    p, apart = layout.pp, layout.tp * layout.cp * layout.dp  # ranks between neighbouring stages
-    out = []
-    for rank in range(p):
-        h, mirror = dual.stages_of(p, rank)
-        a, b = per_stage[h], per_stage[mirror]
-        row = {k: (a[k] + b[k]) / 2 for k in ("compute", "memory", "tensor", "context", "expert", "pipeline",
-                                              "forward", "recomputed")}
-        one_node = h * apart // gpus_per_node == ((mirror + 1) * apart - 1) // gpus_per_node
-        link = nvlink if one_node else ib
-        row["data"] = a["data"] + b["data"] + WIRE_BYTES * (a["params"] + b["params"]) / link + 2 * alpha
-        row["layers"], row["params"] = a["layers"] + b["layers"], a["params"] + b["params"]
-        out.append(row)
-    return out
+def _seconds(cfg, shape, stage, tokens, tp, recompute, imbalance, rate, attention) -> float:
+    """A stage's FLOPs in seconds: the attention cores at `attention`, the rest at `rate`."""
+    total = stage_flops(cfg, shape, stage, tokens, tp, recompute, imbalance)
+    if attention == rate:
+        return total / rate
+    scores = stage_flops(cfg, shape, stage, tokens, tp, recompute, imbalance, scores_only=True)
+    return (total - scores) / rate + scores / attention
 
 
 def _busy(stage: dict, overlap: tuple[str, ...]) -> float:
     """A stage's compute and traffic per step, the `overlap` terms hidden behind its compute (the
-    GEMMs' time, memory-bound experts' included)."""
+    GEMMs' time, memory-bound experts' included), and its fixed per-layer time, which hides nothing."""
     hidden = sum(stage[k] for k in OVERLAPPABLE if k in overlap)
     exposed = sum(stage[k] for k in OVERLAPPABLE if k not in overlap)
-    return max(stage["compute"] + stage["memory"], hidden) + exposed
+    return max(stage["compute"] + stage["memory"], hidden) + exposed + stage["fixed"]
 
 
 def _exposed_data(stage: dict, overlap: tuple[str, ...]) -> float:

@@ -2,8 +2,9 @@
 
     python bench/plan_rates.py [--quick] [--json FILE]
 
-The estimate (megatron_kappa.plan.speed) charges every matmul and the attention at one rate
-(--tflops) and nothing per layer and micro-batch beyond the traffic's latency. Against NVIDIA's
+By default the estimate (megatron_kappa.plan.speed) charges every matmul and the attention at one
+rate (--tflops) and nothing per layer and micro-batch beyond the traffic's latency; the planner's
+--attention-tflops and --layer-ms take what this measures. Against NVIDIA's
 Qwen3-235B-A22B runs on H100s (docs/plan.md, bench/plan_published_measured.py) it is within 2-7 %
 where each rank's micro-batch holds 4,096 tokens, and 0.57 of the measured time where it holds
 1,024. This measures what would tell the candidates apart, in one process, the shapes' passes

@@ -175,22 +175,16 @@ MEASURED = (
         Planned(recompute_norms=True, overlap=("data", "tensor", "pipeline")), Rates(),
         ZOO + "best_practice/qwen3/readme.md:18 (all-to-all dispatcher, norm and act recomputed, GBS 2048, MBS 1)",
         measured_s=24.2),
-    Published(
-        "Qwen3-235B-A22B (NVIDIA, H100, FP8, batch 2,048)", "configs/frontier/qwen3_235b_a22b.yaml",
+    *(Published(
+        f"Qwen3-235B-A22B (NVIDIA, H100, FP8, batch {batch:,})", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
-        (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=none", "precision=fp8"),
+        (*QWEN3_TUNED[:-1], f"train.global_batch={batch}", "parallel.vpp=4", "model.recompute=none", "precision=fp8"),
         Planned(overlap=("data", "pipeline", "expert")), Rates(),
-        "Megatron-Bridge docs/performance-summary.md (25.11, DGX-H100: 1,575 tokens/s per GPU); "
-        "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V1",
-        measured_tokens_per_gpu_s=1575),
-    Published(
-        "Qwen3-235B-A22B (NVIDIA, H100, FP8, batch 8,192)", "configs/frontier/qwen3_235b_a22b.yaml",
-        Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
-        (*QWEN3_TUNED[:-1], "train.global_batch=8192", "parallel.vpp=4", "model.recompute=none", "precision=fp8"),
-        Planned(overlap=("data", "pipeline", "expert")), Rates(),
-        "Megatron-Bridge docs/performance-summary-archive.md (26.02, DGX-H100: 1,633 tokens/s per GPU); "
-        "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2",
-        measured_tokens_per_gpu_s=1633),
+        f"Megatron-Bridge docs/{page} ({release}, DGX-H100: {tokens:,} tokens/s per GPU); "
+        f"QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_{preset}",
+        measured_tokens_per_gpu_s=tokens)
+      for batch, page, release, tokens, preset in ((2048, "performance-summary.md", "25.11", 1575, "V1"),
+                                                   (8192, "performance-summary-archive.md", "26.02", 1633, "V2"))),
     Published(
         "DeepSeek-V3 (NVIDIA, H100, FP8)", "configs/frontier/deepseek_v3.yaml",
         Layout(1024, tp=2, pp=8, ep=64, etp=1, vpp=4),

@@ -5,15 +5,16 @@ ModelZoo layout, Megatron-Bridge's FP8 presets for Qwen3-235B-A22B and DeepSeek-
 ModelZoo layout at 16K to 128K tokens (where a source gives tokens/s or megatron's TFLOP/s per
 GPU, published.measured_seconds reads them as step times).
 
-    python -m bench.plan_published_measured [--no-rank] [--attention-tflops T] [--layer-ms MS]
+    python -m bench.plan_published_measured [--no-rank] [--tflops T] [--fp8-speedup X] [--attention-tflops T]
+                                            [--layer-ms MS]
 
 Prints, for each layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
 450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
 ratio of the two, Spearman's rank correlation of the estimated with the measured step times of the
 Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), and (without
 --no-rank) each tuned layout's position among --search's layouts at its world size (MEASURED's
-rows are not searched). --attention-tflops and --layer-ms plan every row with those rates too (the
-planner's flags of the same names).
+rows are not searched). --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
+with those rates instead of the defaults (the planner's flags of the same names).
 """
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ import time
 from bench.plan_calibration import spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
 from megatron_kappa.plan.published import MEASURED, TUNED, check_run, config_of, measured_seconds
+from megatron_kappa.plan.speed import Rates
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-rank", action="store_true", help="skip the searches (a few seconds instead of minutes)")
+    defaults = Rates()
+    ap.add_argument("--tflops", type=positive_float, default=defaults.tflops, help="the GEMMs' bf16 TFLOP/s")
+    ap.add_argument("--fp8-speedup", type=positive_float, default=defaults.fp8_speedup, help="fp8 GEMMs over bf16")
     ap.add_argument("--attention-tflops", type=positive_float, default=None, help="the attention cores' TFLOP/s")
     ap.add_argument("--layer-ms", type=non_negative_float, default=0.0, help="ms per layer and micro-batch")
     args = ap.parse_args(argv)
@@ -38,8 +43,9 @@ def main(argv=None) -> int:
     work, tuned = same_work(TUNED[0]), {run.name for run in TUNED}
     for run in TUNED + MEASURED:
         t0 = time.monotonic()
-        run = dataclasses.replace(run, rates=dataclasses.replace(run.rates, attention_tflops=args.attention_tflops,
-                                                                 layer_ms=args.layer_ms))
+        run = dataclasses.replace(run, rates=dataclasses.replace(
+            run.rates, tflops=args.tflops, fp8_speedup=args.fp8_speedup, attention_tflops=args.attention_tflops,
+            layer_ms=args.layer_ms))
         ranked = run.name in tuned and not args.no_rank
         r = check_run(run, ranked=ranked)
         est, seconds = r["plan"]["speed"]["seconds"], measured_seconds(run)

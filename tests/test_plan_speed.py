@@ -330,3 +330,25 @@ def test_attention_rate_and_fixed_layer_time_by_hand():
     full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full"))
     assert speed.stage_flops(full, planner.model_shape(full, layout), 1, tokens, 2, "full", scores_only=True) \
         == scores * 4 / 3
+
+
+def test_fp8_speedup_scales_the_gemms_not_a_separate_attention_rate():
+    """--fp8-speedup (default 2, the peak ratio) divides an fp8 model's GEMM time; at 1.25 the
+    compute term is exactly 2 / 1.25 times the default's. With --attention-tflops the attention
+    cores keep their own rate whatever the precision. A bf16 model (the control) ignores it."""
+    sets = ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2", "model.moe.capacity_factor=null"]
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    base = dict(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0, hbm_tbs=1e6)
+    for precision in ("fp8", "bf16"):
+        cfg = load_config("configs/tiny.yaml", [*sets, f"precision={precision}"])
+        params = [planner.stage_params(cfg, layout, st) for st in range(2)]
+        compute = {k: speed.step_time(cfg, layout, speed.Rates(**base, fp8_speedup=k), 4, params)["terms"]["compute"]
+                   for k in (2.0, 1.25)}
+        assert compute[1.25] == pytest.approx(compute[2.0] * (2 / 1.25 if precision == "fp8" else 1))
+    scores = speed.stage_flops(cfg := load_config("configs/tiny.yaml", [*sets, "precision=fp8"]),
+                               planner.model_shape(cfg, layout), 1, 32 * 1024 / 4, 2, "none", scores_only=True)
+    params = [planner.stage_params(cfg, layout, st) for st in range(2)]
+    split = {k: speed.step_time(cfg, layout, speed.Rates(**base, fp8_speedup=k, attention_tflops=50), 4, params)
+             ["terms"]["compute"] for k in (2.0, 1.25)}
+    gemms = {k: split[k] - scores / 50e12 for k in split}  # the rest scales, the scores do not
+    assert gemms[1.25] == pytest.approx(gemms[2.0] * 2 / 1.25)

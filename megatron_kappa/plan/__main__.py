@@ -30,7 +30,9 @@ def main(argv=None) -> int:
                     help="rank the layouts that fit by estimated tokens/s (micro-batch and recompute searched too)")
     defaults = planner.speed.Rates()
     ap.add_argument("--tflops", type=positive_float, default=defaults.tflops,
-                    help="achievable dense bf16 TFLOP/s per GPU (fp8 GEMMs: twice)")
+                    help="achievable dense bf16 TFLOP/s per GPU (fp8 GEMMs: --fp8-speedup times that)")
+    ap.add_argument("--fp8-speedup", type=positive_float, default=defaults.fp8_speedup,
+                    help="fp8 GEMMs' rate over bf16's (default 2, the peak ratio)")
     ap.add_argument("--nvlink-gbs", type=positive_float, default=defaults.nvlink_gbs,
                     help="GB/s per GPU, one way, inside a node")
     ap.add_argument("--ib-gbs", type=positive_float, default=defaults.ib_gbs, help="GB/s per GPU across nodes")
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us, args.hbm_tbs,
-                                args.attention_tflops, args.layer_ms)
+                                args.fp8_speedup, args.attention_tflops, args.layer_ms)
     extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
                     args.offload_activations, args.overlap, args.node_dispatch, args.dualpipe)
     try:

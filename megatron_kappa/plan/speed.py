@@ -4,7 +4,7 @@ tensor, expert, pipeline and data parallelism at stated bandwidths.
 Per step, for one rank of the slowest pipeline stage:
   compute   the stage's matmul FLOPs for the rank's tokens (forward, 2x in backward, one more
             forward of each layer under full recompute, of the selective modules' parts otherwise)
-            at `Rates.tflops` per GPU (FP8 GEMMs at twice that); causal attention counts half
+            at `Rates.tflops` per GPU (FP8 GEMMs `Rates.fp8_speedup` x faster); causal attention counts half
             of its s² scores, as flash attention computes them (at `Rates.attention_tflops` if set)
   fixed     `Rates.layer_ms` per layer and micro-batch: launches and host syncs, what does not
             grow with the tokens (default 0); no traffic hides behind it
@@ -70,6 +70,7 @@ class Rates:
     ib_gbs: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NDR link per GPU)
     latency_us: float = 10.0  # per message of a collective (a stated assumption: NCCL's small-message scale)
     hbm_tbs: float = 3.35  # TB/s of GPU memory bandwidth (H100/H800 SXM: 3.35; H200: 4.8)
+    fp8_speedup: float = 2.0  # FP8 GEMMs' rate over bf16's (H100's peak ratio; NVIDIA measured 1.2 for Mixtral, docs/plan.md)
     attention_tflops: float | None = None  # the attention cores' (QKᵀ, AV) rate; None: the GEMMs' (fp8's for fp8)
     layer_ms: float = 0.0  # ms per layer and micro-batch, forward + backward, whatever the tokens (launches, syncs)
 
@@ -316,7 +317,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     cp, v, zero_dp = layout.cp, layout.vpp, layout.zero_dp
     tokens = train.global_batch * m.seq_length / (dp * cp)  # this rank's share of its replica's tokens
     micro = train.global_batch // (train.micro_batch * dp)
-    rate = rates.tflops * 1e12 * (2.0 if cfg.precision == "fp8" else 1.0)
+    rate = rates.tflops * 1e12 * (rates.fp8_speedup if cfg.precision == "fp8" else 1.0)
     attention = rates.attention_tflops * 1e12 if rates.attention_tflops else rate
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
     alpha = rates.latency_us * 1e-6

@@ -66,7 +66,8 @@ def shapes(scale: int) -> dict:
         m, q, kv = tokens // scale, Q_HEADS * d // tp, 2 * KV_GROUPS * d // tp
         out[f"dense qkv, {tokens} tokens / TP{tp}"] = (gemm_flops(m, h, q + kv),
                                                       lambda dev, dt, m=m, n=q + kv: _gemm(m, h, n, dev, dt))
-        out[f"dense out, {tokens} tokens / TP{tp}"] = (gemm_flops(m, q, h), lambda dev, dt, m=m, k=q: _gemm(m, k, h, dev, dt))
+        out[f"dense out, {tokens} tokens / TP{tp}"] = (gemm_flops(m, q, h),
+                                                      lambda dev, dt, m=m, k=q: _gemm(m, k, h, dev, dt))
     for experts, rows, what in ((4, 4096, "TP2 EP32"), (16, 512, "TP4 EP8, 4K"), (16, 2048, "TP4 EP8, 16K")):
         r = rows // scale
         out[f"experts {experts} x {rows} rows ({what})"] = (

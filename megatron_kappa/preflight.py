@@ -16,8 +16,7 @@ import os
 import struct
 
 from megatron_kappa.checkpoint import resume
-from megatron_kappa.config import Config, ConfigError, ModelConfig, to_dict
-from megatron_kappa.config import stage_layout
+from megatron_kappa.config import Config, ConfigError, ModelConfig, stage_layout, to_dict
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.checkpoint.listing import CheckpointDir

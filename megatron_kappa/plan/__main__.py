@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hbm-tbs", type=positive_float, default=defaults.hbm_tbs,
                     help="TB/s of GPU memory bandwidth (the routed experts' GEMMs as a roofline)")
     ap.add_argument("--attention-tflops", type=positive_float, default=None,
-                    help="TFLOP/s of the attention cores (QKᵀ, AV; default: --tflops's; bench/plan_rates.py measures it)")
+                    help="TFLOP/s of the attention cores (QKᵀ, AV; default: --tflops's; bench/plan_rates.py "
+                         "measures it)")
     ap.add_argument("--layer-ms", type=non_negative_float, default=defaults.layer_ms,
                     help="ms per layer and micro-batch, forward + backward, that grow with no token (launches, "
                          "host syncs; bench/plan_rates.py measures it)")

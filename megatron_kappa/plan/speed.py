@@ -4,8 +4,9 @@ tensor, expert, pipeline and data parallelism at stated bandwidths.
 Per step, for one rank of the slowest pipeline stage:
   compute   the stage's matmul FLOPs for the rank's tokens (forward, 2x in backward, one more
             forward of each layer under full recompute, of the selective modules' parts otherwise)
-            at `Rates.tflops` per GPU (FP8 GEMMs `Rates.fp8_speedup` x faster); causal attention counts half
-            of its s² scores, as flash attention computes them (at `Rates.attention_tflops` if set)
+            at `Rates.tflops` per GPU (FP8 GEMMs `Rates.fp8_speedup` x faster); causal attention
+            counts half of its s² scores, as flash attention computes them (at
+            `Rates.attention_tflops` if set)
   fixed     `Rates.layer_ms` per layer and micro-batch: launches and host syncs, what does not
             grow with the tokens (default 0); no traffic hides behind it
   memory    the routed experts' GEMMs as a roofline: where a GEMM's bytes at `Rates.hbm_tbs` take
@@ -70,7 +71,7 @@ class Rates:
     ib_gbs: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NDR link per GPU)
     latency_us: float = 10.0  # per message of a collective (a stated assumption: NCCL's small-message scale)
     hbm_tbs: float = 3.35  # TB/s of GPU memory bandwidth (H100/H800 SXM: 3.35; H200: 4.8)
-    fp8_speedup: float = 2.0  # FP8 GEMMs' rate over bf16's (H100's peak ratio; NVIDIA measured 1.2 for Mixtral, docs/plan.md)
+    fp8_speedup: float = 2.0  # FP8 GEMMs' rate over bf16's: the peak ratio (NVIDIA measured 1.2 for Mixtral)
     attention_tflops: float | None = None  # the attention cores' (QKᵀ, AV) rate; None: the GEMMs' (fp8's for fp8)
     layer_ms: float = 0.0  # ms per layer and micro-batch, forward + backward, whatever the tokens (launches, syncs)
 
@@ -327,13 +328,11 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     per_pass = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
     per_stage = []
     for stage in range(p):
-        compute, forward = (_seconds(cfg, shape, stage, tokens, t, r, imbalance, rate, attention)
-                            for r in (m.recompute, "none"))
-        forward /= 3
-        fixed = rates.layer_ms * 1e-3 * micro * (len(shape.stage_moe_layers(stage))
-                                                 + m.mtp.num_layers * (stage == p - 1))
+        compute = _seconds(cfg, shape, stage, tokens, t, m.recompute, imbalance, rate, attention)
+        forward = _seconds(cfg, shape, stage, tokens, t, "none", imbalance, rate, attention) / 3
         memory = per_pass * micro * expert_passes(cfg, shape, stage)
         layers = shape.stage_moe_layers(stage)
+        fixed = rates.layer_ms * 1e-3 * micro * (len(layers) + m.mtp.num_layers * (stage == p - 1))
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
         volume, count = tensor_collectives(cfg, shape, stage, cp)
         tensor = volume * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
@@ -359,8 +358,8 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
                 + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
         per_stage.append({"compute": compute, "memory": memory, "fixed": fixed, "tensor": tensor, "context": context,
-                          "expert": expert,
-                          "pipeline": pipeline, "data": data, "layers": len(layers), "params": dense + experts,
+                          "expert": expert, "pipeline": pipeline, "data": data, "layers": len(layers),
+                          "params": dense + experts,
                           "forward": forward, "recomputed": compute - 3 * forward})
     if dualpipe:
         per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha, WIRE_BYTES)

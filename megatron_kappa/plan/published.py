@@ -135,7 +135,7 @@ TUNED = (
 
 # The same layout as TUNED's TP4 EP8 row (PP8 VPP4, DeepEP, 32 nodes of H100) at 16K to 128K tokens,
 # where the source gives megatron's model TFLOP/s per GPU, not step times (measured_seconds reads them
-# as step times): ModelZoo best_practice/qwen3/readme.md:31-36 and its command at :40 (global batch
+# as step times): ModelZoo best_practice/qwen3/readme.md:33-38 and its command at :43 (global batch
 # 256, selective recompute of megatron's layernorm and moe modules, no all-to-all overlap). The
 # forced-balance figures: the planner's experts are balanced (dropless with real routing: 237, 277,
 # 320 and 357). TE's ring attention sends the next K/V chunk while it computes on this one (context
@@ -150,7 +150,7 @@ LONG_CONTEXT = tuple(
         ZOO + f"best_practice/qwen3/readme.md:{line} ({seq:,} tokens, TP4 CP{cp}, GBS 256, {tflops} TFLOP/s "
         "forced balance)",
         measured_tflops=tflops)
-    for seq, cp, tflops, line in ((16384, 1, 295, 33), (32768, 2, 335, 34), (65536, 4, 368, 35), (131072, 8, 389, 36)))
+    for seq, cp, tflops, line in ((16384, 1, 295, 35), (32768, 2, 335, 36), (65536, 4, 368, 37), (131072, 8, 389, 38)))
 
 
 # Other runs NVIDIA measured on H100s (80 GB, 8 per node), planned to set the estimate beside them;

@@ -115,14 +115,14 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -
     """Each published run (the reports' and recipes' layouts, then NVIDIA's tuned ones with the
     step times they measured): its plan's verdict and (`ranked`) its position among --search's
     layouts."""
-    from megatron_kappa.plan.published import RUNS, TUNED, check_run
+    from megatron_kappa.plan.published import RUNS, TUNED, check_run, measured_seconds
     rows = []
     for title, runs in (("published runs", RUNS), ("NVIDIA's tuned layouts, measured on H100 (Megatron-MoE-ModelZoo)", TUNED)):
         if not as_json:
             print(f"{title}:", flush=True)
         for run in runs:
             r = check_run(run, gpu_mem, gpus_per_node, ranked)
-            r["measured_s"] = run.measured_s
+            r["measured_s"] = measured_seconds(run)
             rows.append(r)
             if not as_json:
                 print(describe(run, r, ranked), flush=True)
@@ -138,8 +138,8 @@ def describe(run, r: dict, ranked: bool) -> str:
     p = r["plan"]
     line = (f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
             f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s")
-    if run.measured_s:
-        line += f", {p['speed']['seconds']:.2f} s per step (measured: {run.measured_s:.1f} s)"
+    if r.get("measured_s"):
+        line += f", {p['speed']['seconds']:.2f} s per step (measured: {r['measured_s']:.1f} s)"
     if ranked:
         at = r["rank"] or f"{r['by_speed']} by its own estimate"
         line += f"; search position {at} of {r['layouts_that_fit']} that fit ({r['of_first']:.2f}x the first)"

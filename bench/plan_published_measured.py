@@ -12,8 +12,8 @@ Prints, for each layout, whether it fits, the estimate (default rates: 400 TFLOP
 450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
 ratio of the two, Spearman's rank correlation of the estimated with the measured step times of the
 Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), and (without
---no-rank) each tuned layout's position among --search's layouts at its world size (MEASURED's
-rows are not searched). --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
+--no-rank) each layout's position among --search's layouts at its world size with its settings
+(the long-context rows are not searched). --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
 with those rates instead of the defaults (the planner's flags of the same names).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 from bench.plan_calibration import spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
-from megatron_kappa.plan.published import MEASURED, TUNED, check_run, config_of, measured_seconds
+from megatron_kappa.plan.published import LONG_CONTEXT, MEASURED, TUNED, check_run, config_of, measured_seconds
 from megatron_kappa.plan.speed import Rates
 
 
@@ -40,13 +40,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-ms", type=non_negative_float, default=0.0, help="ms per layer and micro-batch")
     args = ap.parse_args(argv)
     measured, estimated, ratios = [], [], []
-    work, tuned = same_work(TUNED[0]), {run.name for run in TUNED}
+    work, unsearched = same_work(TUNED[0]), {run.name for run in LONG_CONTEXT}
     for run in TUNED + MEASURED:
         t0 = time.monotonic()
         run = dataclasses.replace(run, rates=dataclasses.replace(
             run.rates, tflops=args.tflops, fp8_speedup=args.fp8_speedup, attention_tflops=args.attention_tflops,
             layer_ms=args.layer_ms))
-        ranked = run.name in tuned and not args.no_rank
+        ranked = run.name not in unsearched and not args.no_rank
         r = check_run(run, ranked=ranked)
         est, seconds = r["plan"]["speed"]["seconds"], measured_seconds(run)
         line = f"{run.name}: {r['plan']['label']}: {r['gib']:.1f} GiB, {'fits' if r['fits'] else 'does NOT fit'}; " \

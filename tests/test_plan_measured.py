@@ -130,3 +130,16 @@ def test_mixtral_measures_what_fp8_buys():
     assert measured[0] / measured[1] == pytest.approx(560 / 465)  # the same FLOPs per step
     assert estimated[0] / estimated[1] == pytest.approx(1.87, abs=0.01)
     assert "bf16 optimizer moments" in plans[1]["plan"]["planned_only"]
+
+
+def test_the_comparison_bench_prints_every_measured_run(capsys):
+    """bench/plan_published_measured.py (docs/plan.md's table) runs: a line per run, thirteen with
+    a measured step, and its summary; --layer-ms moves the estimate (a flag that reached nothing
+    would leave the numbers as they were)."""
+    from bench.plan_published_measured import main
+    assert main(["--no-rank"]) == 0
+    plain = capsys.readouterr().out
+    assert plain.count("estimate/measured 0.") + plain.count("estimate/measured 1.") == 13
+    assert "over the 13 measured runs: 0.57 to 1.29" in plain and "256 GPUs: 0.10" in plain
+    assert main(["--no-rank", "--layer-ms", "2.5"]) == 0
+    assert "over the 13 measured runs: 0.57 to 1.29" not in capsys.readouterr().out

@@ -153,22 +153,21 @@ def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recomput
     """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute);
     `scores_only`: of the attention cores alone (QKᵀ and AV, done again where recomputed)."""
     m = cfg.model
+
+    def part(f):  # with scores_only, the layer's attention cores alone
+        return {**dict.fromkeys(f, 0.0), "scores": f["scores"]} if scores_only else f
     total = 0.0
     for is_moe, again in stage_layers(cfg, shape, stage, recompute):
-        f = layer_flops(cfg, is_moe, tokens, tp, imbalance)
-        if scores_only:
-            f = {**dict.fromkeys(f, 0.0), "scores": f["scores"]}
+        f = part(layer_flops(cfg, is_moe, tokens, tp, imbalance))
         total += 3 * (f["matmul"] + f["scores"]) + again(f)
-    if stage == shape.pp - 1 and scores_only:
-        last = layer_flops(cfg, shape.moe_layers[-1], tokens, tp, imbalance)
-        return total + 3 * last["scores"] * m.mtp.num_layers
     if stage == shape.pp - 1:
-        output = 2 * tokens * m.hidden_size * shape.padded_vocab / tp
+        output = 0.0 if scores_only else 2 * tokens * m.hidden_size * shape.padded_vocab / tp
+        eh_proj = 0.0 if scores_only else 2 * tokens * 2 * m.hidden_size ** 2 / tp
         total += 3 * output
         last = shape.moe_layers[-1]
         for _ in range(m.mtp.num_layers):  # a layer of the last kind, eh_proj and the output layer again
-            f = layer_flops(cfg, last, tokens, tp, imbalance)
-            total += 3 * (f["matmul"] + f["scores"] + 2 * tokens * 2 * m.hidden_size ** 2 / tp + output)
+            f = part(layer_flops(cfg, last, tokens, tp, imbalance))
+            total += 3 * (f["matmul"] + f["scores"] + eh_proj + output)
     return total
 
 

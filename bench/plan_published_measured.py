@@ -13,7 +13,9 @@ Prints, for each layout, whether it fits, the estimate (default rates: 400 TFLOP
 ratio of the two, Spearman's rank correlation of the estimated with the measured step times of the
 Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), and (without
 --no-rank) each layout's position among --search's layouts at its world size with its settings
-(the long-context rows are not searched). --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
+(the long-context rows are not searched); then the long-context runs with dropless routing: the
+expert-imbalance margin fitted at 16K and the dropless/forced step ratios it gives at every length
+against the measured ones. --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
 with those rates instead of the defaults (the planner's flags of the same names).
 """
 from __future__ import annotations
@@ -26,7 +28,8 @@ import time
 
 from bench.plan_calibration import spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
-from megatron_kappa.plan.published import LONG_CONTEXT, MEASURED, TUNED, check_run, config_of, measured_seconds
+from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,
+                                           check_run, config_of, measured_seconds)
 from megatron_kappa.plan.speed import Rates
 
 
@@ -66,7 +69,42 @@ def main(argv=None) -> int:
           f"(mean |log| {off:.3f})")
     print(f"Spearman's rank correlation, estimated vs measured step time of the {len(measured)} Qwen3-235B-A22B "
           f"layouts at 4,096 tokens, batch 2,048, 256 GPUs: {spearman(measured, estimated):.2f}")
+    dropless(args)
     return 0
+
+
+def step_seconds(run, imbalance: float) -> float:
+    return check_run(dataclasses.replace(run, imbalance=imbalance), ranked=False)["plan"]["speed"]["seconds"]
+
+
+def fit_imbalance(forced, dropless_run, lo: float = 1.0, hi: float = 4.0) -> float:
+    """The expert-imbalance margin at which the estimate's dropless/forced step ratio equals the
+    measured one (the same FLOPs: the ratio of the two TFLOP/s), by bisection: the step grows with
+    the margin."""
+    want, base = forced.measured_tflops / dropless_run.measured_tflops, step_seconds(forced, 1.0)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step_seconds(forced, mid) / base < want else (lo, mid)
+    return (lo + hi) / 2
+
+
+def dropless(args) -> None:
+    """ModelZoo's long-context runs with dropless routing: the margin fitted at 16K, the measured
+    and estimated dropless/forced ratios at every length, and each dropless row's estimate."""
+    def rated(run):
+        return dataclasses.replace(run, rates=dataclasses.replace(
+            run.rates, tflops=args.tflops, fp8_speedup=args.fp8_speedup, attention_tflops=args.attention_tflops,
+            layer_ms=args.layer_ms))
+    pairs = [(rated(f), rated(d)) for f, d in zip(LONG_CONTEXT, LONG_CONTEXT_DROPLESS)]
+    fitted = fit_imbalance(*pairs[0])
+    print(f"dropless routing (ModelZoo's long-context runs): the expert-imbalance margin that gives the 16K "
+          f"runs' measured dropless/forced ratio: {fitted:.3f} (published.DROPLESS_IMBALANCE: {DROPLESS_IMBALANCE})")
+    for forced, drop in pairs:
+        est = step_seconds(drop, DROPLESS_IMBALANCE)
+        ratio = est / step_seconds(forced, 1.0)
+        print(f"{drop.name}: measured dropless/forced {forced.measured_tflops / drop.measured_tflops:.3f}, "
+              f"estimated at {DROPLESS_IMBALANCE} {ratio:.3f}; estimate {est:.2f} s, measured "
+              f"{measured_seconds(drop):.1f} s (estimate/measured {est / measured_seconds(drop):.2f})", flush=True)
 
 
 def same_work(run) -> tuple:

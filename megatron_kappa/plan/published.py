@@ -32,6 +32,7 @@ class Published:
     measured_tflops: float | None = None  # where it gives only megatron's model TFLOP/s per GPU (measured_seconds)
     measured_tokens_per_gpu_s: float | None = None  # where it gives only tokens per second per GPU
     open_vpp: bool = False  # virtual stages, their number not given: the fastest that fits (chosen_vpp)
+    imbalance: float = 1.0  # the busiest EP rank's routed rows over the average as planned (1: forced balance)
 
 
 RUNS = (
@@ -152,6 +153,21 @@ LONG_CONTEXT = tuple(
         measured_tflops=tflops)
     for seq, cp, tflops, line in ((16384, 1, 295, 35), (32768, 2, 335, 36), (65536, 4, 368, 37), (131072, 8, 389, 38)))
 
+# The same four runs with dropless routing (the readme's second figures, 237 to 357 TFLOP/s): the
+# experts' load as routed, not forced even. Planned with one expert-imbalance margin (the busiest
+# EP rank's routed rows over the average) fitted so that the estimate's dropless/forced step ratio
+# at 16K equals the measured one (1.245; bench/plan_published_measured.py refits and prints it);
+# the other three lengths then test the margin's reach: where attention's share of the step grows
+# with the length, the experts' imbalance costs less (1.21, 1.15, 1.09 measured).
+DROPLESS_IMBALANCE = 1.53
+DROPLESS_TFLOPS = {16384: 237, 32768: 277, 65536: 320, 131072: 357}
+LONG_CONTEXT_DROPLESS = tuple(
+    dataclasses.replace(
+        run, name=run.name.replace(" tokens,", " tokens, dropless,"), imbalance=DROPLESS_IMBALANCE,
+        source=run.source.replace(f"{run.measured_tflops} TFLOP/s forced balance", f"{tflops} TFLOP/s dropless"),
+        measured_tflops=tflops)
+    for run, tflops in zip(LONG_CONTEXT, DROPLESS_TFLOPS.values()))
+
 
 # Other runs NVIDIA measured on H100s (80 GB, 8 per node), planned to set the estimate beside them;
 # not searched (--published --rank searches TUNED's). ModelZoo's fourth H100 row: its 94 layers and
@@ -263,7 +279,7 @@ def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8
     cfg = config_of(run)
     most = max(model_shape(cfg, run.layout).stage_counts())
     tried = [dataclasses.replace(run.layout, vpp=v) for v in _divisors(most) if v > 1]
-    plans = [(layout, plan(cfg, layout, gpu_mem_gib, gpus_per_node, run.rates, planned=run.planned))
+    plans = [(layout, plan(cfg, layout, gpu_mem_gib, gpus_per_node, run.rates, run.imbalance, run.planned))
              for layout in tried]
     fitting = [(layout, p) for layout, p in plans if p["fits"]] or plans[:1]
     best = max(fitting, key=lambda lp: lp[1]["speed"]["tokens_per_s"])[0]
@@ -278,11 +294,12 @@ def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
     from megatron_kappa.plan.search import rank_of, search
     run = chosen_vpp(run, gpu_mem_gib, gpus_per_node)
     cfg = config_of(run)
-    p = plan(cfg, run.layout, gpu_mem_gib, gpus_per_node, run.rates, planned=run.planned)
+    p = plan(cfg, run.layout, gpu_mem_gib, gpus_per_node, run.rates, run.imbalance, run.planned)
     out = {"name": run.name, "plan": p, "fits": p["fits"], "gib": p["most_loaded"]["total_bytes"] / 2 ** 30,
            "layout": run.layout}
     if ranked:
-        rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, planned=run.planned)
+        rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, run.imbalance,
+                      planned=run.planned)
         own = p["speed"]["tokens_per_s"]
         # by_speed: where the run's own estimate falls among the searched layouts' best ones (also
         # for a stage split the search does not try, such as an uneven split with virtual stages)

@@ -15,7 +15,7 @@ Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), 
 --no-rank) each layout's position among --search's layouts at its world size with its settings
 (the long-context rows are not searched); then the long-context runs with dropless routing: the
 expert-imbalance margin fitted at 16K and the dropless/forced step ratios it gives at every length
-against the measured ones. --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
+against the measured ones, and the margin Mixtral-8x22B's dropless figure gives. --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
 with those rates instead of the defaults (the planner's flags of the same names).
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 
 from bench.plan_calibration import spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
-from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,
-                                           check_run, config_of, measured_seconds)
+from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED,
+                                           MIXTRAL_DROPLESS_TFLOPS, TUNED, check_run, config_of, measured_seconds)
 from megatron_kappa.plan.speed import Rates
 
 
@@ -105,6 +105,10 @@ def dropless(args) -> None:
         print(f"{drop.name}: measured dropless/forced {forced.measured_tflops / drop.measured_tflops:.3f}, "
               f"estimated at {DROPLESS_IMBALANCE} {ratio:.3f}; estimate {est:.2f} s, measured "
               f"{measured_seconds(drop):.1f} s (estimate/measured {est / measured_seconds(drop):.2f})", flush=True)
+    mixtral = rated(TUNED[3])
+    margin = fit_imbalance(mixtral, dataclasses.replace(mixtral, measured_tflops=MIXTRAL_DROPLESS_TFLOPS))
+    print(f"{mixtral.name}: measured dropless/forced {mixtral.measured_tflops / MIXTRAL_DROPLESS_TFLOPS:.3f}, "
+          f"the margin that gives it: {margin:.3f}")
 
 
 def same_work(run) -> tuple:

@@ -161,6 +161,7 @@ LONG_CONTEXT = tuple(
 # with the length, the experts' imbalance costs less (1.21, 1.15, 1.09 measured).
 DROPLESS_IMBALANCE = 1.53
 DROPLESS_TFLOPS = {16384: 237, 32768: 277, 65536: 320, 131072: 357}
+MIXTRAL_DROPLESS_TFLOPS = 445  # TUNED's Mixtral row, dropless (its source): the margin is the model's and router's
 LONG_CONTEXT_DROPLESS = tuple(
     dataclasses.replace(
         run, name=run.name.replace(" tokens,", " tokens, dropless,"), imbalance=DROPLESS_IMBALANCE,

@@ -14,9 +14,11 @@ ratio of the two, Spearman's rank correlation of the estimated with the measured
 Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), and (without
 --no-rank) each layout's position among --search's layouts at its world size with its settings
 (the long-context rows are not searched); then the long-context runs with dropless routing: the
-expert-imbalance margin fitted at 16K and the dropless/forced step ratios it gives at every length
-against the measured ones, and the margin Mixtral-8x22B's dropless figure gives. --tflops, --fp8-speedup, --attention-tflops and --layer-ms plan every row
-with those rates instead of the defaults (the planner's flags of the same names).
+expert-imbalance margin fitted at 16K, the dropless/forced step ratios that
+published.DROPLESS_IMBALANCE (the fit at the default rates) gives at every length against the
+measured ones, and the margin Mixtral-8x22B's dropless figure gives. --tflops, --fp8-speedup,
+--attention-tflops and --layer-ms plan every row with those rates instead of the defaults (the
+planner's flags of the same names).
 """
 from __future__ import annotations
 

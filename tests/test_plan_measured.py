@@ -1,14 +1,14 @@
 """The planner against what others measured on GPUs (megatron_kappa.plan.published: TUNED and
 LONG_CONTEXT, NVIDIA's Megatron-MoE-ModelZoo): reading a published TFLOP/s per GPU as a step time,
-and the long-context rows' estimates."""
+the long-context rows' estimates, and the expert-imbalance margin against the dropless runs."""
 import dataclasses
 
 import pytest
 
 from megatron_kappa.plan import Layout, model_shape, speed
-from megatron_kappa.plan.speed import Rates
 from megatron_kappa.plan.published import (LONG_CONTEXT, MEASURED, TUNED, check_run, config_of,
                                            measured_seconds, megatron_model_flops)
+from megatron_kappa.plan.speed import Rates
 
 # ModelZoo best_practice/qwen3/readme.md:14, :15, :19, :18 give both a step time and megatron's model TFLOP/s per GPU
 BOTH = ((TUNED[0], 19.7, 245), (TUNED[1], 17.6, 276), (TUNED[2], 29.0, 167), (MEASURED[0], 24.2, 200))

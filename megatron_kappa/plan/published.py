@@ -73,8 +73,8 @@ RUNS = (
         "Megatron-Bridge recipes/qwen/qwen3_235b_a22b.py (commit 3594df9): 16 nodes × 8 GPUs, TP4 PP16 "
         "CP2 EP8 ETP1 with sequence parallelism, embedding and loss counted in the stage split, "
         "micro-batch 1, global batch 32, 4,096 tokens, bf16, the distributed optimizer",
-        "no recompute set in the recipe; the distributed optimizer's overlap of its gradient and "
-        "parameter traffic assumed, as NVIDIA's performance settings set it"),
+        "no recompute set in the recipe; its DistributedDataParallelConfig overlaps the gradient "
+        "reduce and the parameter gather (overlap_grad_reduce, overlap_param_gather)"),
     Published(
         "Mixtral-8x22B", "configs/frontier/mixtral_8x22b.yaml", Layout(128, tp=2, pp=4, ep=8, etp=2, cp=2, vpp=14),
         ("model.recompute=none", "train.micro_batch=1", "train.global_batch=512"),
@@ -82,10 +82,10 @@ RUNS = (
         "NeMo recipes/mixtral_8x22b.py (commit 00138e2): 16 nodes × 8 GPUs, TP2 PP4 VPP14 CP2 EP8 with "
         "sequence parallelism (expert TP = TP, megatron's default), micro-batch 1, global batch 512, "
         "4,096 tokens, bf16, the distributed optimizer",
-        "no recompute set in the recipe; overlap of the gradient, parameter and stage-to-stage "
-        "traffic assumed as NVIDIA's Mixtral examples set it (NeMo-Framework-Launcher "
-        "examples/training/mixtral/h100/mixtral_8x7b_bf16.sh: overlap_grad_sync, overlap_param_sync, "
-        "overlap_p2p_comm)"),
+        "no recompute set in the recipe; its DistributedDataParallelConfig overlaps the gradient "
+        "reduce and the parameter gather (overlap_grad_reduce, overlap_param_gather); the stage-to-stage "
+        "sends' overlap assumed as NVIDIA's Mixtral examples set it (NeMo-Framework-Launcher "
+        "examples/training/mixtral/h100/mixtral_8x7b_bf16.sh: overlap_p2p_comm)"),
 )
 
 # NVIDIA's throughput-tuned layouts for the same models, with the step times they measured on H100

@@ -106,10 +106,11 @@ def check(cfg: Config, layout: Layout):
     moe, shape = cfg.model.moe, model_layout(cfg)
     if not routers.lookup(moe.router).planned and shape.has_moe:
         raise ConfigError(f"plan: model.moe.router: {moe.router} is not modelled by the planner")
+    if layout.world % (layout.tp * layout.pp * layout.cp):  # before the label, whose DP would read 0
+        raise ConfigError(f"plan: world size {layout.world} is not divisible by tp × pp × cp = "
+                          f"{layout.tp} × {layout.pp} × {layout.cp}")
     split = with_layout(cfg, layout)
     try:
-        if layout.world % (layout.tp * layout.pp * layout.cp):
-            raise ConfigError(f"plan: world size {layout.world} is not divisible by tp × pp × cp")
         if cfg.model.seq_length % (2 * layout.cp):  # megatron's causal load balance: 2·cp chunks
             raise ConfigError(f"plan: model.seq_length {cfg.model.seq_length} is not divisible by 2 × cp")
         validate(split)

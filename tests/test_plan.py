@@ -266,6 +266,9 @@ def test_bad_layout_is_a_one_line_error():
     cfg = load_config("configs/tiny.yaml")
     with pytest.raises(ConfigError, match=r"parallel.ep: model.moe.num_experts=4 is not divisible by ep=8 \(TP1 PP1 EP8 "):
         planner.plan(cfg, Layout(8, 1, 1, 8, 1), 80)
+    with pytest.raises(ConfigError, match=r"world size 8 is not divisible by ep × etp × pp = 4 × 1 × 4 .*\(TP1 PP4 EP4 "
+                                          r"ETP1 DP2 \(EDP\?\)\)$"):  # a floor of 8 / 16 would read EDP0
+        planner.plan(cfg, Layout(8, 1, 4, 4, 1), 80)
     with pytest.raises(ConfigError, match=r"num_layers=4 is not divisible by pp=8 .*\(TP1 PP8 "):
         planner.plan(cfg, Layout(8, 1, 8, 1, 1), 80)
     with pytest.raises(ConfigError, match=r"^plan: world size 7 is not divisible by tp × pp × cp = 1 × 2 × 1$"):

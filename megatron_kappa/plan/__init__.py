@@ -72,7 +72,10 @@ class Layout:
 
     def label(self) -> str:
         extra = f" CP{self.cp}" * (self.cp > 1) + f" VPP{self.vpp}" * (self.vpp > 1)
-        return f"TP{self.tp} PP{self.pp}{extra} EP{self.ep} ETP{self.etp} DP{self.dp} (EDP{self.edp})"
+        # a world the layout does not divide has no data-parallel size: "?" rather than a floor of 0
+        dp = self.dp if self.world % (self.tp * self.pp * self.cp) == 0 else "?"
+        edp = self.edp if self.world % (self.ep * self.etp * self.pp) == 0 else "?"
+        return f"TP{self.tp} PP{self.pp}{extra} EP{self.ep} ETP{self.etp} DP{dp} (EDP{edp})"
 
 
 def layout_of(cfg: Config, world: int) -> Layout:

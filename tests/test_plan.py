@@ -272,7 +272,7 @@ def test_bad_layout_is_a_one_line_error():
     with pytest.raises(ConfigError, match=r"num_layers=4 is not divisible by pp=8 .*\(TP1 PP8 "):
         planner.plan(cfg, Layout(8, 1, 8, 1, 1), 80)
     with pytest.raises(ConfigError, match=r"^plan: world size 7 is not divisible by tp × pp × cp = 1 × 2 × 1$"):
-        planner.plan(cfg, Layout(7, 1, 2, 1, 1), 80)  # no layout label: its DP would read 0
+        planner.plan(cfg, Layout(7, 1, 2, 1, 1), 80)  # the factors, no layout label
 
 
 def test_command_line(tmp_path):

@@ -109,7 +109,7 @@ def check(cfg: Config, layout: Layout):
     moe, shape = cfg.model.moe, model_layout(cfg)
     if not routers.lookup(moe.router).planned and shape.has_moe:
         raise ConfigError(f"plan: model.moe.router: {moe.router} is not modelled by the planner")
-    if layout.world % (layout.tp * layout.pp * layout.cp):  # before the label, whose DP would read 0
+    if layout.world % (layout.tp * layout.pp * layout.cp):  # the factors say it all: no layout label
         raise ConfigError(f"plan: world size {layout.world} is not divisible by tp × pp × cp = "
                           f"{layout.tp} × {layout.pp} × {layout.cp}")
     split = with_layout(cfg, layout)

@@ -48,9 +48,7 @@ def main(argv=None) -> int:
     work, unsearched = same_work(TUNED[0]), {run.name for run in LONG_CONTEXT}
     for run in TUNED + MEASURED:
         t0 = time.monotonic()
-        run = dataclasses.replace(run, rates=dataclasses.replace(
-            run.rates, tflops=args.tflops, fp8_speedup=args.fp8_speedup, attention_tflops=args.attention_tflops,
-            layer_ms=args.layer_ms))
+        run = rated(run, args)
         ranked = run.name not in unsearched and not args.no_rank
         r = check_run(run, ranked=ranked)
         est, seconds = r["plan"]["speed"]["seconds"], measured_seconds(run)
@@ -75,6 +73,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def rated(run, args):
+    """`run` at the command line's rates instead of its own defaults."""
+    return dataclasses.replace(run, rates=dataclasses.replace(
+        run.rates, tflops=args.tflops, fp8_speedup=args.fp8_speedup, attention_tflops=args.attention_tflops,
+        layer_ms=args.layer_ms))
+
+
 def step_seconds(run, imbalance: float) -> float:
     return check_run(dataclasses.replace(run, imbalance=imbalance), ranked=False)["plan"]["speed"]["seconds"]
 
@@ -93,11 +98,7 @@ def fit_imbalance(forced, dropless_run, lo: float = 1.0, hi: float = 4.0) -> flo
 def dropless(args) -> None:
     """ModelZoo's long-context runs with dropless routing: the margin fitted at 16K, the measured
     and estimated dropless/forced ratios at every length, and each dropless row's estimate."""
-    def rated(run):
-        return dataclasses.replace(run, rates=dataclasses.replace(
-            run.rates, tflops=args.tflops, fp8_speedup=args.fp8_speedup, attention_tflops=args.attention_tflops,
-            layer_ms=args.layer_ms))
-    pairs = [(rated(f), rated(d)) for f, d in zip(LONG_CONTEXT, LONG_CONTEXT_DROPLESS)]
+    pairs = [(rated(f, args), rated(d, args)) for f, d in zip(LONG_CONTEXT, LONG_CONTEXT_DROPLESS)]
     fitted = fit_imbalance(*pairs[0])
     print(f"dropless routing (ModelZoo's long-context runs): the expert-imbalance margin that gives the 16K "
           f"runs' measured dropless/forced ratio: {fitted:.3f} (published.DROPLESS_IMBALANCE: {DROPLESS_IMBALANCE})")
@@ -107,7 +108,7 @@ def dropless(args) -> None:
         print(f"{drop.name}: measured dropless/forced {forced.measured_tflops / drop.measured_tflops:.3f}, "
               f"estimated at {DROPLESS_IMBALANCE} {ratio:.3f}; estimate {est:.2f} s, measured "
               f"{measured_seconds(drop):.1f} s (estimate/measured {est / measured_seconds(drop):.2f})", flush=True)
-    mixtral = rated(TUNED[3])
+    mixtral = rated(TUNED[3], args)
     margin = fit_imbalance(mixtral, dataclasses.replace(mixtral, measured_tflops=MIXTRAL_DROPLESS_TFLOPS))
     print(f"{mixtral.name}: measured dropless/forced {mixtral.measured_tflops / MIXTRAL_DROPLESS_TFLOPS:.3f}, "
           f"the margin that gives it: {margin:.3f}")

@@ -166,6 +166,7 @@ def test_one_expert_imbalance_margin_gives_the_dropless_runs_at_every_length():
     pairs = list(zip(LONG_CONTEXT, LONG_CONTEXT_DROPLESS))
     assert [d.measured_tflops for _, d in pairs] == [237, 277, 320, 357]
     assert all(d.layout == f.layout and d.sets == f.sets and d.imbalance == DROPLESS_IMBALANCE for f, d in pairs)
+    assert all(f"{d.measured_tflops} TFLOP/s dropless" in d.source and "dropless" in d.name for _, d in pairs)
     fitted = fit_imbalance(*pairs[0])
     assert fitted == pytest.approx(DROPLESS_IMBALANCE, abs=0.005)
     measured_vs_estimated = ratios(pairs, fitted)

@@ -3,6 +3,7 @@ builds of every rank of a grid of layouts (slow: one torchrun of 4 processes), i
 arithmetic, the verdict, --search and the command line."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -286,6 +287,13 @@ def test_command_line(tmp_path):
     assert done.returncode == 1 and "does NOT fit" in done.stdout
     done = run("--config", "configs/moe8.yaml", "--world", "3", "--set", "parallel.ep=2")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "parallel.ep" in done.stderr
+    # --search shows its progress over the candidate layouts on stderr, and not with --no-progress
+    done = run("--config", "configs/tiny.yaml", "--world", "8", "--search", "--top", "3")
+    assert done.returncode == 0 and done.stdout.startswith("layout ") and done.stdout.count("\n") == 4
+    totals = set(re.findall(r"layouts: +\d+%\|[^|]*\| \d+/(\d+) \[", done.stderr))
+    assert totals == {str(len(list(search.candidates(load_config(ROOT / "configs/tiny.yaml"), 8, 8))))}, done.stderr
+    done = run("--config", "configs/tiny.yaml", "--world", "8", "--search", "--top", "3", "--no-progress")
+    assert done.returncode == 0 and done.stdout.count("\n") == 4 and done.stderr == ""
 
 
 # --- bytes against what DeepSpeed holds (slow) --------------------------------------------------

@@ -70,8 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
     ap.add_argument("--rank", action="store_true",
-                    help="with --published: also rank each run among --search's layouts (a search each: about three minutes for all eight)")
+                    help="with --published: also rank each run among --search's layouts (a search each: about two minutes for all eight)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (--search, --rank)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
     if args.published:
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                                 ("--set", args.set)) if v]
         if given:
             ap.error(f"--published plans each run at its own config, world and settings: leave out {', '.join(given)}")
-        return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank)
+        return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank, not args.no_progress)
     if args.rank:
         ap.error("--rank goes with --published")
     for name in ("config", "world"):
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.set)
         if args.search:
             rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates,
-                                 args.expert_imbalance, extra)
+                                 args.expert_imbalance, extra, progress=not args.no_progress)
             print(json.dumps(rows, indent=1) if args.json else search.render_search(rows))
             return 0 if rows else 1
         layout = planner.layout_of(cfg, args.world)
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     return 0 if result["fits"] else 1
 
 
-def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -> int:
+def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, progress: bool = False) -> int:
     """Each published run (the reports' and recipes' layouts, then NVIDIA's tuned ones with the
     step times they measured): its plan's verdict and (`ranked`) its position among --search's
     layouts."""
@@ -121,7 +122,7 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool) -
         if not as_json:
             print(f"{title}:", flush=True)
         for run in runs:
-            r = check_run(run, gpu_mem, gpus_per_node, ranked)
+            r = check_run(run, gpu_mem, gpus_per_node, ranked, progress)
             r["measured_s"] = measured_seconds(run)
             rows.append(r)
             if not as_json:

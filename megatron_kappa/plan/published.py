@@ -287,10 +287,11 @@ def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8
     return dataclasses.replace(run, layout=best)
 
 
-def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, ranked: bool = True) -> dict:
+def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, ranked: bool = True,
+              progress: bool = False) -> dict:
     """The plan of a published run (its virtual stages chosen where the source gives no number:
     chosen_vpp), and (`ranked`) its position among --search's layouts that fit at its world size
-    with its planned-only settings."""
+    with its planned-only settings (`progress`: the search's bar on stderr)."""
     from megatron_kappa.plan import plan
     from megatron_kappa.plan.search import rank_of, search
     run = chosen_vpp(run, gpu_mem_gib, gpus_per_node)
@@ -300,7 +301,7 @@ def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
            "layout": run.layout}
     if ranked:
         rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, run.imbalance,
-                      planned=run.planned)
+                      planned=run.planned, progress=progress)
         own = p["speed"]["tokens_per_s"]
         # by_speed: where the run's own estimate falls among the searched layouts' best ones (also
         # for a stage split the search does not try, such as an uneven split with virtual stages)

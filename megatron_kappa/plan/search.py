@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tqdm import tqdm
+
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.plan import GIB, Layout, check, model_shape, plan, speed
@@ -64,12 +66,15 @@ def schedules(planned: Planned, layout: Layout) -> list[Planned]:
 
 
 def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int | None = 10,
-           rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned()) -> list[dict]:
+           rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned(),
+           progress: bool = False) -> list[dict]:
     """The layouts that fit, fastest first (estimated tokens/s, megatron_kappa.plan.speed), each
     with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes.
-    `planned`: the planned-only settings every layout gets; `top` None: all of them."""
+    `planned`: the planned-only settings every layout gets; `top` None: all of them; `progress`: a
+    bar on stderr over the candidate layouts (a large world takes tens of seconds)."""
     best = {}
-    for layout in candidates(cfg, world, gpus_per_node):
+    layouts = list(candidates(cfg, world, gpus_per_node))
+    for layout in tqdm(layouts, desc="layouts", unit="layout", disable=not progress, leave=False):
         for variant in settings(cfg, layout):
             for schedule in schedules(planned, layout):
                 try:

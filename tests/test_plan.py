@@ -15,6 +15,7 @@ from megatron_kappa.plan import search, speed
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.plan import GIB, Layout
 from megatron_kappa.plan.activations import routed_rows_per_rank
+from megatron_kappa.plan.planned import Planned
 from test_mla import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,19 +189,27 @@ def test_activations_drop_what_each_recompute_module_recomputes():
     """model.recompute_modules against a hand count on tiny (fp32: 4 bytes; one micro-batch of 2 x
     128 tokens; one dense layer of ffn 256, three MoE layers of 4 experts, top-2, ffn 256, a shared
     expert of 32): each module drops its tensors from every layer that has it."""
-    def act(*modules, extra=()):
+    def act(*modules, extra=(), planned=Planned()):
         sets = ["model.recompute=selective", f"model.recompute_modules=[{','.join(modules)}]",
                 "model.moe.shared_ffn_hidden_size=32", "train.micro_batch=2", "train.global_batch=2", *extra]
         cfg = load_config("configs/tiny.yaml", sets)
-        return planner.activation_bytes(cfg, Layout(1), 0, "selective", 2)
+        return planner.activation_bytes(cfg, Layout(1), 0, "selective", 2, planned=planned)
     tokens, size = 2 * 128, 4
     assert (cfg := load_config("configs/tiny.yaml")).model.moe.topk == 2 and cfg.model.first_dense == 1
-    assert act("core_attn", "mlp") - act("core_attn") == -1 * tokens * 3 * 256 * size  # the dense layer's fc1 out, act
+    # the dense layer's fc1 output (2F), and megatron's unfused glu's silu(gate), copy of up and product;
+    # fused, fc1's output and the product
+    assert act("core_attn", "mlp") - act("core_attn") == -1 * tokens * 5 * 256 * size
+    assert act("core_attn", "mlp", planned=Planned(fused_swiglu=True)) \
+        - act("core_attn", planned=Planned(fused_swiglu=True)) == -1 * tokens * 3 * 256 * size
+    # tiny's experts are κ-SwiGLU: each routed row keeps its activation twice (scaled for fc2,
+    # unscaled for the routing probabilities' gradient: tests/test_plan_saved.py measures it)
     assert act("core_attn", "moe_act", extra=["model.moe.grouped_gemm=true"]) - act("core_attn") == \
-        -3 * tokens * 2 * 256 * size  # the experts' activation, top-2 rows per token
-    assert act("core_attn", "shared_experts") - act("core_attn") == -3 * tokens * 3 * 32 * size
-    # moe: every routed row's fc1 input, output and activation, and the shared expert's
-    assert act("core_attn", "moe") - act("core_attn") == -3 * (tokens * 2 * (64 + 3 * 256) + tokens * 3 * 32) * size
+        -3 * tokens * 2 * 2 * 256 * size  # the experts' activation twice, top-2 rows per token
+    assert act("core_attn", "moe_act", extra=["model.moe.grouped_gemm=true", "model.kappa.enabled=false"]) \
+        - act("core_attn", extra=["model.kappa.enabled=false"]) == -3 * tokens * 2 * 256 * size  # plain: once
+    assert act("core_attn", "shared_experts") - act("core_attn") == -3 * tokens * 5 * 32 * size  # glu as the dense
+    # moe: every routed row's fc1 input, output and (twice) activation, and the shared expert's
+    assert act("core_attn", "moe") - act("core_attn") == -3 * (tokens * 2 * (64 + 4 * 256) + tokens * 5 * 32) * size
     heads = cfg.model.num_attention_heads
     assert MLA[3:] == ["model.mla.qk_head_dim=16", "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
     assert act("core_attn", "mla_up_proj", extra=MLA) - act("core_attn", extra=MLA) == \

@@ -202,10 +202,11 @@ def test_command_line_planned_flags():
     run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_kappa.plan", *a], cwd=root,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2", "--optimizer-states", "bf16", "--set", "train.micro_batch=2",
-               "--offload-optimizer", "--latency-us", "0", "--overlap", "data,expert")
+               "--offload-optimizer", "--latency-us", "0", "--overlap", "data,expert", "--fused-swiglu")
     assert done.returncode == 0, done.stderr
     assert "TP1 PP1 CP2 EP1" in done.stdout and "DP4" in done.stdout
-    assert "planned only  CP2, bf16 optimizer moments, optimizer offload, overlap (data, expert)" in done.stdout
+    assert "planned only  CP2, bf16 optimizer moments, optimizer offload, overlap (data, expert), fused SwiGLU (the" \
+        in done.stdout
     assert "offloaded" in done.stdout
     done = run("--config", "configs/tiny.yaml", "--world", "2", "--layer-ms", "1.5", "--attention-tflops", "50", "--json",
                "--set", "train.micro_batch=2", "train.global_batch=8")

@@ -67,6 +67,8 @@ def main(argv=None) -> int:
                          help="EP across nodes: a token crosses to each node once, then NVLink (DeepEP)")
     planned.add_argument("--dualpipe", action="store_true",
                          help="DeepSeek-V3's DualPipe in place of 1F1B (even PP, no VPP; searched beside 1F1B)")
+    planned.add_argument("--fused-swiglu", action="store_true",
+                         help="megatron's fused SwiGLU in the dense MLPs and shared experts: silu(gate) not kept")
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
     ap.add_argument("--rank", action="store_true",
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
     rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us, args.hbm_tbs,
                                 args.fp8_speedup, args.attention_tflops, args.layer_ms)
     extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
-                    args.offload_activations, args.overlap, args.node_dispatch, args.dualpipe)
+                    args.offload_activations, args.overlap, args.node_dispatch, args.fused_swiglu, args.dualpipe)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:

@@ -2,19 +2,28 @@
 
 Per layer and micro-batch, with s·b/cp tokens on the rank (context parallelism splits the
 sequence), sequence parallelism (the tensors outside the attention and MLP cores split by TP) and
-SDPA (no s² scores kept):
+SDPA (no s² scores kept; but `local` below):
   attention  norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
              (MLA: the latents, q and k of nope + rope width per head, v:
              s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
-  dense MLP  norm input, fc1 input, fc1 output [gate; up], activation: s·b·(2h + 3·ffn/tp)
+  dense MLP  norm input, fc1 input, fc1 output [gate; up], and megatron's unfused glu (as this
+             trainer runs it) keeps silu(gate), up + glu_linear_offset (a copy even at offset 0)
+             and their product: s·b·(2h + 5·ffn/tp); a fused SwiGLU (planned only) keeps fc1's
+             output and the product: 3·ffn/tp. The shared experts likewise.
   MoE        norm input and router input s·b·2h/tp, the s·b·k·etp/tp routed rows (each rank routes
              its sequence-parallel share, the dispatcher gathers them over expert TP; times the
              capacity factor when set, else `imbalance`: the busiest rank's share over the average)
-             with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp)
+             with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp); κ-SwiGLU
+             experts keep their output twice, unscaled for the routing probabilities' gradient
+             and scaled for fc2: rows·F/etp more
+  local      (model.attention: local, megatron's DotProductAttention) the [s, s] probabilities
+             of each head, s·b·s·heads/tp in 4 bytes (fp32 softmax) and, in bf16, their 2-byte
+             cast; GQA's key and value heads repeated: s·b·2·(heads − groups)·d/tp more
 in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
 core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts' activation, mlp a
-dense MLP's fc1 output and activation, moe the routed rows' tensors and the shared expert's,
-shared_experts the shared expert's. Full keeps only each layer's input (s·b·h/tp; only the stage's
+dense MLP's fc1 output and glu's tensors, moe the routed rows' tensors and the shared expert's,
+shared_experts the shared expert's (moe_act and moe also the κ output; core_attn local's
+probabilities and repeated heads). Full keeps only each layer's input (s·b·h/tp; only the stage's
 first model.recompute_layers layers when set, the rest keep everything) plus one layer's
 activations while it is recomputed. The output layer's logits add one loss chunk
 (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32.
@@ -69,6 +78,12 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     per = model_shape(cfg, layout).stage_counts()[stage]
     core = tokens * head_dim * m.num_attention_heads / t
     attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
+    scores = 0.0  # local attention's probabilities (and GQA's repeated heads), in values of `size` bytes
+    if m.attention == "local":
+        probability_bytes = 4 + (2 if size == 2 else 0)  # softmax in fp32, then cast back for AV
+        scores = tokens * m.seq_length * m.num_attention_heads / t * probability_bytes / size
+        if not m.mla.enabled:
+            scores += tokens * 2 * (m.num_attention_heads - groups) * head_dim / t
     if m.mla.enabled:  # the latents, then q, k (nope + rope per head) and v; the core's output is v-wide
         a = m.mla
         core = tokens * a.v_head_dim * m.num_attention_heads / t
@@ -82,33 +97,38 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     norm_out = tokens * h / t  # a norm's output: the qkv input, the fc1 or router input
     rows = routed_rows_per_rank(cfg, layout, tokens, imbalance)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
+    glu = 3 if planned.fused_swiglu else 5  # F-wide tensors a dense MLP or shared expert keeps a token
     shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t
+    # κ-SwiGLU's output, kept unscaled for the routing probabilities' gradient beside the scaled
+    # copy fc2 reads (megatron_kappa/model/experts.py, KappaExpertActivation.activation)
+    kappa_out = rows * expert_ffn if m.kappa.enabled else 0.0
     shape = model_shape(cfg, layout)
     modules = set(selective.selected(m, shape.has_moe)) if recompute == "selective" else set()
     norms = planned.recompute_norms and recompute == "selective"  # a selective module, as in megatron
     linear, moe_fp8 = "linear" in planned.fp8_activations, "moe" in planned.fp8_activations
     layers = []
     for is_moe in shape.stage_moe_layers(stage):
-        dropped = core * ("core_attn" in modules) + up * ("mla_up_proj" in modules) + 2 * norm_out * norms
+        dropped = ((core + scores) * ("core_attn" in modules) + up * ("mla_up_proj" in modules)
+                   + 2 * norm_out * norms)
         # tensors kept in fp8: counted again at -1/2 (1 byte instead of 2)
         fp8 = linear * (2 * norm_out * (not norms) + core * ("core_attn" not in modules))
         if is_moe:
-            mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + 3 * shared_ffn
+            mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + glu * shared_ffn + kappa_out
             routed_dropped = "moe" in modules
             act_dropped = routed_dropped or "moe_act" in modules
             shared_dropped = routed_dropped or "shared_experts" in modules
             if routed_dropped:
-                dropped += rows * (h + 3 * expert_ffn) + 3 * shared_ffn
+                dropped += rows * (h + 3 * expert_ffn) + glu * shared_ffn + kappa_out
             else:
-                dropped += rows * expert_ffn * act_dropped + 3 * shared_ffn * shared_dropped
+                dropped += (rows * expert_ffn + kappa_out) * act_dropped + glu * shared_ffn * shared_dropped
             fp8 += linear * (rows * h * (not routed_dropped) + rows * expert_ffn * (not act_dropped)
                              + shared_ffn * (not shared_dropped))
             fp8 += moe_fp8 * rows * (h * (not linear) + 2 * expert_ffn) * (not routed_dropped)
         else:
-            mlp = tokens * (2 * h + 3 * ffn / t)
-            dropped += tokens * 3 * ffn / t * ("mlp" in modules)
+            mlp = tokens * (2 * h + glu * ffn / t)
+            dropped += tokens * glu * ffn / t * ("mlp" in modules)
             fp8 += linear * tokens * ffn / t * ("mlp" not in modules)
-        full_layer = attention + mlp
+        full_layer = attention + scores + mlp
         kept_layer = {"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer)
         if size == 2 and recompute != "full":
             kept_layer -= fp8 / 2

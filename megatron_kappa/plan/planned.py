@@ -59,6 +59,12 @@ class Planned:
     """Where EP crosses nodes, a token is sent over InfiniBand once per destination node and
     forwarded to its experts there over NVLink (DeepSeek-V3 §3.2.2, DeepEP; megatron's flex
     dispatcher), instead of once per routed expert; with num_groups, at most group_topk nodes."""
+    fused_swiglu: bool = False
+    """megatron's fused SwiGLU (bias_activation_fusion: NVIDIA's recipes, Megatron-LM's default;
+    DeepSeek's and Moonshot's own kernels) in the dense MLPs and shared experts: they keep fc1's
+    output and the product fc2 reads, 3·F a token, where this trainer's unfused glu also keeps
+    silu(gate) and a copy of up (+ glu_linear_offset), 5·F (megatron_kappa/model/build.py turns
+    the fusion off)."""
     dualpipe: bool = False
     """The pipeline runs DeepSeek-V3's DualPipe instead of 1F1B where it can (even stages, no
     virtual stages, at least 2 × PP micro-batches): each rank holds two stages, a smaller bubble
@@ -82,4 +88,5 @@ class Planned:
         out += [f"overlap ({', '.join(self.overlap)})"] * bool(self.overlap)
         out += ["node-limited dispatch"] * self.node_dispatch
         out += ["DualPipe"] * (self.dualpipe and layout.pp > 1)
+        out += ["fused SwiGLU"] * self.fused_swiglu
         return out

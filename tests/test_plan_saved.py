@@ -95,10 +95,11 @@ def test_kappa_experts_keep_their_output_twice(world1):
 
 def test_the_estimate_is_below_what_autograd_keeps_by_a_known_share(world1):
     """The whole estimate against the whole measurement, tiny model: 0.81 to 0.89 of the bytes
-    saved here (0.92 with MLA, its up-projections recomputed or not). What it leaves out (docs/plan.md): the RoPE'd queries and keys, which SDPA keeps
-    beside the qkv output; torch's composite RMSNorm on the CPU, which keeps x·rstd beside x; the
-    small tensors (norm statistics, router scores and indices, RoPE tables, SDPA's logsumexp). A
-    guard, not a pin: a term counted twice or dropped moves it out of the band."""
+    saved here (0.92 with MLA, its up-projections recomputed or not). What it leaves out
+    (docs/plan.md): the RoPE'd queries and keys, which SDPA keeps beside the qkv output; torch's
+    composite RMSNorm on the CPU, which keeps x·rstd beside x; the small tensors (norm statistics,
+    router scores and indices, RoPE tables, SDPA's logsumexp). A guard, not a pin: a term counted
+    twice or dropped moves it out of the band."""
     from test_mla import MLA  # the tiny MLA settings
     for overrides in ((), ("model.kappa.enabled=false",), ("model.layout=dense",), ("model.recompute=selective",),
                       ("model.attention=local",), ("precision=bf16",), MLA,

@@ -54,8 +54,8 @@ RUNS = (
         "Kimi K2", "configs/frontier/kimi_k2.yaml", Layout(256, tp=1, pp=16, ep=16, etp=1),
         ("model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "train.optimizer=muon",
          "train.micro_batch=1", "train.global_batch=16384"),
-        Planned(fused_swiglu=True, fp8_activations="moe", recompute_norms=True, offload_optimizer=True, offload_activations=True,
-                overlap=("expert", "pipeline")),
+        Planned(fused_swiglu=True, fp8_activations="moe", recompute_norms=True, offload_optimizer=True,
+                offload_activations=True, overlap=("expert", "pipeline")),
         H800,
         "Kimi K2 Technical Report, arXiv:2507.20534, §2.4 (H800 GPUs; PP16 with virtual stages, EP16, "
         "ZeRO-1; a 256-GPU model-parallel group, optimizer states offloaded to the CPU at 32 nodes; "
@@ -105,14 +105,16 @@ TUNED = (
         "Qwen3-235B-A22B (NVIDIA, H100)", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
         (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=selective", "model.recompute_modules=[moe_act]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline"), node_dispatch=True), Rates(),
+        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline"),
+                node_dispatch=True), Rates(),
         ZOO + "best_practice/qwen3/readme.md:14 (DeepEP, norm and act recomputed, GBS 2048, MBS 1)",
         measured_s=19.7),
     Published(
         "Qwen3-235B-A22B (NVIDIA, H100, all-to-all overlapped)", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
         (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=selective", "model.recompute_modules=[moe_act]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline", "expert"), node_dispatch=True), Rates(),
+        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline", "expert"),
+                node_dispatch=True), Rates(),
         ZOO + "best_practice/qwen3/readme.md:15 (the same, +1F1B A2A overlap); run_h100_235b.sh",
         measured_s=17.6),
     Published(
@@ -147,7 +149,8 @@ LONG_CONTEXT = tuple(
         Layout(256, tp=4, pp=8, ep=8, etp=1, cp=cp, vpp=4),
         (*QWEN3_TUNED[:-1], "train.global_batch=256", f"model.seq_length={seq}", "parallel.vpp=4",
          "model.recompute=selective", "model.recompute_modules=[moe]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline", "context"), node_dispatch=True), Rates(),
+        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline", "context"),
+                node_dispatch=True), Rates(),
         ZOO + f"best_practice/qwen3/readme.md:{line} ({seq:,} tokens, TP4 CP{cp}, GBS 256, {tflops} TFLOP/s "
         "forced balance)",
         measured_tflops=tflops)
@@ -267,8 +270,8 @@ def config_of(run: Published):
     had no κ; a κ-SwiGLU expert keeps one more tensor: megatron_kappa.plan.activations)."""
     from megatron_kappa.config import load_config
     par = run.layout
-    return load_config(run.config, [*run.sets, "model.kappa.enabled=false", f"parallel.tp={par.tp}", f"parallel.pp={par.pp}",
-                                    f"parallel.ep={par.ep}", f"parallel.etp={par.etp}"])
+    return load_config(run.config, [*run.sets, "model.kappa.enabled=false", f"parallel.tp={par.tp}",
+                                    f"parallel.pp={par.pp}", f"parallel.ep={par.ep}", f"parallel.etp={par.etp}"])
 
 
 def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8) -> Published:

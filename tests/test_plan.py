@@ -201,15 +201,13 @@ def test_activations_drop_what_each_recompute_module_recomputes():
     assert act("core_attn", "mlp") - act("core_attn") == -1 * tokens * 5 * 256 * size
     assert act("core_attn", "mlp", planned=Planned(fused_swiglu=True)) \
         - act("core_attn", planned=Planned(fused_swiglu=True)) == -1 * tokens * 3 * 256 * size
-    # tiny's experts are κ-SwiGLU: each routed row keeps its activation twice (scaled for fc2,
-    # unscaled for the routing probabilities' gradient: tests/test_plan_saved.py measures it)
-    assert act("core_attn", "moe_act", extra=["model.moe.grouped_gemm=true"]) - act("core_attn") == \
-        -3 * tokens * 2 * 2 * 256 * size  # the experts' activation twice, top-2 rows per token
-    assert act("core_attn", "moe_act", extra=["model.moe.grouped_gemm=true", "model.kappa.enabled=false"]) \
-        - act("core_attn", extra=["model.kappa.enabled=false"]) == -3 * tokens * 2 * 256 * size  # plain: once
+    for kappa in ("true", "false"):  # κ-SwiGLU and megatron's weighted SwiGLU keep the same
+        grouped = ["model.moe.grouped_gemm=true", f"model.kappa.enabled={kappa}"]
+        assert act("core_attn", "moe_act", extra=grouped) - act("core_attn", extra=grouped) == \
+            -3 * tokens * 2 * 256 * size  # the experts' activation, top-2 rows per token
     assert act("core_attn", "shared_experts") - act("core_attn") == -3 * tokens * 5 * 32 * size  # glu as the dense
-    # moe: every routed row's fc1 input, output and (twice) activation, and the shared expert's
-    assert act("core_attn", "moe") - act("core_attn") == -3 * (tokens * 2 * (64 + 4 * 256) + tokens * 5 * 32) * size
+    # moe: every routed row's fc1 input, output and activation, and the shared expert's
+    assert act("core_attn", "moe") - act("core_attn") == -3 * (tokens * 2 * (64 + 3 * 256) + tokens * 5 * 32) * size
     heads = cfg.model.num_attention_heads
     assert MLA[3:] == ["model.mla.qk_head_dim=16", "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
     assert act("core_attn", "mla_up_proj", extra=MLA) - act("core_attn", extra=MLA) == \

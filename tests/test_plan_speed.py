@@ -172,9 +172,8 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
     experts = sum(speed.layer_flops(cfg, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
     assert (busy["terms"]["compute"] - even["terms"]["compute"]) * speed.Rates().tflops * 1e12 == \
         pytest.approx(3 * 0.5 * experts)
-    # fp32, per MoE layer: the extra half of the rows, tokens·k·etp/tp of them on a rank (TP2, ETP1),
-    # each with its fc1 input, fc1 output, and κ-SwiGLU's output twice (scaled and unscaled)
-    rows_bytes = 0.5 * tokens * 2 * 1 / 2 * (64 + 4 * 256) * 4
+    # fp32, per MoE layer: the extra half of the rows, tokens·k·etp/tp of them on a rank (TP2, ETP1)
+    rows_bytes = 0.5 * tokens * 2 * 1 / 2 * (64 + 3 * 256) * 4
     got = [planner.activation_bytes(cfg, layout, 1, "none", 2, imbalance=f) for f in (1.0, 1.5)]
     in_flight, micro_tokens = 1, 2 * 1024  # stage 1 of 2 holds one micro-batch; per micro-batch
     assert got[1] - got[0] == pytest.approx(2 * rows_bytes * micro_tokens / tokens * in_flight)

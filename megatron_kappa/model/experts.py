@@ -68,15 +68,50 @@ class KappaExpertActivation:
         (`tokens_per_expert`), scaled by their routing probabilities."""
         k = self.kappa
         alpha, bias = self._alpha_bias(expert)
-        h = kappa_swiglu(gate, up, logits, alpha, bias, self.kappa_U, k.logit_scale, k.tanh_gain,
-                         backend=k.backend, tokens_per_expert=tokens_per_expert)
-        return (h * probs.unsqueeze(-1)).to(gate.dtype)
+        settings = (self.kappa_U, k.logit_scale, k.tanh_gain)
+        h = kappa_swiglu(gate, up, logits, alpha, bias, *settings, backend=k.backend,
+                         tokens_per_expert=tokens_per_expert)
+
+        def remake(gate, up, logits, alpha, bias):  # h again, from what κ-SwiGLU's backward keeps too
+            return kappa_swiglu(gate, up, logits, alpha, bias, *settings, backend=k.backend,
+                                tokens_per_expert=tokens_per_expert)
+        return ScaledByProbs.apply(h, probs, gate.dtype, remake, gate, up, logits, alpha, bias)
 
     def kappa_of(self, logits, expert: int):
         """κ for the given logits of one expert (statistics)."""
         k = self.kappa
         alpha, bias = self._alpha_bias(expert, detach=True)
         return kappa_values(logits, alpha, bias, self.kappa_U, k.logit_scale, k.tanh_gain)
+
+
+class ScaledByProbs(torch.autograd.Function):
+    """(h · p).to(dtype) for rows h [N, F] and their routing probabilities p [N], keeping p but not
+    h: p's gradient, Σ_f dy·h, makes h again (`remake(*inputs)`, from `inputs` saved here, the
+    tensors h's own backward keeps too, so they cost nothing more), as megatron's weighted SwiGLU
+    does for plain experts. Autograd's h · p would keep h beside the scaled copy fc2 keeps: rows·F
+    more per MoE layer. The gradients are the same expression's, so bit for bit what autograd
+    gives; `inputs` get none here (h's own node gives theirs)."""
+
+    @staticmethod
+    def forward(ctx, h, probs, dtype, remake, *inputs):
+        ctx.remake = remake
+        ctx.save_for_backward(probs, *inputs)
+        return (h * probs.unsqueeze(-1)).to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        probs, *inputs = ctx.saved_tensors
+        remake, ctx.remake = ctx.remake, None
+        with torch.no_grad():
+            h = remake(*(None if t is None else t.detach() for t in inputs))
+        with torch.enable_grad():
+            h = h.detach().requires_grad_(ctx.needs_input_grad[0])
+            p = probs.detach().requires_grad_(ctx.needs_input_grad[1])
+            wanted = [t for t in (h, p) if t.requires_grad]
+            grads = iter(torch.autograd.grad((h * p.unsqueeze(-1)).to(dy.dtype), wanted, dy) if wanted else ())
+        d_h = next(grads) if h.requires_grad else None
+        d_p = next(grads) if p.requires_grad else None
+        return (d_h, d_p, None, None, *(None for _ in inputs))
 
 
 def set_kappa_U(model, U: float):

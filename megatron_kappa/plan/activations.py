@@ -13,17 +13,17 @@ SDPA (no s² scores kept; but `local` below):
   MoE        norm input and router input s·b·2h/tp, the s·b·k·etp/tp routed rows (each rank routes
              its sequence-parallel share, the dispatcher gathers them over expert TP; times the
              capacity factor when set, else `imbalance`: the busiest rank's share over the average)
-             with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp); κ-SwiGLU
-             experts keep their output twice, unscaled for the routing probabilities' gradient
-             and scaled for fc2: rows·F/etp more
+             with their fc1 input, fc1 output and activation: rows·(h + 3·F/etp) (κ-SwiGLU
+             or megatron's weighted SwiGLU, which keep no unscaled copy); megatron's SequentialMLP
+             of plain experts (model.moe.grouped_gemm: false) runs each expert's unfused glu and
+             scales its output: rows·(h + 6·F/etp)
   local      (model.attention: local, megatron's DotProductAttention) the [s, s] probabilities
              of each head, s·b·s·heads/tp in 4 bytes (fp32 softmax) and, in bf16, their 2-byte
              cast; GQA's key and value heads repeated: s·b·2·(heads − groups)·d/tp more
 in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
 core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts' activation, mlp a
 dense MLP's fc1 output and glu's tensors, moe the routed rows' tensors and the shared expert's,
-shared_experts the shared expert's (moe_act and moe also the κ output; core_attn local's
-probabilities and repeated heads). Full keeps only each layer's input (s·b·h/tp; only the stage's
+shared_experts the shared expert's (core_attn also local's probabilities and repeated heads). Full keeps only each layer's input (s·b·h/tp; only the stage's
 first model.recompute_layers layers when set, the rest keep everything) plus one layer's
 activations while it is recomputed. The output layer's logits add one loss chunk
 (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32.
@@ -99,9 +99,10 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     glu = 3 if planned.fused_swiglu else 5  # F-wide tensors a dense MLP or shared expert keeps a token
     shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t
-    # κ-SwiGLU's output, kept unscaled for the routing probabilities' gradient beside the scaled
-    # copy fc2 reads (megatron_kappa/model/experts.py, KappaExpertActivation.activation)
-    kappa_out = rows * expert_ffn if m.kappa.enabled else 0.0
+    # F-wide tensors a routed row keeps: fc1's output and fc2's input (the grouped experts, κ or
+    # plain, keep no unscaled activation: model/experts.py ScaledByProbs, megatron's weighted
+    # SwiGLU); megatron's SequentialMLP of plain experts, its MLPs' unfused glu and the scaling
+    routed = 6 if not (moe.grouped_gemm or m.kappa.enabled) else 3
     shape = model_shape(cfg, layout)
     modules = set(selective.selected(m, shape.has_moe)) if recompute == "selective" else set()
     norms = planned.recompute_norms and recompute == "selective"  # a selective module, as in megatron
@@ -113,14 +114,14 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
         # tensors kept in fp8: counted again at -1/2 (1 byte instead of 2)
         fp8 = linear * (2 * norm_out * (not norms) + core * ("core_attn" not in modules))
         if is_moe:
-            mlp = 2 * tokens * h / t + rows * (h + 3 * expert_ffn) + glu * shared_ffn + kappa_out
+            mlp = 2 * tokens * h / t + rows * (h + routed * expert_ffn) + glu * shared_ffn
             routed_dropped = "moe" in modules
             act_dropped = routed_dropped or "moe_act" in modules
             shared_dropped = routed_dropped or "shared_experts" in modules
             if routed_dropped:
-                dropped += rows * (h + 3 * expert_ffn) + glu * shared_ffn + kappa_out
+                dropped += rows * (h + routed * expert_ffn) + glu * shared_ffn
             else:
-                dropped += (rows * expert_ffn + kappa_out) * act_dropped + glu * shared_ffn * shared_dropped
+                dropped += rows * expert_ffn * act_dropped + glu * shared_ffn * shared_dropped
             fp8 += linear * (rows * h * (not routed_dropped) + rows * expert_ffn * (not act_dropped)
                              + shared_ffn * (not shared_dropped))
             fp8 += moe_fp8 * rows * (h * (not linear) + 2 * expert_ffn) * (not routed_dropped)

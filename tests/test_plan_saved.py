@@ -15,11 +15,10 @@ from megatron_kappa.config import load_config
 MICRO = 2
 
 
-def kept_for_backward(cfg) -> int:
-    from megatron_kappa.model.build import build_model
-    torch.manual_seed(0)
-    model = build_model(cfg, torch.device("cpu"))
-    model.train()
+def saved_bytes(model, tokens, labels=None) -> int:
+    """Bytes autograd keeps for backward in one forward of `model` on `tokens` [b, s] (with
+    `labels`, through the loss): each storage once, at its size when the forward ends, parameters
+    left out. tests/test_recompute.py uses it too."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -27,11 +26,19 @@ def kept_for_backward(cfg) -> int:
         if t.untyped_storage().data_ptr() not in params:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
         return t
-    tokens = torch.randint(0, cfg.model.vocab_size, (MICRO, cfg.model.seq_length))
-    positions = torch.arange(cfg.model.seq_length).expand(MICRO, -1)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, None, labels=tokens)
+        model(tokens, positions, None, labels=labels)
     return sum(s.nbytes() for s in storages.values())
+
+
+def kept_for_backward(cfg) -> int:
+    from megatron_kappa.model.build import build_model
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.device("cpu"))
+    model.train()
+    tokens = torch.randint(0, cfg.model.vocab_size, (MICRO, cfg.model.seq_length))
+    return saved_bytes(model, tokens, labels=tokens)
 
 
 def measured_and_planned(*overrides):

@@ -56,19 +56,10 @@ SHARED = ("model.moe.shared_ffn_hidden_size=32",)
 
 
 def saved_bytes(model) -> int:
-    """Bytes autograd keeps for backward in one forward of the tiny model (parameters left out,
-    each storage once): what recomputation trades for compute."""
-    params = {p.data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        if t.data_ptr() not in params:
-            seen[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    tokens = parity.global_batch()[0][:, :-1]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float().sum()
-    return sum(seen.values())
+    """Bytes autograd keeps for backward in one forward of the tiny model (test_plan_saved's
+    count): what recomputation trades for compute."""
+    from test_plan_saved import saved_bytes as kept
+    return kept(model, parity.global_batch()[0][:, :-1])
 
 
 @pytest.mark.parametrize("modules,extra", [

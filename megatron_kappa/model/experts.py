@@ -105,13 +105,10 @@ class ScaledByProbs(torch.autograd.Function):
         with torch.no_grad():
             h = remake(*(None if t is None else t.detach() for t in inputs))
         with torch.enable_grad():
-            h = h.detach().requires_grad_(ctx.needs_input_grad[0])
-            p = probs.detach().requires_grad_(ctx.needs_input_grad[1])
-            wanted = [t for t in (h, p) if t.requires_grad]
-            grads = iter(torch.autograd.grad((h * p.unsqueeze(-1)).to(dy.dtype), wanted, dy) if wanted else ())
-        d_h = next(grads) if h.requires_grad else None
-        d_p = next(grads) if p.requires_grad else None
-        return (d_h, d_p, None, None, *(None for _ in inputs))
+            h, p = h.detach().requires_grad_(), probs.detach().requires_grad_()
+            d_h, d_p = torch.autograd.grad((h * p.unsqueeze(-1)).to(dy.dtype), (h, p), dy)
+        need_h, need_p = ctx.needs_input_grad[:2]
+        return (d_h if need_h else None, d_p if need_p else None, None, None, *(None for _ in inputs))
 
 
 def set_kappa_U(model, U: float):

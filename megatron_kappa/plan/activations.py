@@ -23,9 +23,9 @@ SDPA (no s² scores kept; but `local` below):
 in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
 core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts' activation, mlp a
 dense MLP's fc1 output and glu's tensors, moe the routed rows' tensors and the shared expert's,
-shared_experts the shared expert's (core_attn also local's probabilities and repeated heads). Full keeps only each layer's input (s·b·h/tp; only the stage's
-first model.recompute_layers layers when set, the rest keep everything) plus one layer's
-activations while it is recomputed. The output layer's logits add one loss chunk
+shared_experts the shared expert's (core_attn also local's probabilities and repeated heads).
+Full keeps only each layer's input (s·b·h/tp; only the stage's first model.recompute_layers
+layers when set, the rest keep everything) plus one layer's activations while it is recomputed. The output layer's logits add one loss chunk
 (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32.
 
 In flight: under 1F1B stage i holds pp − i micro-batches (at most the micro-batches per step);
@@ -102,7 +102,7 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     # F-wide tensors a routed row keeps: fc1's output and fc2's input (the grouped experts, κ or
     # plain, keep no unscaled activation: model/experts.py ScaledByProbs, megatron's weighted
     # SwiGLU); megatron's SequentialMLP of plain experts, its MLPs' unfused glu and the scaling
-    routed = 6 if not (moe.grouped_gemm or m.kappa.enabled) else 3
+    routed = 3 if moe.grouped_gemm or m.kappa.enabled else 6
     shape = model_shape(cfg, layout)
     modules = set(selective.selected(m, shape.has_moe)) if recompute == "selective" else set()
     norms = planned.recompute_norms and recompute == "selective"  # a selective module, as in megatron

@@ -35,13 +35,20 @@ class Published:
     imbalance: float = 1.0  # the busiest EP rank's routed rows over the average as planned (1: forced balance)
 
 
+def run_settings(**planned) -> Planned:
+    """A published run's planned-only settings: each also ran a fused SwiGLU (NVIDIA's recipes set
+    bias_activation_fusion, Megatron-LM's default; DeepSeek's and Moonshot's own kernels), which
+    this trainer does not (Planned.fused_swiglu)."""
+    return Planned(fused_swiglu=True, **planned)
+
+
 RUNS = (
     Published(
         "DeepSeek-V3", "configs/frontier/deepseek_v3.yaml", Layout(2048, tp=1, pp=16, ep=64, etp=1),
         ("precision=fp8", "model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]",
          "train.micro_batch=1", "train.global_batch=15360"),
-        Planned(fused_swiglu=True, optimizer_states="bf16", fp8_activations="linear+moe", recompute_norms=True,
-                overlap=("expert", "pipeline"), node_dispatch=True, dualpipe=True), H800,
+        run_settings(optimizer_states="bf16", fp8_activations="linear+moe", recompute_norms=True,
+                     overlap=("expert", "pipeline"), node_dispatch=True, dualpipe=True), H800,
         "DeepSeek-V3 Technical Report, arXiv:2412.19437: §3.2 (2,048 H800 GPUs, PP16, EP64 over 8 nodes, "
         "ZeRO-1 DP, no TP), §3.2.3 (RMSNorm and MLA up-projections recomputed), §3.3 (FP8 GEMMs, "
         "AdamW moments in BF16, master weights FP32), §3.3.3 (linear layers' inputs cached in FP8; the "
@@ -54,8 +61,8 @@ RUNS = (
         "Kimi K2", "configs/frontier/kimi_k2.yaml", Layout(256, tp=1, pp=16, ep=16, etp=1),
         ("model.recompute=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "train.optimizer=muon",
          "train.micro_batch=1", "train.global_batch=16384"),
-        Planned(fused_swiglu=True, fp8_activations="moe", recompute_norms=True, offload_optimizer=True,
-                offload_activations=True, overlap=("expert", "pipeline")),
+        run_settings(fp8_activations="moe", recompute_norms=True, offload_optimizer=True,
+                     offload_activations=True, overlap=("expert", "pipeline")),
         H800,
         "Kimi K2 Technical Report, arXiv:2507.20534, §2.4 (H800 GPUs; PP16 with virtual stages, EP16, "
         "ZeRO-1; a 256-GPU model-parallel group, optimizer states offloaded to the CPU at 32 nodes; "
@@ -69,7 +76,7 @@ RUNS = (
         "Qwen3-235B-A22B", "configs/frontier/qwen3_235b_a22b.yaml", Layout(128, tp=4, pp=16, ep=8, etp=1, cp=2),
         ("parallel.first_stage_layers=5", "parallel.last_stage_layers=5", "model.recompute=none",
          "train.micro_batch=1", "train.global_batch=32"),
-        Planned(fused_swiglu=True, overlap=("data",)), Rates(),
+        run_settings(overlap=("data",)), Rates(),
         "Megatron-Bridge recipes/qwen/qwen3_235b_a22b.py (commit 3594df9): 16 nodes × 8 GPUs, TP4 PP16 "
         "CP2 EP8 ETP1 with sequence parallelism, embedding and loss counted in the stage split, "
         "micro-batch 1, global batch 32, 4,096 tokens, bf16, the distributed optimizer",
@@ -78,7 +85,7 @@ RUNS = (
     Published(
         "Mixtral-8x22B", "configs/frontier/mixtral_8x22b.yaml", Layout(128, tp=2, pp=4, ep=8, etp=2, cp=2, vpp=14),
         ("model.recompute=none", "train.micro_batch=1", "train.global_batch=512"),
-        Planned(fused_swiglu=True, overlap=("data", "pipeline")), Rates(),
+        run_settings(overlap=("data", "pipeline")), Rates(),
         "NeMo recipes/mixtral_8x22b.py (commit 00138e2): 16 nodes × 8 GPUs, TP2 PP4 VPP14 CP2 EP8 with "
         "sequence parallelism (expert TP = TP, megatron's default), micro-batch 1, global batch 512, "
         "4,096 tokens, bf16, the distributed optimizer",
@@ -105,30 +112,30 @@ TUNED = (
         "Qwen3-235B-A22B (NVIDIA, H100)", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
         (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=selective", "model.recompute_modules=[moe_act]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline"),
-                node_dispatch=True), Rates(),
+        run_settings(recompute_norms=True, overlap=("data", "tensor", "pipeline"),
+                     node_dispatch=True), Rates(),
         ZOO + "best_practice/qwen3/readme.md:14 (DeepEP, norm and act recomputed, GBS 2048, MBS 1)",
         measured_s=19.7),
     Published(
         "Qwen3-235B-A22B (NVIDIA, H100, all-to-all overlapped)", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
         (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=selective", "model.recompute_modules=[moe_act]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline", "expert"),
-                node_dispatch=True), Rates(),
+        run_settings(recompute_norms=True, overlap=("data", "tensor", "pipeline", "expert"),
+                     node_dispatch=True), Rates(),
         ZOO + "best_practice/qwen3/readme.md:15 (the same, +1F1B A2A overlap); run_h100_235b.sh",
         measured_s=17.6),
     Published(
         "Qwen3-235B-A22B (NVIDIA, H100, TP4 EP8)", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=4, pp=8, ep=8, etp=1, vpp=4),
         (*QWEN3_TUNED, "parallel.vpp=4", "model.recompute=none"),
-        Planned(fused_swiglu=True, overlap=("data", "tensor", "pipeline"), node_dispatch=True), Rates(),
+        run_settings(overlap=("data", "tensor", "pipeline"), node_dispatch=True), Rates(),
         ZOO + "best_practice/qwen3/readme.md:19 (DeepEP, no recompute, GBS 2048, MBS 1)",
         measured_s=29.0),
     Published(
         "Mixtral-8x22B (NVIDIA, H100)", "configs/frontier/mixtral_8x22b.yaml",
         Layout(128, tp=2, pp=8, ep=8, etp=1, vpp=7),
         ("parallel.vpp=7", "model.recompute=none", "train.micro_batch=1", "train.global_batch=256"),
-        Planned(fused_swiglu=True, overlap=("data", "tensor", "pipeline")), Rates(),
+        run_settings(overlap=("data", "tensor", "pipeline")), Rates(),
         ZOO + "runtime_configs/benchmarking/runtime.conf:8 and best_practice/mixtral/run_mixtral_8x22B.sh:27-31 "
         "(16 nodes, TP2 PP8 VPP7 EP8, all-to-all dispatcher, GBS 256, MBS 1; about 445 TFLOP/s per GPU "
         "dropless, 465 with forced balance)",
@@ -149,8 +156,8 @@ LONG_CONTEXT = tuple(
         Layout(256, tp=4, pp=8, ep=8, etp=1, cp=cp, vpp=4),
         (*QWEN3_TUNED[:-1], "train.global_batch=256", f"model.seq_length={seq}", "parallel.vpp=4",
          "model.recompute=selective", "model.recompute_modules=[moe]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline", "context"),
-                node_dispatch=True), Rates(),
+        run_settings(recompute_norms=True, overlap=("data", "tensor", "pipeline", "context"),
+                     node_dispatch=True), Rates(),
         ZOO + f"best_practice/qwen3/readme.md:{line} ({seq:,} tokens, TP4 CP{cp}, GBS 256, {tflops} TFLOP/s "
         "forced balance)",
         measured_tflops=tflops)
@@ -194,14 +201,14 @@ MEASURED = (
         ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null", f"parallel.layout={ZOO_PP32_SPLIT}",
          "train.micro_batch=1", "train.global_batch=2048", "parallel.vpp=3", "model.recompute=selective",
          "model.recompute_modules=[moe_act]"),
-        Planned(fused_swiglu=True, recompute_norms=True, overlap=("data", "tensor", "pipeline")), Rates(),
+        run_settings(recompute_norms=True, overlap=("data", "tensor", "pipeline")), Rates(),
         ZOO + "best_practice/qwen3/readme.md:18 (all-to-all dispatcher, norm and act recomputed, GBS 2048, MBS 1)",
         measured_s=24.2),
     *(Published(
         f"Qwen3-235B-A22B (NVIDIA, H100, FP8, batch {batch:,})", "configs/frontier/qwen3_235b_a22b.yaml",
         Layout(256, tp=2, pp=8, ep=32, etp=1, vpp=4),
         (*QWEN3_TUNED[:-1], f"train.global_batch={batch}", "parallel.vpp=4", "model.recompute=none", "precision=fp8"),
-        Planned(fused_swiglu=True, overlap=("data", "pipeline", "expert")), Rates(),
+        run_settings(overlap=("data", "pipeline", "expert")), Rates(),
         f"Megatron-Bridge docs/{page} ({release}, DGX-H100: {tokens:,} tokens/s per GPU); "
         f"QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_{preset}",
         measured_tokens_per_gpu_s=tokens)
@@ -213,7 +220,7 @@ MEASURED = (
         ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null", "parallel.layout=Et|(tt|)*30mL",
          "parallel.vpp=4", "precision=fp8", "model.recompute=selective", "model.recompute_modules=[mla_up_proj,mlp]",
          "train.micro_batch=1", "train.global_batch=8192"),
-        Planned(fused_swiglu=True, overlap=("pipeline",), node_dispatch=True), Rates(),
+        run_settings(overlap=("pipeline",), node_dispatch=True), Rates(),
         "Megatron-Bridge docs/performance-summary-archive.md (25.09, DGX-H100, dropless: 1,297 tokens/s per "
         "GPU); DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1",
         measured_tokens_per_gpu_s=1297),
@@ -221,7 +228,7 @@ MEASURED = (
         "Mixtral-8x22B (NVIDIA, H100, FP8)", "configs/frontier/mixtral_8x22b.yaml",
         Layout(128, tp=2, pp=8, ep=8, etp=1, vpp=7),
         ("parallel.vpp=7", "model.recompute=none", "train.micro_batch=1", "train.global_batch=256", "precision=fp8"),
-        Planned(fused_swiglu=True, optimizer_states="bf16", overlap=("data", "pipeline")), Rates(),
+        run_settings(optimizer_states="bf16", overlap=("data", "pipeline")), Rates(),
         ZOO + "best_practice/mixtral/run_mixtral_8x22B.sh:33-34 (TUNED's Mixtral layout in block-wise FP8, forced "
         "balance: about 560 TFLOP/s per GPU) and sbatch_benchmarking.sh:84-96 (bf16 moments, no TP overlap in fp8)",
         measured_tflops=560),
@@ -267,7 +274,7 @@ def measured_seconds(run: Published) -> float | None:
 
 def config_of(run: Published):
     """The run's config: its layout and settings, with plain SwiGLU experts (the published runs
-    had no κ; a κ-SwiGLU expert keeps one more tensor: megatron_kappa.plan.activations)."""
+    had no κ, and so none of its α and b parameters)."""
     from megatron_kappa.config import load_config
     par = run.layout
     return load_config(run.config, [*run.sets, "model.kappa.enabled=false", f"parallel.tp={par.tp}",

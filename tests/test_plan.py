@@ -4,6 +4,7 @@ arithmetic, the verdict, --search and the command line."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -301,6 +302,19 @@ def test_command_line(tmp_path):
     assert totals == {str(len(list(search.candidates(load_config(ROOT / "configs/tiny.yaml"), 8, 8))))}, done.stderr
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--search", "--top", "3", "--no-progress")
     assert done.returncode == 0 and done.stdout.count("\n") == 4 and done.stderr == ""
+    # Ctrl-C half-way through a search: one line, no traceback
+    search_run = subprocess.Popen([sys.executable, "-m", "megatron_kappa.plan", "--config",
+                                   "configs/frontier/mixtral_8x22b.yaml", "--world", "128", "--search"],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = ""
+    while "layouts:" not in seen and search_run.poll() is None:
+        seen += search_run.stderr.read(1)
+    search_run.send_signal(signal.SIGINT)
+    out, err = search_run.communicate(timeout=60)
+    assert search_run.returncode == 130 and out == "", (search_run.returncode, err[-2000:])
+    assert err.rstrip().endswith("interrupted: the planner writes nothing, so nothing is lost; run it again")
+    assert "Traceback" not in seen + err
 
 
 # --- bytes against what DeepSpeed holds (slow) --------------------------------------------------

@@ -152,4 +152,8 @@ def describe(run, r: dict, ranked: bool) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # a search of a large world runs for tens of seconds
+        print("interrupted: the planner writes nothing, so nothing is lost; run it again", file=sys.stderr)
+        sys.exit(130)

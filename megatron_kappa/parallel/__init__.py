@@ -14,6 +14,7 @@ Modules:
   layout.py      A parallel layout (TP, EP, ETP, PP over a world of ranks): whether it can be built,
                  and the record of it that checkpoints keep (a resume must use the same one)
   network.py     The network interface gloo and NCCL use when a job spans several hosts
+  roll_call.py   The roll call: who is still alive, asked through the rendezvous store
   sharding.py    Move weights between one full (single-process) state dict and any TP/EP/ETP/PP
                  layout
   stage_norm.py  DeepSpeed's ZeRO-1/2 gradient norm when pipeline stages hold different parameter

@@ -5,10 +5,10 @@ What ends the job, and how fast (`parallel.timeout_s`, T; megatron_kappa.paralle
     after T on NCCL. The launcher ends the other ranks, but which rank it names first is a race:
     a survivor's error can reach srun before the dead rank's "Killed" (and a survivor may even
     see its connection to another survivor close first). So the survivors name the dead ones
-    themselves, by a roll call (`roll_call()`) through the rendezvous store, which every live
-    rank's answerer thread answers even while the rank is blocked in a collective; who does not
-    answer within a few seconds is gone, named with its host. If the store itself is gone, its
-    host (rank 0's) is the one lost.
+    themselves, by a roll call (`missing_ranks()`; megatron_kappa.parallel.roll_call) through the
+    rendezvous store, which every live rank's answerer thread answers even while the rank is
+    blocked in a collective; who does not answer within a few seconds is gone, named with its
+    host. If the store itself is gone, its host (rank 0's) is the one lost.
   - a rank that hangs (alive, never reaching the collective): its peers' collective times out
     after T. They cannot tell from that error whom they waited for, so `explain()` asks: a
     monitored barrier on a gloo group kept for it (groups.barrier_group), where rank 0 waits up
@@ -23,13 +23,11 @@ exception, and so `explain()`, may never run. Not tested here (no GPUs): torch's
 from __future__ import annotations
 
 import datetime
-import os
 import re
-import time
 
 import torch.distributed as dist
 
-from megatron_kappa.parallel import groups
+from megatron_kappa.parallel import groups, roll_call
 
 # What gloo's and NCCL's errors say when a peer is gone or late (they raise a bare RuntimeError).
 _MARKS = ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
@@ -71,72 +69,19 @@ def _on_hosts(ranks: list[int]) -> str:
     return "".join(f" (on {h}: rank{'s' if len(rs) > 1 else ''} {', '.join(rs)})" for h, rs in on.items())
 
 
-_answerer: dict | None = None  # this rank's roll-call answerer: thread, store, key prefix
-
-
-def answer_roll_calls(generation: int):
-    """Start this rank's answerer (every rank, once its groups exist): a thread waiting on the
-    rendezvous store, on its own connection, for a roll call, and answering it. A thread, because
-    a rank that is alive may still be blocked inside a collective (on a survivor that is itself
-    in the roll call): it must answer all the same. Idle, it is one pending wait on the store."""
-    global _answerer
-    import datetime
-    import threading
-
-    from torch.distributed import distributed_c10d
-    # the same on every rank: the job's restart count and the how-many-th group of this process
-    prefix = f"kappa_roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/" \
-        f"{os.environ.get('SLURM_RESTART_COUNT', '0')}/{generation}/"
-    default = distributed_c10d._get_default_store()
-    store = default.clone()  # the thread's own connection: a pending wait blocks its client
-    me = dist.get_rank()
-
-    def answer():
-        try:
-            store.wait([prefix + "called"], datetime.timedelta(days=365))
-            if store.get(prefix + "called") == b"call":
-                store.set(prefix + f"here/{me}", "1")
-        except Exception:  # noqa: BLE001 - the store is gone: nobody left to answer
-            pass
-
-    thread = threading.Thread(target=answer, name="kappa-roll-call", daemon=True)
-    thread.start()
-    _answerer = {"thread": thread, "store": default.clone(), "prefix": prefix}  # the caller's
-
-
-def stop_answering(release: bool):
-    """At the end of the groups. `release`: every rank is ending normally (after a barrier), so
-    the answerers are released through the store; after a failure they are left (a live peer may
-    still be calling)."""
-    global _answerer
-    if _answerer is not None and release:
-        try:
-            _answerer["store"].set(_answerer["prefix"] + "called", "end")
-            _answerer["thread"].join(5)
-        except Exception:  # noqa: BLE001 - the store is already gone
-            pass
-    _answerer = None
-
-
-def roll_call(window_s: float) -> str:
-    """Call the roll through the rendezvous store and wait up to `window_s` for every rank's
-    answerer: those that never answer are gone. One line naming them and their hosts; the store's
-    own host when the store cannot be reached."""
+def missing_ranks(window_s: float) -> str:
+    """Call the roll (megatron_kappa.parallel.roll_call) and wait up to `window_s` for every
+    rank's answerer: those that never answer are gone. One line naming them and their hosts; the
+    store's own host when the store cannot be reached."""
     hosts = groups.rank_hosts() or []
-    if _answerer is None:
-        return "a peer closed its connection: a rank has died"
-    store, prefix = _answerer["store"], _answerer["prefix"]
     try:
-        store.set(prefix + "called", "call")
-        deadline, missing = time.monotonic() + window_s, set(range(dist.get_world_size()))
-        while missing and time.monotonic() < deadline:
-            missing = {r for r in missing if not store.check([prefix + f"here/{r}"])}
-            if missing:
-                time.sleep(0.2)
+        missing = roll_call.absent(window_s)
     except Exception:  # noqa: BLE001 - the store is rank 0's (srun, mp.spawn) or the launcher's
         host0 = hosts[0] if hosts else "rank 0's host"
         return f"the rendezvous store (rank 0's, on {host0}) cannot be reached: {host0} is lost, or " \
                f"this host's link"
+    if missing is None:
+        return "a peer closed its connection: a rank has died"
     if not missing:
         return "every rank answered a roll call afterwards: a transient network error"
     return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} did not " \
@@ -174,5 +119,5 @@ def explain(exc: BaseException) -> str | None:
     if not is_collective_failure(exc):
         return None
     timeout_s = groups.collective_timeout_s()
-    found = roll_call(min(10.0, timeout_s)) if _peer_closed(exc) else unresponsive_ranks(timeout_s)
+    found = missing_ranks(min(10.0, timeout_s)) if _peer_closed(exc) else unresponsive_ranks(timeout_s)
     return f"a collective failed ({_short(str(exc)) or type(exc).__name__}); {found}"

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_kappa.config import ConfigError, ParallelConfig
-from megatron_kappa.parallel import compat, launch_env, network
+from megatron_kappa.parallel import compat, launch_env, network, roll_call
 from megatron_kappa.parallel.launch_env import DEVICE_ENV
 from megatron_kappa.parallel.layout import check_layout
 
@@ -167,11 +167,12 @@ def control_group() -> dist.ProcessGroup:
     so an asynchronous message there never interleaves with theirs. Made on the first call after
     the default group exists (a collective call: every rank makes it at the same point), with the
     timeout of the last `init_distributed`. Its first message is every rank's host name
-    (`rank_hosts`), so that a failure later can say where the ranks that stopped answering run."""
+    (`rank_hosts`), so that a failure later can say where the ranks that stopped answering run;
+    then this rank starts answering roll calls (megatron_kappa.parallel.roll_call) until
+    `teardown`."""
     global _control, _controls_made
     world = dist.group.WORLD
     if _control is None or _control[0] is not world:
-        from megatron_kappa.parallel import failures
         timeout = datetime.timedelta(seconds=_timeout_s) if _timeout_s else None
         group = dist.new_group(backend="gloo", timeout=timeout)
         barrier = dist.new_group(backend="gloo", timeout=timeout)
@@ -179,7 +180,7 @@ def control_group() -> dist.ProcessGroup:
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         _control = (world, group, barrier, hosts)
         _controls_made += 1
-        failures.answer_roll_calls(_controls_made)
+        roll_call.start_answering(_controls_made)
     return _control[1]
 
 
@@ -214,13 +215,12 @@ def teardown(peers_alive: bool = True):
     `peers_alive`: every rank reached this point (normal end): a barrier first, so no rank closes
     its connections while a peer still waits on one of them. After a failure, no barrier."""
     global _control
-    from megatron_kappa.parallel import failures
     if dist.is_initialized() and peers_alive and dist.get_world_size() > 1:
         try:
             dist.barrier(group=control_group())
         except RuntimeError:  # a peer already gone (it failed after all): nobody left to wait for
             peers_alive = False
-    failures.stop_answering(release=peers_alive)
+    roll_call.stop_answering(release=peers_alive)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _control = None

@@ -80,9 +80,9 @@ def main(argv=None) -> int:
         "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets])
 
     stage("3/4 evaluate: validation loss / bits per byte, CORE bundle (one process, weights consolidated)")
-    sh([py, "launch/eval_loss.py", "--checkpoint", run_dir, "--data", *valid_prefixes, "--no-progress",
+    sh([py, "eval/loss.py", "--checkpoint", run_dir, "--data", *valid_prefixes, "--no-progress",
         "--json", out / "valid.json"])
-    sh([py, "launch/eval_core.py", "--checkpoint", run_dir, "--bundle", BUNDLE, "--no-progress",
+    sh([py, "eval/core.py", "--checkpoint", run_dir, "--bundle", BUNDLE, "--no-progress",
         "--json", out / "core.json"])
 
     stage("4/4 summary")

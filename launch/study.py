@@ -8,8 +8,8 @@
 Variants: swiglu (model.kappa.enabled=false, the baseline), kappa, kappa-no-alpha
 (model.kappa.use_alpha=false), kappa-no-bias (model.kappa.use_bias=false). Each run lives in
 STUDY_DIR/runs/<variant>-seed<seed>/ (its run.dir: checkpoints, metrics.jsonl, logs/), trains
-with train.seed=<seed> through launch/pretrain.py, then is evaluated with launch/eval_loss.py
-(validation loss, bits per byte on --valid-data or data.valid_paths) and launch/eval_core.py (centered
+with train.seed=<seed> through launch/pretrain.py, then is evaluated with eval/loss.py
+(validation loss, bits per byte on --valid-data or data.valid_paths) and eval/core.py (centered
 CORE on --core-bundle or eval.core_bundle); its numbers go to result.json. STUDY_DIR/table.md and
 table.json (analysis/study_table.py) hold mean ± sd per variant and the paired per-seed
 difference to swiglu.
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     ap.add_argument("--nproc", type=positive_int, default=None,
                     help="processes per run (default: the visible GPUs, else 1); slurm: set by --sbatch-args")
     ap.add_argument("--valid-data", nargs="+", default=None, metavar="PREFIX",
-                    help="held-out shard prefixes for launch/eval_loss.py (default: data.valid_paths)")
+                    help="held-out shard prefixes for eval/loss.py (default: data.valid_paths)")
     ap.add_argument("--valid-max-tokens", type=positive_int, default=None, help="score at most this many validation tokens")
     ap.add_argument("--core-bundle", default=None, help="CORE bundle (default: eval.core_bundle)")
     ap.add_argument("--core-max-per-task", type=positive_int, default=None, help="CORE items per task (default: all)")
@@ -218,7 +218,7 @@ def launch_cmd(launcher: str, nproc: int, script: str, args: list) -> list[str]:
 
 
 def eval_args(run: Run, inputs: dict, args, valid_json, core_json) -> dict:
-    """Arguments of launch/eval_loss.py and launch/eval_core.py for this run (None: nothing to do)."""
+    """Arguments of eval/loss.py and eval/core.py for this run (None: nothing to do)."""
     loss = ["--checkpoint", run.dir, "--data", *inputs["valid"], "--no-progress", "--json", valid_json]
     if args.valid_max_tokens:
         loss += ["--max-tokens", args.valid_max_tokens]
@@ -261,7 +261,7 @@ def run_locally(run: Run, inputs: dict, args):
         if cmds[kind] is None or final.is_file():
             continue
         print(f"[{run.name}] eval {kind}", flush=True)
-        _step(launch_cmd(args.launcher, n, f"launch/eval_{kind}.py", cmds[kind]), run.dir / "logs/eval.log",
+        _step(launch_cmd(args.launcher, n, f"eval/{kind}.py", cmds[kind]), run.dir / "logs/eval.log",
               f"{run.name}: eval/{kind}.py")
         os.replace(tmp, final)  # a killed evaluation leaves no half-written result
     write_result(run, inputs)

@@ -98,14 +98,14 @@ def test_checkpoint_evaluates_the_same_with_one_and_two_processes(demo, tmp_path
     out, _ = demo
     port = lambda: str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
-    run(launcher + ["--master_port", port(), "launch/eval_core.py", "--checkpoint", out / "run", "--bundle",
+    run(launcher + ["--master_port", port(), "eval/core.py", "--checkpoint", out / "run", "--bundle",
                     "tests/core_bundle", "--no-progress", "--json", tmp_path / "core2.json"])
     one = json.loads((out / "core.json").read_text())
     two = json.loads((tmp_path / "core2.json").read_text())
     assert [(t["task"], t["n"], t["accuracy"]) for t in one["tasks"]] == \
         [(t["task"], t["n"], t["accuracy"]) for t in two["tasks"]]
     valid = sorted(str(p)[:-4] for p in (out / "data").glob("valid_*.bin"))
-    run(launcher + ["--master_port", port(), "launch/eval_loss.py", "--checkpoint", out / "run", "--data", *valid,
+    run(launcher + ["--master_port", port(), "eval/loss.py", "--checkpoint", out / "run", "--data", *valid,
                     "--no-progress", "--json", tmp_path / "valid2.json"])
     loss1 = json.loads((out / "valid.json").read_text())["loss"]
     loss2 = json.loads((tmp_path / "valid2.json").read_text())["loss"]
@@ -139,7 +139,7 @@ def test_tensor_parallel_checkpoint_evaluates_the_same_with_one_and_two_processe
                     f"run.dir={run_dir}", "train.steps=2", "parallel.tp=2", "data.mock=true",
                     f"data.tokenizer={out / 'data/tokenizer.model'}", "eval.valid_every=0"])
     valid = sorted(str(p)[:-4] for p in (out / "data").glob("valid_*.bin"))
-    args = ["launch/eval_loss.py", "--checkpoint", run_dir, "--data", *valid, "--no-progress", "--max-tokens", "3000"]
+    args = ["eval/loss.py", "--checkpoint", run_dir, "--data", *valid, "--no-progress", "--max-tokens", "3000"]
     run([sys.executable, *args, "--json", tmp_path / "one.json"])
     run(launcher + ["--master_port", port(), *args, "--json", tmp_path / "two.json"])
     one, two = (json.loads((tmp_path / f).read_text())["loss"] for f in ("one.json", "two.json"))

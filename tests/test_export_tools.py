@@ -1,5 +1,5 @@
 """The exported model in the ecosystem's tools (issue 35): greedy `generate()` of the export equals
-launch/generate.py's tokens (megatron-core's model with its key/value cache); lm-evaluation-harness
+eval/generate.py's tokens (megatron-core's model with its key/value cache); lm-evaluation-harness
 scores the export on the bundled local task, with the command of docs/export.md; an interrupted
 export leaves no folder."""
 import json
@@ -15,12 +15,12 @@ from export_runs import ROOT, export, hf_env, runs  # noqa: E402,F401
 
 
 @pytest.mark.slow
-def test_greedy_generate_of_the_export_equals_launch_generate(runs, tmp_path):
+def test_greedy_generate_of_the_export_equals_eval_generate(runs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     run = runs("kappa-nanochat-sigmoid")
     out = tmp_path / "hf"
     export(run, out)
-    done = subprocess.run([sys.executable, "launch/generate.py", "--checkpoint", str(run), "--prompt", "The water cycle",
+    done = subprocess.run([sys.executable, "eval/generate.py", "--checkpoint", str(run), "--prompt", "The water cycle",
                            "--max-new-tokens", "12", "--json", str(tmp_path / "gen.json")],
                           cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -36,13 +36,13 @@ def test_greedy_generate_of_the_export_equals_launch_generate(runs, tmp_path):
 
 @pytest.mark.slow
 def test_lm_eval_scores_an_export_on_a_local_task(runs, tmp_path):
-    """The command of docs/export.md, with the bundled local task (lm_eval_tasks/core_arc_easy.yaml)."""
+    """The command of docs/export.md, with the bundled local task (eval/tasks/core_arc_easy.yaml)."""
     run = runs("kappa-nanochat-sigmoid")
     out = tmp_path / "hf"
     export(run, out)
     done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
                            f"pretrained={out},trust_remote_code=True,dtype=float32", "--tasks", "core_arc_easy",
-                           "--include_path", "lm_eval_tasks", "--device", "cpu", "--batch_size", "4",
+                           "--include_path", "eval/tasks", "--device", "cpu", "--batch_size", "4",
                            "--output_path", str(tmp_path / "results")],
                           cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

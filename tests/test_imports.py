@@ -30,7 +30,7 @@ STAGES = [
     ("megatron_kappa.train",),
     ("megatron_kappa.preflight",),
 ]
-SCRIPT_DIRS = ["launch", "analysis", "bench", "data_prep"]  # evaluation CLIs: launch/eval_*.py
+SCRIPT_DIRS = ["launch", "eval", "analysis", "bench", "data_prep"]
 
 
 def stage_of(module: str) -> int:

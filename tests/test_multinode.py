@@ -285,7 +285,7 @@ def test_eval_sbatch_two_hosts_equals_one_process(hosts, straight, sample_shards
     job = hosts.submit(ROOT / "launch/slurm/eval.sbatch", "loss", *args, "--json", tmp_path / "hosts.json",
                        options=NODES2, cwd=ROOT, env=job_env(hosts))
     assert hosts.wait(job, 300) == "COMPLETED", hosts.output(job)[-4000:]
-    one = subprocess.run([sys.executable, "launch/eval_loss.py", *map(str, args), "--json", tmp_path / "one.json"],
+    one = subprocess.run([sys.executable, "eval/loss.py", *map(str, args), "--json", tmp_path / "one.json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("hosts", "one"))

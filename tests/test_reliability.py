@@ -228,7 +228,7 @@ def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_p
     import numpy as np
     import yaml
 
-    from launch.eval_loss import main
+    from eval.loss import main
     from megatron_kappa.config import to_dict
     from megatron_kappa.data.indexed import index_bytes
     run = tmp_path / "run"
@@ -245,8 +245,8 @@ def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_p
     (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "-1"], "--gpu-mem"),
     (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "nan"], "--gpu-mem"),
     (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "0"], "--world"),
-    (["launch/eval_core.py", "--checkpoint", "x", "--bundle", "y", "--max-per-task", "0"], "--max-per-task"),
-    (["launch/eval_loss.py", "--checkpoint", "x", "--data", "y", "--max-tokens", "-5"], "--max-tokens"),
+    (["eval/core.py", "--checkpoint", "x", "--bundle", "y", "--max-per-task", "0"], "--max-per-task"),
+    (["eval/loss.py", "--checkpoint", "x", "--data", "y", "--max-tokens", "-5"], "--max-tokens"),
     (["launch/demo.py", "--steps", "0"], "--steps"),
     (["launch/demo.py", "--max-docs", "-3"], "--max-docs"),
 ])

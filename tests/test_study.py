@@ -144,9 +144,9 @@ def test_launch_commands():
         [sys.executable, script, "--config", "x.yaml"]
     assert launch_cmd("torchrun", 2, "launch/pretrain.py", ["--set", "a=1"]) == \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, "--set", "a=1"]
-    ds = launch_cmd("deepspeed", 4, "launch/eval_loss.py", [])
+    ds = launch_cmd("deepspeed", 4, "eval/loss.py", [])
     assert ds[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4"] and ds[5] == "--master_port"
-    assert ds[7:] == [str(ROOT / "launch/eval_loss.py")] and 1024 <= int(ds[6]) < 65536
+    assert ds[7:] == [str(ROOT / "eval/loss.py")] and 1024 <= int(ds[6]) < 65536
 
 
 FAKE_SLURM = r"""#!/bin/bash

@@ -305,4 +305,4 @@ def _validate_pipeline(cfg: Config, router, need):
          f"{cfg.model.moe.router} {router.pipeline_refusal}; use parallel.pp 1")
     need(not cfg.eval.core_every, "eval.core_every",
          "the CORE subset during training needs the whole model on each rank; with parallel.pp > 1 "
-         "evaluate the checkpoints afterwards (launch/eval_core.py consolidates them)")
+         "evaluate the checkpoints afterwards (eval/core.py consolidates them)")

@@ -3,10 +3,10 @@
 Modules:
   bundle.py       CORE evaluation bundles (DCLM's / nanochat's format): reading, validating,
                   baselines
-  cli.py          What the evaluation command lines (launch/eval_core.py, launch/eval_loss.py)
-                  share: join the launcher's process group, load a checkpoint, split the work over
-                  data-parallel ranks, write the result on rank 0, and leave the group so that every
-                  rank exits cleanly
+  cli.py          What the evaluation command lines (eval/core.py, eval/loss.py) share: join the
+                  launcher's process group, load a checkpoint, split the work over data-parallel
+                  ranks, write the result on rank 0, and leave the group so that every rank exits
+                  cleanly
   core.py         CORE: DCLM's in-context-learning tasks scored the way nanochat scores them
                   (docs/core_eval.md)
   core_subset.py  The quick CORE subset the paper's pipeline logged during training

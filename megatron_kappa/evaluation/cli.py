@@ -1,4 +1,4 @@
-"""What the evaluation command lines (launch/eval_core.py, launch/eval_loss.py) share: join the
+"""What the evaluation command lines (eval/core.py, eval/loss.py) share: join the
 launcher's process group, load a checkpoint, split the work over data-parallel ranks, write the
 result on rank 0, and leave the group so that every rank exits cleanly."""
 from __future__ import annotations

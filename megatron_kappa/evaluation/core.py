@@ -2,7 +2,7 @@
 
 evaluate_core scores every task of a bundle (megatron_kappa.evaluation.bundle) with a plain causal
 LM callable `logits_fn(tokens[B, T]) -> logits[B, T, V]` and returns the result in the JSON shape
-launch/eval_core.py writes. The model side never appears here, so the training loop, the CLI, the tests
+eval/core.py writes. The model side never appears here, so the training loop, the CLI, the tests
 and the benchmark all share this one scorer. Token batches are built on the host and sent to the
 logits function's device (`logits_fn.device`, set by megatron_kappa.evaluation.loading).
 """

@@ -2,7 +2,7 @@
 
 `load_for_eval(run_dir)` rebuilds the model from the run's config.yaml on this process's device
 and loads the latest checkpoint: under the training layout (same world size, e.g.
-`deepspeed launch/eval_core.py ...`) each rank loads its own weights from their owners' files; otherwise
+`deepspeed eval/core.py ...`) each rank loads its own weights from their owners' files; otherwise
 (e.g. one process) the full weights are consolidated from every rank's file and loaded into a
 layout without model parallelism.
 """

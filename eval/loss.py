@@ -1,7 +1,7 @@
 """Validation loss and bits per byte of a trained checkpoint on held-out Megatron shards.
 
-    python launch/eval_loss.py --checkpoint runs/sandwich28 --data data/val/shard_00000 [more prefixes] [--max-tokens N]
-    torchrun --nproc_per_node 8 launch/eval_loss.py ...   (batches split over ranks)
+    python eval/loss.py --checkpoint runs/sandwich28 --data data/val/shard_00000 [more prefixes] [--max-tokens N]
+    torchrun --nproc_per_node 8 eval/loss.py ...   (batches split over ranks)
 
 --data takes shard prefixes (PREFIX.bin + PREFIX.idx). See megatron_kappa/evaluation/lm_loss.py for the rules.
 """

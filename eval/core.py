@@ -1,7 +1,7 @@
 """CORE evaluation of a trained checkpoint (docs/core_eval.md).
 
-    python launch/eval_core.py --checkpoint runs/sandwich28 --bundle eval_bundle.zip [--max-per-task N] [--json out.json]
-    torchrun --nproc_per_node 8 launch/eval_core.py ...   (or `deepspeed launch/eval_core.py ...`: items split over ranks)
+    python eval/core.py --checkpoint runs/sandwich28 --bundle eval_bundle.zip [--max-per-task N] [--json out.json]
+    torchrun --nproc_per_node 8 eval/core.py ...   (or `deepspeed eval/core.py ...`: items split over ranks)
 
 --bundle takes a folder, a .zip or a URL (downloaded once into --cache-dir). The per-task table goes
 to stdout; a malformed bundle prints `error: <file>:<line>: ...` and exits with status 2.

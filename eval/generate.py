@@ -1,8 +1,8 @@
 """Continue a prompt with a trained model: greedy by default, or sampled.
 
-    python launch/generate.py --checkpoint runs/sandwich28 --prompt "The capital of France is"
-    python launch/generate.py --checkpoint runs/sandwich28 --prompt "Once" --temperature 0.8 --top-p 0.95
-    python launch/generate.py --checkpoint runs/sandwich28 --weights full.pt --prompt "..."   (consolidated)
+    python eval/generate.py --checkpoint runs/sandwich28 --prompt "The capital of France is"
+    python eval/generate.py --checkpoint runs/sandwich28 --prompt "Once" --temperature 0.8 --top-p 0.95
+    python eval/generate.py --checkpoint runs/sandwich28 --weights full.pt --prompt "..."   (consolidated)
 
 One process: a checkpoint in any training layout is consolidated for it. A key/value cache keeps
 each new token one forward of one position (megatron_kappa/evaluation/generation.py).
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         return 2
     import os
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        print("error: launch/generate.py runs as one process (any training layout is consolidated for it)",
+        print("error: eval/generate.py runs as one process (any training layout is consolidated for it)",
               file=sys.stderr)
         return 2
     from megatron_kappa.config import ConfigError

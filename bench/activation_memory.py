@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_kappa import plan as planner
+import plan as planner
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.parallel.groups import init_distributed

@@ -4,7 +4,7 @@
 
 Trains a small MoE config in 9 layouts of 4 CPU processes (TP, EP, PP, DP and their mixes; one
 torchrun launch runs them all, one after another), takes each layout's median step time after the
-first two steps, and plans the same layouts (megatron_kappa.plan at its default rates, one
+first two steps, and plans the same layouts (plan at its default rates, one
 "node" of 4). The estimate's compute and traffic terms are then fitted to the measurements:
 measured ≈ c + a · compute + b · traffic + d · messages (each with its bubble share), all ≥ 0, by
 least squares (the CPU
@@ -101,7 +101,7 @@ def fit(rows: list[dict]) -> dict[str, float]:
 def terms(cfg, rates) -> dict:
     """The estimate's parts for one layout: compute, traffic (bandwidth only) and the number of
     messages, each with its share of the bubble (the bubble is a fraction of the busy time)."""
-    from megatron_kappa import plan as planner
+    import plan as planner
 
     def step(latency_us):
         r = dataclasses.replace(rates, latency_us=latency_us)
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from megatron_kappa.config import load_config
     from megatron_kappa.parallel.launch_env import free_port
-    from megatron_kappa.plan.speed import Rates
+    from plan.speed import Rates
     if args.measured:
         measured = {r["layout"]: r["measured"] for r in json.loads(Path(args.measured).read_text())["rows"]}
     else:

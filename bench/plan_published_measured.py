@@ -1,6 +1,6 @@
 """The planner's step-time estimate against step times measured on GPUs by others (issue 37):
 NVIDIA's throughput-tuned layouts for Qwen3-235B-A22B on 256 H100s and their tuned Mixtral-8x22B
-layout (megatron_kappa.plan.published.TUNED), and their other H100 runs (MEASURED): a fourth
+layout (plan.published.TUNED), and their other H100 runs (MEASURED): a fourth
 ModelZoo layout, Megatron-Bridge's FP8 presets for Qwen3-235B-A22B and DeepSeek-V3, and one
 ModelZoo layout at 16K to 128K tokens (where a source gives tokens/s or megatron's TFLOP/s per
 GPU, published.measured_seconds reads them as step times).
@@ -30,9 +30,9 @@ import time
 
 from bench.plan_calibration import spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
-from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED,
+from plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED,
                                            MIXTRAL_DROPLESS_TFLOPS, TUNED, check_run, config_of, measured_seconds)
-from megatron_kappa.plan.speed import Rates
+from plan.speed import Rates
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 
     python bench/plan_rates.py [--quick] [--json FILE]
 
-By default the estimate (megatron_kappa.plan.speed) charges every matmul and the attention at one
+By default the estimate (plan.speed) charges every matmul and the attention at one
 rate (--tflops) and nothing per layer and micro-batch beyond the traffic's latency; the planner's
 --attention-tflops and --layer-ms take what this measures. Against NVIDIA's
 Qwen3-235B-A22B runs on H100s (docs/plan.md, bench/plan_published_measured.py) it is within 2-7 %

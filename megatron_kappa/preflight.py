@@ -46,7 +46,7 @@ def check_parallel(cfg: Config, world: int):
     empty = stage_layout.empty_entries(cfg.parallel.layout) if cfg.parallel.layout else []
     if empty:  # each stage's checkpoint and layer names count from its first decoder layer
         raise ConfigError(f"config: parallel.layout: {cfg.parallel.layout!r}: entry {empty[0]} holds no decoder layer "
-                          "(t); megatron runs such stages, this trainer does not (python -m megatron_kappa.plan "
+                          "(t); megatron runs such stages, this trainer does not (python -m plan "
                           "plans them)")
     if vpp > 1:  # megatron's interleaved schedule runs the micro-batches in groups of pp per chunk
         micro = cfg.train.global_batch // per_step

@@ -21,7 +21,7 @@ from megatron_kappa.parallel.launch_env import exit_process
 
 
 def kind(name: str) -> str:
-    """The planner's kind of a parameter (megatron_kappa.plan.KINDS), by its name."""
+    """The planner's kind of a parameter (plan.KINDS), by its name."""
     if "word_embeddings" in name:
         return "embedding"
     if name.startswith("output_layer"):

@@ -25,7 +25,6 @@ STAGES = [
     ("megatron_kappa.model",),
     ("megatron_kappa.parallel",),
     ("megatron_kappa.summary",),
-    ("megatron_kappa.plan",),
     ("megatron_kappa.data", "megatron_kappa.tokenizer"),
     ("megatron_kappa.checkpoint",),
     ("megatron_kappa.evaluation",),
@@ -35,7 +34,7 @@ STAGES = [
     ("megatron_kappa.train",),
     ("megatron_kappa.preflight",),
 ]
-SCRIPT_DIRS = ["launch", "analysis", "bench", "data_prep"]  # evaluation CLIs: launch/eval_*.py
+SCRIPT_DIRS = ["launch", "eval", "plan", "analysis", "bench", "data_prep"]
 
 
 def stage_of(module: str) -> int:
@@ -127,12 +126,12 @@ def test_the_check_finds_an_upward_import():
     """Negative control: a model module importing the training loop, lazily, is reported."""
     probe = "def f():\n    from megatron_kappa.train.loop import run\n"
     assert upward_imports({"megatron_kappa.model.probe": probe}) == [
-        "megatron_kappa.model.probe (stage 3) imports megatron_kappa.train.loop (stage 13)"]
+        "megatron_kappa.model.probe (stage 3) imports megatron_kappa.train.loop (stage 12)"]
     assert upward_imports({"megatron_kappa.train.probe": probe}) == []
     # a command line too: summary's used to list the optimizer groups through the training package
     cli = "def main():\n    from megatron_kappa.train.recipe import KappaFreeze\n"
     assert upward_imports({"megatron_kappa.summary.__main__": cli}) == [
-        "megatron_kappa.summary.__main__ (stage 5) imports megatron_kappa.train.recipe (stage 13)"]
+        "megatron_kappa.summary.__main__ (stage 5) imports megatron_kappa.train.recipe (stage 12)"]
     # the launch scripts beside the package come after every stage
     script = "from launch import pretrain\n"
     assert upward_imports({"megatron_kappa.train.probe": script}) == [
@@ -233,14 +232,12 @@ def circles(modules: dict[str, str]) -> list[str]:
 # Tangles being untied by other work of issue 51; a tangle found inside one of these is tolerated
 # until then (test_no_import_circles), and test_the_tangle_is_untied fails as soon as one is gone:
 # then drop its entry here and its xfail mark.
-PLANNER = ["megatron_kappa.plan", "megatron_kappa.plan.activations", "megatron_kappa.plan.dualpipe",
-           "megatron_kappa.plan.speed"]
 ROUTERS_LATE = ["megatron_kappa.config", "megatron_kappa.config.checks", "megatron_kappa.config.loading",
                 "megatron_kappa.config.presets", "megatron_kappa.config.ranges", "megatron_kappa.config.reference",
                 "megatron_kappa.config.schema", "megatron_kappa.model.build", "megatron_kappa.model.experts",
                 "megatron_kappa.model.fp8", "megatron_kappa.model.layout", "megatron_kappa.model.mla",
                 "megatron_kappa.model.nanochat", "megatron_kappa.routers"]
-UNTYING = {"planner": PLANNER, "routers": ROUTERS_LATE}
+UNTYING = {"routers": ROUTERS_LATE}
 
 
 def test_no_import_circles():
@@ -252,9 +249,6 @@ def test_no_import_circles():
 
 
 @pytest.mark.parametrize("tangle", [
-    pytest.param("planner", marks=pytest.mark.xfail(strict=True, reason=(
-        "the planner move unties: megatron_kappa.plan -> megatron_kappa.plan.activations -> megatron_kappa.plan "
-        "(tangled with it: megatron_kappa.plan.dualpipe, megatron_kappa.plan.speed)"))),
     pytest.param("routers", marks=pytest.mark.xfail(strict=True, reason=(
         "routers.py late strings, being removed by the router-registry change: megatron_kappa.config -> "
         "megatron_kappa.config.checks -> megatron_kappa.routers ~> megatron_kappa.model.build -> "

@@ -1,4 +1,4 @@
-"""The memory planner (megatron_kappa.plan): its per-rank parameter counts against meta-device
+"""The memory planner (plan): its per-rank parameter counts against meta-device
 builds of every rank of a grid of layouts (slow: one torchrun of 4 processes), its byte
 arithmetic, the verdict, --search and the command line."""
 import json
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kappa import plan as planner
-from megatron_kappa.plan import search, speed
+import plan as planner
+from plan import search, speed
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.plan import GIB, Layout
-from megatron_kappa.plan.activations import routed_rows_per_rank
-from megatron_kappa.plan.planned import Planned
+from plan import GIB, Layout
+from plan.routing import routed_rows_per_rank
+from plan.planned import Planned
 from test_mla import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def test_bad_layout_is_a_one_line_error():
 
 
 def test_command_line(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_kappa.plan", *a], cwd=ROOT,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "plan", *a], cwd=ROOT,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     done = run("--config", "configs/moe8.yaml", "--world", "8", "--set", "parallel.ep=8", "--json")
     assert done.returncode == 0, done.stderr
@@ -303,7 +303,7 @@ def test_command_line(tmp_path):
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--search", "--top", "3", "--no-progress")
     assert done.returncode == 0 and done.stdout.count("\n") == 4 and done.stderr == ""
     # Ctrl-C half-way through a search: one line, no traceback
-    search_run = subprocess.Popen([sys.executable, "-m", "megatron_kappa.plan", "--config",
+    search_run = subprocess.Popen([sys.executable, "-m", "plan", "--config",
                                    "configs/frontier/mixtral_8x22b.yaml", "--world", "128", "--search"],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -1,14 +1,14 @@
-"""The planner against what others measured on GPUs (megatron_kappa.plan.published: TUNED and
+"""The planner against what others measured on GPUs (plan.published: TUNED and
 LONG_CONTEXT, NVIDIA's Megatron-MoE-ModelZoo): reading a published TFLOP/s per GPU as a step time,
 the long-context rows' estimates, and the expert-imbalance margin against the dropless runs."""
 import dataclasses
 
 import pytest
 
-from megatron_kappa.plan import Layout, model_shape, speed
-from megatron_kappa.plan.published import (LONG_CONTEXT, MEASURED, TUNED, check_run, config_of,
+from plan import Layout, model_shape, speed
+from plan.published import (LONG_CONTEXT, MEASURED, TUNED, check_run, config_of,
                                            measured_seconds, megatron_model_flops)
-from megatron_kappa.plan.speed import Rates
+from plan.speed import Rates
 
 # ModelZoo best_practice/qwen3/readme.md:14, :15, :19, :18 give both a step time and megatron's model TFLOP/s per GPU
 BOTH = ((TUNED[0], 19.7, 245), (TUNED[1], 17.6, 276), (TUNED[2], 29.0, 167), (MEASURED[0], 24.2, 200))
@@ -46,7 +46,7 @@ def test_megatron_model_flops_is_the_planners_count_less_the_router():
 
 
 def test_megatron_model_flops_refuses_mla():
-    from megatron_kappa.plan.published import RUNS
+    from plan.published import RUNS
     with pytest.raises(ValueError, match="model.mla"):
         megatron_model_flops(config_of(RUNS[0]))
 
@@ -157,7 +157,7 @@ def test_one_expert_imbalance_margin_gives_the_dropless_runs_at_every_length():
     attention cores at 1,000 TFLOP/s (their share of the step too small) the margin refitted at 16K
     misses 128K's ratio by over 3 %."""
     from bench.plan_published_measured import fit_imbalance, step_seconds
-    from megatron_kappa.plan.published import DROPLESS_IMBALANCE, LONG_CONTEXT_DROPLESS
+    from plan.published import DROPLESS_IMBALANCE, LONG_CONTEXT_DROPLESS
 
     def ratios(pairs, margin):
         return [(f.measured_tflops / d.measured_tflops, step_seconds(d, margin) / step_seconds(f, 1.0))

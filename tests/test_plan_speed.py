@@ -1,4 +1,4 @@
-"""The planner's step-time estimate (megatron_kappa.plan.speed): its FLOPs against torch's own
+"""The planner's step-time estimate (plan.speed): its FLOPs against torch's own
 count of a real forward and backward (torch.utils.flop_counter), each traffic term and the bubble
 against a hand computation, and --search ranking by it."""
 import dataclasses
@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_kappa import plan as planner
-from megatron_kappa.plan import search
+import plan as planner
+from plan import search
 from megatron_kappa.config import load_config
-from megatron_kappa.plan import Layout, speed
+from plan import Layout, speed
 from test_mla import MLA  # the tiny MLA settings
 
 # per-expert matmuls (torch's counter has no formula for grouped_mm), 2 sequences of 64 tokens
@@ -236,7 +236,7 @@ def test_every_recompute_module_is_known_to_each_estimate():
     parts are parts layer_flops computes (test_selective_modules_add_their_forward_matmuls checks
     them against torch's count)."""
     from megatron_kappa.config import recompute as selective
-    from megatron_kappa.plan.activations import activation_bytes
+    from plan.activations import activation_bytes
     cfg = load_config("configs/tiny.yaml", ["model.moe.grouped_gemm=true", "model.moe.shared_ffn_hidden_size=32",
                                             *MLA])
     layout = Layout(1)

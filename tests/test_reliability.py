@@ -242,9 +242,9 @@ def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_p
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "-1"], "--gpu-mem"),
-    (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "nan"], "--gpu-mem"),
-    (["-m", "megatron_kappa.plan", "--config", "configs/tiny.yaml", "--world", "0"], "--world"),
+    (["-m", "plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "-1"], "--gpu-mem"),
+    (["-m", "plan", "--config", "configs/tiny.yaml", "--world", "4", "--gpu-mem", "nan"], "--gpu-mem"),
+    (["-m", "plan", "--config", "configs/tiny.yaml", "--world", "0"], "--world"),
     (["eval/core.py", "--checkpoint", "x", "--bundle", "y", "--max-per-task", "0"], "--max-per-task"),
     (["eval/loss.py", "--checkpoint", "x", "--data", "y", "--max-tokens", "-5"], "--max-tokens"),
     (["launch/demo.py", "--steps", "0"], "--steps"),

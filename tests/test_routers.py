@@ -124,7 +124,7 @@ def test_an_unregistered_router_is_refused_naming_the_registered_ones(softmax_t)
 def test_the_callers_queries_follow_the_registry(softmax_t):
     """A kind that is not top-k and drops no tokens is named in the sorted dispatcher's and
     eval.capacity_factor's errors, and refused by pipeline stages and the planner when it says so."""
-    from megatron_kappa.plan import Layout, check
+    from plan import Layout, check
     routers.unregister("softmax_t")
     routers.register("softmax_t", dataclasses.replace(routers.lookup("softmax"), help="softmax_t", topk=False,
                                                       capacity=False, pipeline_refusal="cannot be split",
@@ -153,7 +153,7 @@ def test_every_late_reference_resolves():
 
 
 def test_the_registry_and_the_config_import_no_torch():
-    code = ("import sys; from megatron_kappa import routers, plan; from megatron_kappa.config import load_config; "
+    code = ("import sys; import plan; from megatron_kappa import routers; from megatron_kappa.config import load_config; "
             "from megatron_kappa.parallel.layout import check_layout; "
             "cfg = load_config(None, ['model.moe.router=softmoe']); check_layout(cfg.parallel, 1); "
             "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")

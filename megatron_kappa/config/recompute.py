@@ -1,9 +1,9 @@
 """`model.recompute_modules`: megatron's selective-recompute modules that run here, in one table.
 
 Each entry says what megatron recomputes, what model it needs, and which of the planner's per-layer
-matmul parts (megatron_kappa.plan.speed.layer_flops) backward does again. The config check, the
+matmul parts (plan.speed.layer_flops) backward does again. The config check, the
 model build (`selected`, handed to megatron's TransformerConfig), the planner's FLOPs and its
-activation estimate (megatron_kappa.plan.activations, which tests each name against this table)
+activation estimate (plan.activations, which tests each name against this table)
 all read it. megatron's `layernorm` module is not here: it needs Transformer Engine.
 
 Torch-free: the config check reads it.

@@ -1,7 +1,7 @@
 """`--search`: the layouts that fit, fastest first, each at its fastest micro-batch and recompute
-mode (the step-time estimate of megatron_kappa.plan.speed). Virtual stages and context
+mode (the step-time estimate of plan.speed). Virtual stages and context
 parallelism are searched too, and with --dualpipe DualPipe beside 1F1B (both planned only:
-megatron_kappa.plan.planned)."""
+plan.planned)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +10,15 @@ from tqdm import tqdm
 
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import model_layout
-from megatron_kappa.plan import GIB, Layout, check, model_shape, plan, speed
-from megatron_kappa.plan.planned import Planned
+from plan import speed
+from plan.estimate import plan
+from plan.layout import Layout, check, model_shape
+from plan.planned import Planned
 
 CONTEXT_PARALLEL = (1, 2, 4)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -25,10 +27,10 @@ def candidates(cfg: Config, world: int, gpus_per_node: int):
     and for PP > 1 every number of virtual stages that divides the largest stage's layers."""
     has_moe = model_layout(cfg).has_moe
     experts = cfg.model.moe.num_experts if has_moe else 1
-    for tp in (d for d in _divisors(world) if d <= gpus_per_node):
+    for tp in (d for d in divisors(world) if d <= gpus_per_node):
         for cp in (c for c in CONTEXT_PARALLEL if (world // tp) % c == 0):
-            for pp in _divisors(world // (tp * cp)):
-                for ep in _divisors(experts) if has_moe else [1]:
+            for pp in divisors(world // (tp * cp)):
+                for ep in divisors(experts) if has_moe else [1]:
                     for etp in sorted({1, tp}) if has_moe else [tp]:
                         layout = Layout(world, tp, pp, ep, etp, cp)
                         try:
@@ -36,7 +38,7 @@ def candidates(cfg: Config, world: int, gpus_per_node: int):
                         except ConfigError:
                             continue
                         most = max(model_shape(cfg, layout).stage_counts()) if pp > 1 else 1
-                        for vpp in _divisors(most):
+                        for vpp in divisors(most):
                             yield dataclasses.replace(layout, vpp=vpp)
 
 
@@ -58,7 +60,7 @@ def settings(cfg: Config, layout: Layout):
 
 def schedules(planned: Planned, layout: Layout) -> list[Planned]:
     """The pipeline schedules tried for `layout`: with DualPipe asked for, DualPipe (where it can
-    run, megatron_kappa.plan.dualpipe.check) and 1F1B, as DualPipe's second parameter copy may not
+    run, plan.dualpipe.check) and 1F1B, as DualPipe's second parameter copy may not
     fit where 1F1B does."""
     if planned.dualpipe and layout.pp > 1:
         return [planned, dataclasses.replace(planned, dualpipe=False)]
@@ -68,7 +70,7 @@ def schedules(planned: Planned, layout: Layout) -> list[Planned]:
 def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int | None = 10,
            rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned(),
            progress: bool = False) -> list[dict]:
-    """The layouts that fit, fastest first (estimated tokens/s, megatron_kappa.plan.speed), each
+    """The layouts that fit, fastest first (estimated tokens/s, plan.speed), each
     with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes.
     `planned`: the planned-only settings every layout gets; `top` None: all of them; `progress`: a
     bar on stderr over the candidate layouts (a large world takes tens of seconds)."""
@@ -93,14 +95,3 @@ def rank_of(rows: list[dict], layout: Layout) -> int | None:
         if Layout(**{k: p["layout"][k] for k in ("world", "tp", "pp", "ep", "etp", "cp", "vpp")}) == layout:
             return i
     return None
-
-
-def render_search(rows: list[dict]) -> str:
-    if not rows:
-        return "no layout fits"
-    out = [f"{'layout':<50}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node"]
-    for p in rows:
-        w, v = p["most_loaded"], p["speed"]
-        out.append(f"{p['label']:<50}{v['tokens_per_s']:>12,.0f}{v['seconds']:>8.2f}  {p['micro_batch']:>5}  "
-                   f"{w['recompute']:<9} {w['total_bytes'] / GIB:>6.1f}  {'yes' if p['ep_inside_node'] else 'no'}")
-    return "\n".join(out)

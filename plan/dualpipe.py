@@ -24,6 +24,8 @@ step of at least 2p (dualpipe.py:332-333).
 from __future__ import annotations
 
 from megatron_kappa.config import ConfigError
+from plan.activations import activation_bytes
+from plan.params import stage_params
 
 
 def applies(planned, layout) -> bool:
@@ -68,7 +70,6 @@ def bubble(busy: float, pp: int, micro_batches: int, forward: float, recomputed:
 
 def rank_params(cfg, layout, rank: int) -> dict[str, int]:
     """Every parameter pipeline rank `rank` holds under DualPipe, by kind: its two stages'."""
-    from megatron_kappa.plan import stage_params
     first, second = (stage_params(cfg, layout, s) for s in stages_of(layout.pp, rank))
     return {kind: n + second[kind] for kind, n in first.items()}
 
@@ -76,7 +77,6 @@ def rank_params(cfg, layout, rank: int) -> dict[str, int]:
 def rank_activations(cfg, layout, rank: int, recompute: str, micro_batch: int, imbalance: float, planned) -> float:
     """The activations pipeline rank `rank` keeps at its peak under DualPipe (in_flight of each of
     its stages); with activation offload, two chunks of the larger stage, as under 1F1B."""
-    from megatron_kappa.plan.activations import activation_bytes
     one = [activation_bytes(cfg, layout, s, recompute, micro_batch, imbalance, planned, held=1)
            for s in stages_of(layout.pp, rank)]
     if planned.offload_activations:

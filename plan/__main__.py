@@ -1,4 +1,4 @@
-"""`python -m megatron_kappa.plan`: the command line of megatron_kappa.plan."""
+"""`python -m plan`: the planner's command line."""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +6,13 @@ import dataclasses
 import json
 import sys
 
-from megatron_kappa import plan as planner
-from megatron_kappa.plan import search
-from megatron_kappa.plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned, check_overlap
+import plan as planner
 from megatron_kappa.cli_types import non_negative_float, positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
+from plan import search
+from plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned, check_overlap
+from plan.published import RUNS, TUNED, check_run, measured_seconds
+from plan.render import describe
 
 
 def overlap_terms(text: str) -> tuple[str, ...]:
@@ -21,7 +23,7 @@ def overlap_terms(text: str) -> tuple[str, ...]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_kappa.plan", description=planner.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m plan", description=planner.__doc__.splitlines()[0])
     ap.add_argument("--config", help="the model's config (required but with --published)")
     ap.add_argument("--world", type=positive_int, help="GPUs (ranks) in the job (required but with --published)")
     ap.add_argument("--gpu-mem", type=positive_float, default=80.0, help="GiB of memory per GPU")
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     planned.add_argument("--fused-swiglu", action="store_true",
                          help="megatron's fused SwiGLU in the dense MLPs and shared experts: silu(gate) not kept")
     ap.add_argument("--published", action="store_true",
-                    help="plan each published frontier run at its layout and settings (megatron_kappa.plan.published)")
+                    help="plan each published frontier run at its layout and settings (plan.published)")
     ap.add_argument("--rank", action="store_true",
                     help="with --published: also rank each run among --search's layouts (a search each: about two minutes for all eight)")
     ap.add_argument("--json", action="store_true")
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
         if args.search:
             rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates,
                                  args.expert_imbalance, extra, progress=not args.no_progress)
-            print(json.dumps(rows, indent=1) if args.json else search.render_search(rows))
+            print(json.dumps(rows, indent=1) if args.json else planner.render_search(rows))
             return 0 if rows else 1
         layout = planner.layout_of(cfg, args.world)
         layout = dataclasses.replace(layout, cp=args.cp, vpp=args.vpp or layout.vpp)
@@ -118,7 +120,6 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
     """Each published run (the reports' and recipes' layouts, then NVIDIA's tuned ones with the
     step times they measured): its plan's verdict and (`ranked`) its position among --search's
     layouts."""
-    from megatron_kappa.plan.published import RUNS, TUNED, check_run, measured_seconds
     rows = []
     for title, runs in (("published runs", RUNS), ("NVIDIA's tuned layouts, measured on H100 (Megatron-MoE-ModelZoo)", TUNED)):
         if not as_json:
@@ -134,21 +135,6 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
     if as_json:
         print(json.dumps(rows, indent=1, default=str))
     return 0 if all(r["fits"] for r in rows) else 1
-
-
-def describe(run, r: dict, ranked: bool) -> str:
-    """One line: layout, memory, verdict, estimate (and the measured step time), search position."""
-    p = r["plan"]
-    line = (f"{run.name}: {p['label']} on {run.layout.world} GPUs: {r['gib']:.1f} GiB, "
-            f"{'fits' if r['fits'] else 'does NOT fit'}; {p['speed']['tokens_per_s']:,.0f} tokens/s")
-    if r.get("measured_s"):
-        line += f", {p['speed']['seconds']:.2f} s per step (measured: {r['measured_s']:.1f} s)"
-    if ranked:
-        at = r["rank"] or f"{r['by_speed']} by its own estimate"
-        line += f"; search position {at} of {r['layouts_that_fit']} that fit ({r['of_first']:.2f}x the first)"
-    if p["planned_only"]:
-        line += f"; planned only: {', '.join(p['planned_only'])}"
-    return line
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ In flight: under 1F1B stage i holds pp − i micro-batches (at most the micro-ba
 under interleaved 1F1B with v virtual stages, megatron's warm-up of 2·(pp − i − 1) + (v − 1)·pp
 chunks plus the one in backward, each 1/v of the stage's layers (at most v × the micro-batches).
 
-Planned only (megatron_kappa.plan.planned): norm recompute drops the qkv and fc1/router inputs
+Planned only (plan.planned): norm recompute drops the qkv and fc1/router inputs
 (the norms' outputs); fp8 activations keep their tensors in 1 byte ("linear": the qkv and the
 fc1 or router inputs, the core output, the dense and routed activations, the routed rows' fc1
 input, the shared expert's activation; "moe": the routed rows' fc1 input and fc1 output, the SwiGLU's
@@ -43,7 +43,10 @@ from __future__ import annotations
 
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
-from megatron_kappa.plan.planned import Planned
+from plan.layout import model_shape
+from plan.planned import Planned
+from plan.routing import routed_rows_per_rank
+from plan.units import value_bytes
 
 
 def in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:
@@ -54,21 +57,11 @@ def in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:
     return min(chunks, vpp * micro_batches) / vpp
 
 
-def routed_rows_per_rank(cfg: Config, layout, tokens: float, imbalance: float = 1.0) -> float:
-    """The routed rows one rank's experts hold for a micro-batch of `tokens` tokens (its replica's,
-    over CP): each TP rank routes its sequence-parallel share, tokens / tp, and megatron's dispatcher
-    gathers the rows over the expert-TP group, so tokens·k·etp/tp (times the capacity factor or the
-    imbalance: megatron_kappa.plan.speed.routed_rows)."""
-    from megatron_kappa.plan import speed
-    return speed.routed_rows(cfg, tokens, imbalance) * layout.etp / layout.tp
-
-
 def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batch: int,
                      imbalance: float = 1.0, planned: Planned = Planned(), held: float | None = None) -> float:
     """An estimate of the activations one rank of `stage` keeps for backward, in bytes (the
     module's docstring gives the count); `held`: that many micro-batches of the stage instead of
-    the schedule's in-flight count (megatron_kappa.plan.dualpipe gives its own)."""
-    from megatron_kappa.plan import model_shape, value_bytes
+    the schedule's in-flight count (plan.dualpipe gives its own)."""
     m, moe, t = cfg.model, cfg.model.moe, layout.tp
     h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch / layout.cp
     head_dim = m.head_dim or h // m.num_attention_heads

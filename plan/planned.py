@@ -5,11 +5,11 @@ The published frontier runs use them (docs/plan.md's table cites which run used 
                                     activations and tokens per rank / cp, the K and V chunks
                                     passed around the ring, dense gradients over DP × CP
   overlap (Planned.overlap)         traffic that runs beside the compute instead of after it
-                                    (megatron_kappa.plan.speed says how much of it stays exposed)
+                                    (plan.speed says how much of it stays exposed)
   DualPipe (Planned.dualpipe)       DeepSeek-V3's bidirectional schedule in place of 1F1B
-                                    (megatron_kappa.plan.dualpipe)
+                                    (plan.dualpipe)
 and the memory savings of this dataclass. The trainer refuses none of them by config: they are
-not config keys, only the planner's flags (`python -m megatron_kappa.plan --help`).
+not config keys, only the planner's flags (`python -m plan --help`).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Planned:
     dualpipe: bool = False
     """The pipeline runs DeepSeek-V3's DualPipe instead of 1F1B where it can (even stages, no
     virtual stages, at least 2 × PP micro-batches): each rank holds two stages, a smaller bubble
-    (megatron_kappa.plan.dualpipe)."""
+    (plan.dualpipe)."""
 
     def __post_init__(self):
         if self.optimizer_states not in ("fp32", "bf16"):

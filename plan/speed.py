@@ -15,7 +15,7 @@ Per step, for one rank of the slowest pipeline stage:
             like compute, that the traffic can hide behind
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
             stages (parallel.vpp: megatron's interleaved schedule); planned only, DualPipe's
-            (p/2 - 1)(F&B + B - 3W), each rank running two stages (megatron_kappa.plan.dualpipe)
+            (p/2 - 1)(F&B + B - 3W), each rank running two stages (plan.dualpipe)
   context   context parallelism's ring attention (planned only): each layer passes the rank's K
             and V chunk round the CP ring, cp - 1 hops forward, twice that in backward (K, V and
             their gradients): 3 (cp - 1) x the rank's tokens x the TP-split K and V width
@@ -41,7 +41,7 @@ TP·CP·DP apart) and ETP, EP,
 EDP, PP for the experts' (EP ranks ETP apart, EDP ranks EP·ETP apart).
 This trainer overlaps nothing (its DeepSpeed runs without overlap_comm, and 1F1B does not hide the
 all-to-all): the step is compute + bubble + traffic. Planned only, `overlap` names the terms that
-run beside the compute (megatron_kappa.plan.planned.Planned.overlap):
+run beside the compute (plan.planned.Planned.overlap):
   tensor, context, expert, pipeline   hidden behind the stage's compute as far as it lasts: the
             stage is busy max(compute, those terms) + the others (an upper bound on the hiding)
   data      a layer at a time, while the rest computes: one layer's share stays exposed, as NeMo's
@@ -58,8 +58,11 @@ import dataclasses
 
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
-from megatron_kappa.plan import dualpipe as dual
-from megatron_kappa.plan.planned import OVERLAP
+from plan import dualpipe as dual
+from plan.layout import model_shape
+from plan.params import EXPERT_KINDS
+from plan.planned import OVERLAP
+from plan.routing import routed_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +80,6 @@ class Rates:
 
 
 WIRE_BYTES = 2
-
-
-def routed_rows(cfg: Config, tokens: float, imbalance: float = 1.0) -> float:
-    """Rows the busiest rank's experts process for `tokens` tokens: top-k per token, times the
-    capacity factor where one caps the experts, else times the assumed imbalance (dropless routing:
-    the busiest EP rank gets `imbalance` x the average)."""
-    moe = cfg.model.moe
-    return tokens * moe.topk * (moe.capacity_factor or imbalance)
 
 
 def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int, imbalance: float = 1.0) -> dict[str, float]:
@@ -309,8 +304,7 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
     the busiest EP rank's routed rows over the average (dropless routing); `overlap`: the terms
     that run beside the compute, `node_dispatch`: each token crosses to a node once, `dualpipe`:
-    the pipeline runs DualPipe (planned only; see the module and megatron_kappa.plan.dualpipe)."""
-    from megatron_kappa.plan import EXPERT_KINDS, model_shape
+    the pipeline runs DualPipe (planned only; see the module and plan.dualpipe)."""
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
     t, p, ep, etp, dp, edp = layout.tp, layout.pp, layout.ep, layout.etp, layout.dp, layout.edp

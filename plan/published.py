@@ -1,5 +1,5 @@
 """The layouts and memory settings the published frontier runs trained with, each with its source:
-`python -m megatron_kappa.plan --published` plans each one (does it fit?) and ranks it among the
+`python -m plan --published` plans each one (does it fit?) and ranks it among the
 layouts `--search` finds at its world size. docs/plan.md has the table.
 
 What a row cannot express is said in its `note`, and anything the report does not give
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_kappa.plan import Layout
-from megatron_kappa.plan.planned import Planned
-from megatron_kappa.plan.speed import Rates
+from megatron_kappa.config import load_config
+from plan.estimate import plan
+from plan.layout import Layout, model_shape
+from plan.planned import Planned
+from plan.search import divisors, rank_of, search
+from plan.speed import Rates
 
 H800 = Rates(nvlink_gbs=160.0, ib_gbs=50.0)  # DeepSeek-V3 §3.2.2: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU
 
@@ -275,7 +278,6 @@ def measured_seconds(run: Published) -> float | None:
 def config_of(run: Published):
     """The run's config: its layout and settings, with plain SwiGLU experts (the published runs
     had no κ, and so none of its α and b parameters)."""
-    from megatron_kappa.config import load_config
     par = run.layout
     return load_config(run.config, [*run.sets, "model.kappa.enabled=false", f"parallel.tp={par.tp}",
                                     f"parallel.pp={par.pp}", f"parallel.ep={par.ep}", f"parallel.etp={par.etp}"])
@@ -285,13 +287,11 @@ def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8
     """`run` with its virtual stages: as given, or (open_vpp) the number above 1 that divides its
     largest stage's layers (as --search tries them) and is fastest among those that fit (the
     first tried, 2 where it divides, when none fits: the verdict then says so)."""
-    from megatron_kappa.plan import model_shape, plan
-    from megatron_kappa.plan.search import _divisors
     if not run.open_vpp:
         return run
     cfg = config_of(run)
     most = max(model_shape(cfg, run.layout).stage_counts())
-    tried = [dataclasses.replace(run.layout, vpp=v) for v in _divisors(most) if v > 1]
+    tried = [dataclasses.replace(run.layout, vpp=v) for v in divisors(most) if v > 1]
     plans = [(layout, plan(cfg, layout, gpu_mem_gib, gpus_per_node, run.rates, run.imbalance, run.planned))
              for layout in tried]
     fitting = [(layout, p) for layout, p in plans if p["fits"]] or plans[:1]
@@ -304,8 +304,6 @@ def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
     """The plan of a published run (its virtual stages chosen where the source gives no number:
     chosen_vpp), and (`ranked`) its position among --search's layouts that fit at its world size
     with its planned-only settings (`progress`: the search's bar on stderr)."""
-    from megatron_kappa.plan import plan
-    from megatron_kappa.plan.search import rank_of, search
     run = chosen_vpp(run, gpu_mem_gib, gpus_per_node)
     cfg = config_of(run)
     p = plan(cfg, run.layout, gpu_mem_gib, gpus_per_node, run.rates, run.imbalance, run.planned)

@@ -1,0 +1,63 @@
+"""The memory planner: what the most-loaded rank of a layout holds, and whether it fits.
+
+    python -m plan --config X --world N [--gpu-mem 80] [--gpus-per-node 8] [--search] [--json]
+
+Arithmetic only (no torch, no model): the parameters each rank builds, counted from the shapes
+the way megatron-core shards them (tests/test_plan.py checks the counts against meta-device
+builds of every rank of a grid of layouts), then bytes for them under DeepSpeed's bf16 ZeRO-1/2
+as this project configures it (megatron_kappa.parallel.engine.ds_config), and an activation
+estimate per recompute mode. docs/plan.md says where each number comes from, and why the planner
+is a tool beside the trainer (this top-level package) rather than a part of megatron_kappa.
+
+Modules:
+  __main__.py     `python -m plan`: the planner's command line
+  activations.py  The activations one rank of a pipeline stage keeps for backward: an estimate, per
+                  recompute mode
+  dualpipe.py     DeepSeek-V3's DualPipe as the planner models it (planned only: the trainer runs
+                  1F1B or interleaved 1F1B)
+  estimate.py     The plan of one layout: what the most-loaded rank holds (parameters, training
+                  state, buckets, activations at the config's recompute mode), whether it fits, and
+                  the step-time estimate
+  layout.py       A parallel layout as the planner sees it (TP, PP, EP, ETP, CP, virtual stages in a
+                  world of ranks), the config split by it, and the checks that refuse a layout the
+                  model cannot be split by
+  params.py       The parameters one rank of a layout builds, by kind, counted from the shapes the
+                  way megatron-core shards them (tests/test_plan.py checks the counts against meta-
+                  device builds of every rank of a grid of layouts)
+  planned.py      Settings the planner models that the trainer does not run: each is printed as
+                  "planned only"
+  published.py    The layouts and memory settings the published frontier runs trained with, each
+                  with its source: `python -m plan --published` plans each one (does it fit?) and
+                  ranks it among the layouts `--search` finds at its world size
+  render.py       The planner's text output: a plan, a search's table and a published run's line
+  routing.py      The routed rows the busiest expert-parallel rank holds: read by the activation
+                  estimate (the rows' saved tensors) and the step-time estimate (the experts' FLOPs
+                  and the all-to-all)
+  search.py       `--search`: the layouts that fit, fastest first, each at its fastest micro-batch
+                  and recompute mode (the step-time estimate of plan.speed)
+  speed.py        A step-time estimate per layout: compute from FLOPs, the pipeline bubble, and the
+                  traffic of tensor, expert, pipeline and data parallelism at stated bandwidths
+  state.py        Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this
+                  project configures it (megatron_kappa.parallel.engine.ds_config): weights,
+                  gradients at their two peaks, the fp32 master copy, the optimizer moments and the
+                  reduce bucket
+  units.py        Units the planner counts in: GiB, and the bytes of one value in a precision
+"""
+from __future__ import annotations
+
+from plan import speed
+from plan.activations import activation_bytes
+from plan.estimate import HEADROOM, plan, plan_stage
+from plan.layout import Layout, check, layout_of, model_shape, with_layout
+from plan.params import (EXPERT_KINDS, KINDS, attention_params, largest_tensors, layer_params, mla_matrices,
+                         stage_params)
+from plan.planned import Planned
+from plan.render import render, render_search
+from plan.state import REDUCE_BUCKET_ELEMENTS, bucket_bytes, gradient_bytes, optimizer_groups, state_bytes
+from plan.units import GIB, value_bytes
+
+__all__ = ["EXPERT_KINDS", "GIB", "HEADROOM", "KINDS", "Layout", "Planned", "REDUCE_BUCKET_ELEMENTS",
+           "activation_bytes", "attention_params", "bucket_bytes", "check", "gradient_bytes",
+           "largest_tensors", "layer_params", "layout_of", "mla_matrices", "model_shape", "optimizer_groups",
+           "plan", "plan_stage", "render", "render_search", "speed", "stage_params", "state_bytes",
+           "value_bytes", "with_layout"]

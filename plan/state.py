@@ -1,0 +1,99 @@
+"""Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this project
+configures it (megatron_kappa.parallel.engine.ds_config): weights, gradients at their two peaks,
+the fp32 master copy, the optimizer moments and the reduce bucket."""
+from __future__ import annotations
+
+from megatron_kappa.config import Config
+from plan.layout import Layout
+from plan.params import EXPERT_KINDS, largest_tensors
+from plan.planned import Planned
+from plan.units import value_bytes
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+
+
+def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> list[dict]:
+    """DeepSpeed's parameter groups on one rank, as this project forms them
+    (megatron_kappa.optim.optimizer.param_groups, then DeepSpeed's split of the experts into
+    groups of their own when they are reduced over the expert-data-parallel group, i.e. when
+    EP > 1 or ETP != TP): each group's elements, the data-parallel size `d` that partitions it
+    and its largest tensor."""
+    apart = layout.ep > 1 or layout.etp != layout.tp
+    routers_apart = cfg.train.optimizer != "adamw" and cfg.train.router_optimizer != "matrix"
+    members = {"matrix": ["attention", "dense_mlp", "shared_experts"] + ([] if routers_apart else ["router"])
+               + ([] if apart else ["experts"]),
+               "experts": ["experts"] if apart else [], "router": ["router"] if routers_apart else [],
+               "embedding": ["embedding", "value_embedding"], "output": ["output"], "norm": ["norm"],
+               "kappa": ["kappa"]}
+    largest = largest_tensors(cfg, layout)
+    out = []
+    for name, kinds in members.items():
+        n = sum(params.get(k, 0) for k in kinds)
+        if n:
+            d = layout.edp if apart and name in ("experts", "kappa") else layout.zero_dp
+            out.append({"name": name, "elements": n, "d": d,
+                        "largest": min(n, max(largest[k] for k in kinds if params.get(k, 0)))})
+    return out
+
+
+def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
+    """The gradient memory DeepSpeed's ZeRO-1/2 holds on one rank with this project's settings
+    (contiguous_gradients, reduce_scatter, no overlap_comm: megatron_kappa.parallel.engine), at
+    its two peaks. Each group's gradient partition (its elements / d, in the parameters' dtype)
+    holds whole tensors, so a partition's two edges can add up to two tensors ("edges"; none
+    when d is 1).
+      backward  ZeRO-1: autograd's full gradients, until the boundary moves them through the
+                reduce bucket (DeepSpeed's reduce_gradients). ZeRO-2: the partitions, filled
+                bucket by bucket as backward runs, and the tensor just produced.
+      step      the partitions, and the fp32 gradient of the group being stepped (DeepSpeed
+                steps the groups one at a time: the largest group's partition is the peak).
+    The reduce bucket (`bucket_bytes`) comes on top during backward. With the optimizer offloaded
+    (planned only) the step's fp32 gradient is made in CPU memory: the step holds the partitions."""
+    size = value_bytes(cfg.precision)
+    groups = optimizer_groups(params, cfg, layout)
+    partitions = sum(g["elements"] / g["d"] for g in groups)
+    edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in groups)
+    largest_group = max((g["elements"] / g["d"] for g in groups), default=0)
+    step = size * (partitions + edges) + 4 * largest_group * (not planned.offload_optimizer)
+    if cfg.zero.stage == 1:
+        backward = size * sum(params.values())
+    else:
+        backward = size * (partitions + edges + max((g["largest"] for g in groups), default=0))
+    return {"backward": backward, "step": step, "partitions": size * partitions, "edges": size * edges,
+            "largest_group": largest_group}
+
+
+def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
+    """Bytes of weights, gradients (the larger of `gradient_bytes`'s two peaks), the fp32 master
+    copy and the optimizer moments on one rank under DeepSpeed's ZeRO-`zero.stage`.
+
+    bf16/fp8: bf16 weights; the master copy (fp32) and the moments are partitioned over the
+    data-parallel group of each parameter: DP for the dense ones, EDP for the experts. fp32: fp32
+    weights and gradients, no master copy. Moments: AdamW 2 fp32 per parameter; muon and aurora
+    keep one momentum buffer for the matrices they orthogonalise (attention, MLPs, experts; the
+    router too under aurora) and AdamW's two for the rest. Planned only (`planned`): the moments
+    in bf16 (2 bytes each); the master copy and moments offloaded to the CPU ("offloaded", not on
+    the GPU)."""
+    half = value_bytes(cfg.precision) == 2
+    moment_bytes = 2 if planned.optimizer_states == "bf16" else 4
+    grads = gradient_bytes(params, cfg, layout, planned)
+    out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
+    matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
+        {"router"} if cfg.train.optimizer == "aurora" else set())
+    for kind, n in params.items():
+        d = layout.edp if kind in EXPERT_KINDS else layout.zero_dp
+        out["weights"] += value_bytes(cfg.precision) * n
+        out["master"] += 4 * n / d if half else 0
+        moments = 1 if (cfg.train.optimizer != "adamw" and kind in matrices) else 2
+        out["moments"] += moments * moment_bytes * n / d
+    if planned.offload_optimizer:
+        out["offloaded"] = out["master"] + out["moments"]
+        out["master"] = out["moments"] = 0.0
+    return out
+
+
+def bucket_bytes(cfg: Config) -> float:
+    """DeepSpeed's reduce bucket: `reduce_bucket_size` (5e8) elements in the gradients' dtype,
+    allocated whole at the first gradient of each backward pass and released after it. (The
+    updated weights are all-gathered in place, so there is no all-gather bucket.)"""
+    return REDUCE_BUCKET_ELEMENTS * value_bytes(cfg.precision)

@@ -41,7 +41,7 @@ def run_case(case):
 def _run_case(case):
     cfg = parity.make_cfg(**case["model"], **case["layout"])
     init_distributed(cfg.parallel, seed=5, num_experts=cfg.model.moe.num_experts)
-    model = parity.build(cfg)
+    model = parity.build(cfg, dtype=case.get("dtype"))
     global_name = sharding._global_name
     if case.get("negative") == "bad_expert_map":  # load each EP rank with its neighbour's experts
         ep = ps.get_expert_model_parallel_world_size()

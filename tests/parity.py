@@ -1,5 +1,6 @@
 """Shared by the single-process reference (pytest) and the multi-process workers (torchrun):
 the tiny model, a fixed global batch, and a few plain training steps with megatron's reductions."""
+import copy
 import os
 import subprocess
 import sys
@@ -16,6 +17,23 @@ from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, re
 from megatron_kappa.parallel.groups import current_device
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
+# The precision kernels and layouts are compared in. Two kernels (SDPA and megatron's attention,
+# grouped and per-expert GEMMs) or two layouts (a GEMM split over TP ranks) sum in different
+# orders, and each CPU family's BLAS picks its own blocking: in fp32 their results differ by a few
+# 1e-7 relative, and three Adam steps of a top-k MoE turn that into a different routing decision
+# for a token whose expert scores are that close (measured: a 1e-6 perturbation of the start
+# weights moves this model's third-step loss by 4.5e-5, the gap an AVX-512 Xeon showed). In
+# float64 the same orders differ by ~1e-16 relative: no decision of these runs is that close, so
+# the comparison checks the mathematics of a layout or kernel and not the CPU it ran on.
+REFERENCE_DTYPE = torch.float64
+# Bounds for two float64 runs of the same mathematics (losses over STEPS steps; each gradient
+# tensor's largest error relative to its largest entry). Each operation's rounding is ~1e-16
+# relative (unit roundoff 1.1e-16); measured, SDPA against megatron's attention: 2e-15 to 4e-15
+# relative in the gradients, loss gap 0, on AVX-512, AVX2 and the default kernels. 1e-9 leaves six
+# orders for the depth of the model and three Adam steps, and is two orders below what a single
+# fp32 rounding left in either path would show (6e-8), so the comparison also checks that it ran
+# in float64.
+LOSS_GAP = GRAD_ERROR = 1e-9
 
 
 def make_cfg(kappa=True, router="softmax", dispatcher="alltoall", tp=1, ep=1, etp=None, grouped=True,
@@ -27,11 +45,9 @@ def make_cfg(kappa=True, router="softmax", dispatcher="alltoall", tp=1, ep=1, et
         f"model.moe.dispatcher={dispatcher}", f"model.seq_length={SEQ}",
         f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.etp={etp if etp else 'null'}",
         "model.moe.aux_loss=1e-2", "model.moe.z_loss=1e-3", "model.moe.bias_update_rate=1e-2",
-        # megatron's loss inside the model, as these comparisons were written with: three Adam
-        # steps of a top-k MoE amplify last-bit differences, and the chunked loss (its gradients
-        # round differently; under TP it sums over ranks in another order) moved two of them
-        # past 1e-5 (SDPA vs local attention: 4.5e-5 at step 3). tests/test_loss.py compares
-        # the chunked loss with megatron's, in one process and over TP2.
+        # megatron's loss inside the model (fp32 runs; `build` with REFERENCE_DTYPE swaps in the
+        # chunked loss, which computes in float64). tests/test_loss.py compares the chunked loss
+        # with megatron's, in one process and over TP2.
         "model.cross_entropy_chunk=0",
         *overrides])
 
@@ -71,7 +87,7 @@ def train(model, cfg, micro_batches_per_step, skip_expert_data_parallel=False):
     for step, micro_batches in enumerate(micro_batches_per_step):
         opt.zero_grad()
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=next(model.parameters()).dtype)
         for tokens in micro_batches:
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
             loss = model(inputs, position.expand_as(inputs), None, labels=labels).mean() * scale
@@ -95,8 +111,6 @@ def kappa_penalty(model, cfg) -> dict:
     the data-parallel reduction, gathered to the full layout. "mean_no_shards" is the negative
     control: the mean computed as if the rank held every expert (EP and ETP forgotten).
     Leaves no .grad behind."""
-    import copy
-
     from megatron_kappa.model.params import is_kappa
     from megatron_kappa.parallel.sharding import gather_full
     from megatron_kappa.train import recipe
@@ -129,9 +143,20 @@ def split_for_reference(batch, dp_size):
     return [list(step.chunk(dp_size)) for step in batch]
 
 
-def build(cfg, seed=5):
+def build(cfg, seed=5, dtype=None):
+    """The model of `cfg`; with `dtype` (REFERENCE_DTYPE) an fp32 model's parameters and buffers
+    are cast to it (an fp8 or bf16 model keeps its precision)."""
     torch.manual_seed(seed)
-    return build_model(cfg, current_device())
+    cast = dtype is not None and cfg.precision == "fp32"
+    if cast:
+        cfg = copy.deepcopy(cfg)
+        cfg.model.moe.router_dtype = "params"  # the router's logits not rounded to fp32
+        if cfg.model.cross_entropy_chunk == 0:
+            # megatron's loss computes in fp32 whatever the logits' dtype (under TP its vocabulary
+            # sums then differ by fp32 roundings); the project's chunked loss computes in float64
+            cfg.model.cross_entropy_chunk = 4096
+    model = build_model(cfg, current_device())
+    return model.to(dtype) if cast else model
 
 
 def run_plan(plan: list, tmp: Path, world: int) -> dict:

@@ -10,12 +10,13 @@ from megatron_kappa.parallel.groups import init_distributed
 
 @pytest.mark.parametrize("groups", [None, 2], ids=["mha", "gqa"])
 def test_sdpa_matches_local_attention(world1, groups):
-    """Losses over 3 steps within 1e-5 and gradients within 1e-4 relative (fp32, CPU)."""
+    """Losses over 3 steps and step-0 gradients equal in float64 (parity.LOSS_GAP and GRAD_ERROR:
+    in fp32 the two kernels' summation orders flip a routing decision on some CPUs)."""
     cfg = parity.make_cfg()
     if groups:
         cfg.model.num_query_groups = groups
     init_distributed(cfg.parallel, seed=5, device="cpu")
-    reference = parity.build(cfg)
+    reference = parity.build(cfg, dtype=parity.REFERENCE_DTYPE)
     parity.init_reference_weights(reference)
     state = {k: v.clone() for k, v in reference.state_dict().items() if not k.endswith("_extra_state")}
 
@@ -23,7 +24,7 @@ def test_sdpa_matches_local_attention(world1, groups):
         c = parity.make_cfg()
         c.model.attention, c.model.num_query_groups = attention, groups
         init_distributed(c.parallel, seed=5, device="cpu")
-        m = parity.build(c)
+        m = parity.build(c, dtype=parity.REFERENCE_DTYPE)
         m.load_state_dict(state)
         assert any(isinstance(x, SDPAttention) for x in m.modules()) == (attention == "sdpa")
         return parity.train(m, c, parity.split_for_reference(parity.global_batch(), 2))
@@ -31,10 +32,10 @@ def test_sdpa_matches_local_attention(world1, groups):
     local_losses, local_grads = run("local")
     sdpa_losses, sdpa_grads = run("sdpa")
     assert len(local_losses) == parity.STEPS
-    assert max_gap(local_losses, sdpa_losses) <= 1e-5, (local_losses, sdpa_losses)
+    assert max_gap(local_losses, sdpa_losses) <= parity.LOSS_GAP, (local_losses, sdpa_losses)
     for name, ref in local_grads.items():
         err = (sdpa_grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
-        assert err <= 1e-4, (name, err.item())
+        assert err <= parity.GRAD_ERROR, (name, err.item())
 
 
 def test_negative_control_non_causal_attention_differs(world1):

@@ -103,7 +103,16 @@ def test_tensor_parallel_vocabulary_matches_one_process(tmp_path):
 
 def test_model_with_the_chunked_loss_trains_like_megatrons_loss(world1):
     """The model's loss with model.cross_entropy_chunk (7: ragged chunks) against megatron's
-    (0), from the same weights: losses over 3 steps within 1e-6, gradients within 1e-5."""
+    (0), from the same weights: the first step's loss within 2e-6 and gradients within 1e-5.
+
+    Only the first step: megatron's loss computes in fp32 whatever the model's dtype, so this
+    comparison cannot move to float64 as the other kernel comparisons did (tests/parity.py), and in
+    fp32 three Adam steps of a top-k MoE turn the two losses' summation orders into a routing
+    decision that differs on some CPUs. From the same weights only rounding differs: the loss
+    (~7.6, ulp 4.8e-7) is a mean of 64 per-token log-sum-exps over 2,048 logits, whose rounding
+    (~sqrt(2048)·6e-8 relative each) averages out: measured one ulp on AVX-512, AVX2 and the
+    default kernels; 2e-6 allows four. A gradient's largest error is a few fp32 ulps of its
+    tensor's largest entry (measured <= 6.1e-7); 1e-5 allows ~80."""
     import parity
     from compare import max_gap
     from megatron_kappa.model.loss import ChunkedLossGPTModel
@@ -123,7 +132,8 @@ def test_model_with_the_chunked_loss_trains_like_megatrons_loss(world1):
 
     ref_losses, ref_grads, state, _ = run(0)
     losses, grads, _, model = run(7, state)
-    assert max_gap(ref_losses, losses) <= 1e-6, (ref_losses, losses)
+    assert len(ref_losses) == len(losses) == parity.STEPS
+    assert abs(ref_losses[0] - losses[0]) <= 2e-6, (ref_losses, losses)
     for name, ref in ref_grads.items():
         err = (grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
         assert err <= 1e-5, (name, err.item())

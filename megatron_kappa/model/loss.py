@@ -23,15 +23,17 @@ from megatron_kappa.model import embedding_copy
 class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, chunk: int, group):
-        """logits [N, V/TP] (any float dtype), target [N] (global vocabulary ids) → loss [N], fp32."""
+        """logits [N, V/TP] (any float dtype), target [N] (global vocabulary ids) → loss [N], fp32
+        (float64 for float64 logits: the tests' reference precision)."""
         n, vocab_local = logits.shape
         tp = dist.get_world_size(group) if group is not None else 1
         first = (dist.get_rank(group) if tp > 1 else 0) * vocab_local
-        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        loss = torch.empty(n, dtype=dtype, device=logits.device)
+        lse = torch.empty(n, dtype=dtype, device=logits.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            x = logits[rows].float()
+            x = logits[rows].to(dtype)
             top = x.amax(dim=-1)  # amax: no indices (max(dim) computes them, at twice the cost on CPU)
             if tp > 1:
                 dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -55,7 +57,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
-            softmax = torch.sub(logits[rows].float(), lse[rows, None]).exp_()
+            softmax = torch.sub(logits[rows].to(lse.dtype), lse[rows, None]).exp_()
             local = target[rows] - ctx.first
             mine = (local >= 0) & (local < vocab_local)
             # d loss / d logit = softmax − one-hot(target), the one-hot only on the owning rank

@@ -76,7 +76,8 @@ class Allocation:
         self.routers, self.budget, self.num_experts, self.kind = routers, budget, num_experts, kind
 
     def k(self) -> torch.Tensor:
-        theta = torch.cat([r.budget_logit.reshape(1) for r in self.routers]).float()
+        theta = torch.cat([r.budget_logit.reshape(1) for r in self.routers])
+        theta = theta.to(torch.promote_types(theta.dtype, torch.float32))  # fp32, or float64 in the tests
         L, E = theta.numel(), self.num_experts
         if self.kind == "softmax":
             return (L * self.budget * torch.softmax(theta, 0)).clamp(CLAMP, E - CLAMP)
@@ -133,7 +134,7 @@ class SoftMoERouter(TopKRouter):
         s, E = self.settings, self.config.num_moe_experts
         logits = self.apply_z_loss(logits.view(-1, E))
         k = self.active_experts()
-        p = lapsum_topk(logits.float(), k, s.temperature)
+        p = lapsum_topk(logits.to(torch.promote_types(logits.dtype, torch.float32)), k, s.temperature)
         keep = p >= s.threshold if s.threshold > 0 else torch.ones_like(p, dtype=torch.bool)
         wanted = keep.sum(-1)
         if s.max_experts < E:

@@ -30,8 +30,8 @@ import time
 
 from bench.plan_calibration import spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
-from plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED,
-                                           MIXTRAL_DROPLESS_TFLOPS, TUNED, check_run, config_of, measured_seconds)
+from plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,
+                            check_run, config_of, measured_seconds)
 from plan.speed import Rates
 
 
@@ -109,8 +109,9 @@ def dropless(args) -> None:
               f"estimated at {DROPLESS_IMBALANCE} {ratio:.3f}; estimate {est:.2f} s, measured "
               f"{measured_seconds(drop):.1f} s (estimate/measured {est / measured_seconds(drop):.2f})", flush=True)
     mixtral = rated(TUNED[3], args)
-    margin = fit_imbalance(mixtral, dataclasses.replace(mixtral, measured_tflops=MIXTRAL_DROPLESS_TFLOPS))
-    print(f"{mixtral.name}: measured dropless/forced {mixtral.measured_tflops / MIXTRAL_DROPLESS_TFLOPS:.3f}, "
+    routed = mixtral.measured_tflops_dropless  # the source's dropless figure (its YAML file)
+    margin = fit_imbalance(mixtral, dataclasses.replace(mixtral, measured_tflops=routed))
+    print(f"{mixtral.name}: measured dropless/forced {mixtral.measured_tflops / routed:.3f}, "
           f"the margin that gives it: {margin:.3f}")
 
 

@@ -27,8 +27,8 @@ Modules:
   planned.py      Settings the planner models that the trainer does not run: each is printed as
                   "planned only"
   published.py    The layouts and memory settings the published frontier runs trained with, each
-                  with its source: `python -m plan --published` plans each one (does it fit?) and
-                  ranks it among the layouts `--search` finds at its world size
+                  with its source, as data: one YAML file per run in configs/frontier/published/
+                  (its README says what each field means and where each group of runs comes from)
   render.py       The planner's text output: a plan, a search's table and a published run's line
   routing.py      The routed rows the busiest expert-parallel rank holds: read by the activation
                   estimate (the rows' saved tensors) and the step-time estimate (the experts' FLOPs

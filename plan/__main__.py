@@ -11,7 +11,6 @@ from megatron_kappa.cli_types import non_negative_float, positive_float, positiv
 from megatron_kappa.config import ConfigError, load_config
 from plan import search
 from plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned, check_overlap
-from plan.published import RUNS, TUNED, check_run, measured_seconds
 from plan.render import describe
 
 
@@ -120,6 +119,11 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
     """Each published run (the reports' and recipes' layouts, then NVIDIA's tuned ones with the
     step times they measured): its plan's verdict and (`ranked`) its position among --search's
     layouts."""
+    try:  # the runs' files are read as the module loads: a bad one is a one-line error, not a traceback
+        from plan.published import RUNS, TUNED, check_run, measured_seconds
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows = []
     for title, runs in (("published runs", RUNS), ("NVIDIA's tuned layouts, measured on H100 (Megatron-MoE-ModelZoo)", TUNED)):
         if not as_json:

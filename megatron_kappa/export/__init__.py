@@ -8,12 +8,18 @@ Modules:
                          (config.json, safetensors shards, the tokenizer, and for κ models the
                          modeling file: AutoModelForCausalLM.from_pretrained(DIR,
                          trust_remote_code=True))
+  adapter.py             What an export target is: a state-dict adapter between megatron's tensors
+                         and one Hugging Face class's (torchtitan's `StateDictAdapter` is the
+                         model), and the hub layout most of them share
   convert.py             A run's config and weights as a Hugging Face model's: which class takes it,
                          its config.json, and every tensor under that class's name
   modeling_kappa_moe.py  A κ-SwiGLU Mixture-of-Experts language model for Hugging Face transformers,
                          as megatron_kappa trains it: `AutoModelForCausalLM.from_pretrained(dir,
                          trust_remote_code=True)` on a folder that `python -m megatron_kappa.export`
                          wrote
+  targets/               The export targets (`--target`), each one state-dict adapter
+                         (megatron_kappa.export.adapter) in one registry (`TARGETS`; `register` adds
+                         one)
   tokenizer.py           The run's SentencePiece model as a Hugging Face tokenizer (tokenizer.json
                          and its config)
   writer.py              The export: a run's checkpoint, a layer at a time, into a Hugging Face

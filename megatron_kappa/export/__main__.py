@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_kappa.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint)")
     ap.add_argument("--output", required=True, help="the folder to write (must not exist)")
-    ap.add_argument("--target", default="auto", choices=convert.TARGETS,
+    ap.add_argument("--target", default="auto", choices=convert.choices(),
                     help="auto: transformers' own Qwen3-MoE or Mixtral class when the model is one, else kappa_moe")
     ap.add_argument("--dtype", default="checkpoint", choices=list(DTYPES), help="weights' dtype (default: as trained)")
     ap.add_argument("--shard-mb", type=positive_int, default=2000, help="largest safetensors file, in MiB")

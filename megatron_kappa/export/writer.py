@@ -124,7 +124,7 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
         # model.mtp's modules stay behind: inference uses the main model (transformers' DeepSeek-V3
         # loads no MTP layer either), and they would be read whole here
         outer = ckpts.weights(step, lambda n: not n.startswith(("decoder.layers.", "mtp.")))
-        shards.add({k: v.to(cast) if cast else v for k, v in convert.outer_tensors(cfg, outer.get).items()})
+        shards.add({k: v.to(cast) if cast else v for k, v in convert.outer_tensors(cfg, target, outer.get).items()})
         shards.finish()
         config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[cast or first_dtype]
         config["transformers_version"] = _transformers_version()
@@ -132,8 +132,8 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
         generation = {k: v for k, v in (("bos_token_id", special["bos"]), ("eos_token_id", special["eos"]),
                                         ("pad_token_id", special["pad"])) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        if target == "kappa_moe":
-            shutil.copyfile(Path(__file__).with_name(convert.CUSTOM_FILE), tmp / convert.CUSTOM_FILE)
+        for name in convert.code_files(target):  # the modeling code of a class transformers lacks
+            shutil.copyfile(Path(__file__).with_name(name), tmp / name)
         if tok_file:
             from megatron_kappa.export.tokenizer import hf_tokenizer
             cfg.data.tokenizer = tok_file

@@ -1,0 +1,41 @@
+"""transformers' DeepseekV3ForCausalLM as an export target: MLA with its latent norms, the sigmoid
+router with its balance bias (group-limited or not), shared experts a multiple of an expert's
+width, dense first layers, no κ."""
+from __future__ import annotations
+
+from megatron_kappa.config import Config
+from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope
+from megatron_kappa.model.layout import ModelLayout
+
+
+class DeepseekV3(StateDictAdapter):
+    name, architecture, model_type = "deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3"
+    scores, router_note = ("sigmoid",), "its router is sigmoid with a balance bias"
+
+    def refusals(self, cfg: Config, layout: ModelLayout) -> list[str]:
+        m, moe = cfg.model, cfg.model.moe
+        why = []
+        need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
+        native_refusals(cfg, need)
+        need(m.mla.enabled, "model.mla.enabled is false (DeepSeek-V3 has multi-head latent attention)")
+        need(m.qk_layernorm, "model.qk_layernorm is false (DeepSeek-V3 norms its latents)")
+        # transformers builds the latent norms with RMSNorm's default epsilon, not rms_norm_eps
+        need(m.norm_eps == 1e-6, f"model.norm_eps is {m.norm_eps} (its latent norms use 1e-6, as published)")
+        need(moe.router in self.scores, f"model.moe.router is {moe.router} ({self.router_note})")
+        need(m.layout == "moe", f"model.layout is {m.layout} (its dense layers come first)")
+        expert = ffn_sizes(cfg)[1]
+        shared = moe.shared_ffn_hidden_size or 0
+        need(shared > 0 and shared % expert == 0, f"model.moe.shared_ffn_hidden_size is {shared or 'null'} (its "
+             f"shared experts are n × the expert width {expert})")
+        return why
+
+    def own_config(self, cfg: Config, layout: ModelLayout, kappa) -> dict:
+        m, moe, a = cfg.model, cfg.model.moe, cfg.model.mla
+        dense, expert = ffn_sizes(cfg)
+        return dict(intermediate_size=dense, moe_intermediate_size=expert, n_routed_experts=moe.num_experts,
+                    n_shared_experts=moe.shared_ffn_hidden_size // expert, routed_scaling_factor=moe.route_scale,
+                    n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1, norm_topk_prob=moe.topk > 1,
+                    first_k_dense_replace=m.first_dense, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                    qk_nope_head_dim=a.qk_head_dim, qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
+                    head_dim=a.qk_pos_emb_head_dim, rope_interleave=True, rope_parameters=rope(cfg),
+                    num_key_value_heads=m.num_attention_heads, attention_bias=False, num_nextn_predict_layers=0)

@@ -10,25 +10,18 @@ the optimizer's groups.
 """
 from __future__ import annotations
 
-from megatron_kappa.config import ConfigError
-from megatron_kappa.config.schema import flat_keys
+from megatron_kappa.config import ConfigError, facts
+from megatron_kappa.config.schema import Config, flat_keys
 
 # The keys (dotted; a section name covers all of it) whose change gives other parameters or
 # buffers, other shapes, names or dtypes, or another optimizer-group structure (model.block and
-# model.aspect_ratio through the keys they set). The layout (parallel.*) and zero.stage are free
-# for checkpoints of format 2 (parameter-shaped optimizer state, megatron_kappa.checkpoint.store);
-# format 1 ones hold ZeRO's partitions of one layout: `check_layout` refuses a change there.
-SHAPES_STATE = (
-    "model.block", "model.aspect_ratio", "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
-    "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.layout", "model.first_dense",
-    "model.qk_layernorm", "model.norm_gains", "model.value_embeddings", "model.residual_scalars",
-    "model.moe.num_experts", "model.moe.ffn_hidden_size", "model.moe.shared_ffn_hidden_size",
-    "model.moe.router", "model.moe.grouped_gemm", "model.mla", "model.mtp.num_layers",
-    "model.kappa.enabled", "model.kappa.use_alpha", "model.kappa.use_bias",
-    "precision", "train.optimizer", "train.router_optimizer",
-)
-# Derived or recorded by the trainer itself, not the user's to compare.
-IGNORED = ("parallel", "run.dir", "data.bos", "train.init_weights", "zero.stage")
+# model.aspect_ratio through the keys they set): the schema's `state` keys (config/facts.py). The
+# layout (parallel.*) and zero.stage are free for checkpoints of format 2 (parameter-shaped
+# optimizer state, megatron_kappa.checkpoint.store); format 1 ones hold ZeRO's partitions of one
+# layout: `check_layout` refuses a change there.
+SHAPES_STATE = facts.marked(Config, "state")
+# Derived or recorded by the trainer itself, not the user's to compare (the schema's `derived`).
+IGNORED = facts.marked(Config, "derived")
 
 
 def _covered(key: str, names) -> bool:

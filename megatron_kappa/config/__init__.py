@@ -5,13 +5,17 @@ Checks that need files, the world size or installed packages are in megatron_kap
 Modules:
   __main__.py      `python -m megatron_kappa.config --markdown` prints docs/config.md
   checks.py        Cross-field checks of a config that need no process group, files or packages
+  facts.py         What the schema knows about each key beside its default and help text, kept on
+                   the key itself (the dataclass field's metadata) so that a key is read in one
+                   place:
   loading.py       Reading a config: YAML (with `extends:`), `--set key=value` overrides, type
                    checks
   presets.py       Keys that set other keys: `model.block` (a preset of the block keys) and
                    `model.aspect_ratio` (the width from the depth)
-  ranges.py        The allowed range of every numeric config key, in one table: checked when a
-                   config is validated (before the cross-field checks of
-                   megatron_kappa.config.checks) and shown in the generated docs/config.md
+  ranges.py        The range check of every numeric config key, each key's range read from its
+                   schema field (megatron_kappa.config.facts): run when a config is validated
+                   (before the cross-field checks of megatron_kappa.config.checks) and shown in the
+                   generated docs/config.md
   recompute.py     `model.recompute_modules`: megatron's selective-recompute modules that run here,
                    in one table
   reference.py     docs/config.md, generated from the schema (`python -m megatron_kappa.config

@@ -6,7 +6,7 @@ import typing
 
 import yaml
 
-from megatron_kappa.config import ranges
+from megatron_kappa.config import facts, ranges
 from megatron_kappa.config.schema import Config
 
 
@@ -33,7 +33,16 @@ def markdown_reference() -> str:
              "Every key below can be set in the YAML file or with `--set key=value`. A file may begin",
              "with `extends: other.yaml` (relative to the file): the other file is the base and this",
              "file's keys are merged over it, section by section (`configs/base/paper.yaml` is the base of",
-             "the paper configs).", ""]
+             "the paper configs). The resume column says what a resumed run may do with the key:",
+             "`refused` keys shape the parameters or the optimizer state (a change is refused),",
+             "`not compared` ones are derived or recorded by the trainer, or are the layout (a checkpoint",
+             "resumes into any layout and ZeRO stage: docs/checkpoints.md); every other change is allowed",
+             "and recorded in the run's config history.", ""]
+    state, derived = facts.marked(Config, "state"), facts.marked(Config, "derived")
+
+    def on_resume(key: str) -> str:
+        covered = lambda names: any(key == n or key.startswith(n + ".") for n in names)  # noqa: E731
+        return "refused" if covered(state) else "not compared" if covered(derived) else ""
 
     def walk(cls, prefix):
         rows = []
@@ -44,10 +53,11 @@ def markdown_reference() -> str:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()
-            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {allowed(hint, prefix + f.name)} | {f.metadata.get('help', '')} |")
+            key = prefix + f.name
+            rows.append(f"| `{key}` | `{shown}` | {allowed(hint, key)} | {on_resume(key)} | {f.metadata.get('help', '')} |")
         if rows:
-            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | allowed | meaning |",
-                          "|---|---|---|---|", *rows, ""])
+            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | allowed | resume | meaning |",
+                          "|---|---|---|---|---|", *rows, ""])
 
     walk(Config, "")
     return "\n".join(lines)

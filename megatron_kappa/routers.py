@@ -12,11 +12,13 @@ nothing else compares the router's name:
   config.schema      the allowed names (checked when a config is validated, so a router registered
                      at run time is accepted), the key's help text, `MoEConfig.active_experts`
   config.checks      the router's own config rules (`validate`), the sorted dispatcher (`topk`),
-                     eval.capacity_factor (`capacity`)
+                     eval.capacity_factor (`capacity`), model.moe.seq_aux_loss (`seq_aux_loss`)
   model.build        megatron's TransformerConfig values (`megatron`), the router and MoE-layer
                      classes (`router`, `layer`; κ on or off)
   config.checks      also pipeline stages (`pipeline_refusal`);  plan: the planner (`planned`)
   train.loop         the after-step hook (`after_step`), the logged metrics (`metrics`)
+  export             the score function the exported models run (`hf_score`), or why a model
+                     routed by it is refused (`export_refusal`)
   bench/throughput   one device's default dispatcher (sorted, for a `topk` router)
 
 Torch-free, like the config, the preflight and the planner that read it; it imports no module of
@@ -71,6 +73,15 @@ class Router:
     capacity: bool = True  # megatron's expert capacity applies: tokens can drop (eval.capacity_factor)
     pipeline_refusal: Optional[str] = None  # why it cannot be split over pipeline stages ("<name> ...")
     planned: bool = True  # the memory planner (megatron_kappa.plan) models it
+    seq_aux_loss: bool = False  # its megatron settings take model.moe.seq_aux_loss (a sequence-wise balance loss)
+    # the export: the score function the exported models run for it (transformers' classes and
+    # modeling_kappa_moe.py's router_score): "softmax" over the top-k logits, or "sigmoid" scores
+    # picked with the balance bias. None: no exported model computes it, and the export refuses a
+    # model with MoE layers in one line (`export_refusal`). dataclasses.replace copies it: a
+    # variant that routes otherwise than its model sets it back to None
+    hf_score: Optional[str] = None
+    export_refusal: str = ("no exported model computes this router (its registry entry names no Hugging Face "
+                           "score function, hf_score); export a run of a built-in top-k router")
 
     def step_metrics(self, model, device) -> dict:
         return self.metrics(model, device) if self.metrics is not None else {}
@@ -167,9 +178,10 @@ def _softmoe_rules(moe, need):
 
 
 register("softmax", Router(help="softmax top-k with aux loss (paper)", megatron=_softmax_megatron,
-                           router=_topk_router, layer=_topk_layer))
+                           router=_topk_router, layer=_topk_layer, hf_score="softmax"))
 register("sigmoid", Router(help="sigmoid with an aux-loss-free bias (Trinity)", megatron=_sigmoid_megatron,
-                           router=_topk_router, layer=_topk_layer, after_step=_sigmoid_after_step))
+                           router=_topk_router, layer=_topk_layer, after_step=_sigmoid_after_step,
+                           seq_aux_loss=True, hf_score="sigmoid"))
 register("softmoe", Router(
     help="softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)",
     # megatron's own top-k, balancing loss and capacity are not used (model/softmoe.py)
@@ -179,4 +191,5 @@ register("softmoe", Router(
     metrics=_late("megatron_kappa.metrics.softmoe:softmoe_stats"),
     active_experts=_softmoe_budget, validate=_softmoe_rules, topk=False, capacity=False,
     pipeline_refusal="shares one expert budget over all MoE layers, which pipeline stages split",
-    planned=False))
+    planned=False, export_refusal="the export does not implement the SoftMoE router (its variable experts per "
+                                  "token and learned budgets); export a top-k router's run"))

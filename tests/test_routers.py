@@ -159,3 +159,35 @@ def test_the_registry_and_the_config_import_no_torch():
             "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")
     done = run_bare(code)
     assert "TORCH False 2" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_toy_router_is_one_registration_that_trains_and_the_export_refuses(world1, tmp_path, capsys):
+    """A router added by one register(...) call that gives only its own pieces validates, builds
+    (its router in every MoE layer) and trains 2 steps; the export refuses the run in one line that
+    names model.moe.router (its entry names no Hugging Face score function: it would otherwise be
+    exported as a router it is not). Negative control: the built-in softmax's run exports."""
+    from megatron_kappa.export.__main__ import main as export
+    from megatron_kappa.train.loop import run
+    softmax = routers.lookup("softmax")
+    runs = {}
+    routers.register("toy", routers.Router(
+        help="toy: softmax top-k of logits / T", megatron=softmax.megatron, layer=softmax.layer,
+        router=lambda cfg, kappa: partial(KappaTemperedRouter, temperature=TEMPERATURE, kappa=kappa)))
+    try:
+        for name in ("toy", "softmax"):
+            runs[name] = tmp_path / name
+            cfg = load_config("configs/tiny.yaml", TRAIN + [f"run.dir={runs[name]}", f"model.moe.router={name}",
+                                                            "checkpoint.interval=2"])
+            TemperedRouter.forwards = 0
+            run(cfg, log=lambda *a: None)
+            assert TemperedRouter.forwards == (STEPS * MICRO_BATCHES * MOE_LAYERS if name == "toy" else 0)
+        capsys.readouterr()
+        assert export(["--checkpoint", str(runs["toy"]), "--output", str(tmp_path / "hf"), "--no-progress"]) == 2
+        assert capsys.readouterr().err == (
+            "error: model.moe.router: toy: no exported model computes this router (its registry entry names no "
+            "Hugging Face score function, hf_score); export a run of a built-in top-k router\n")
+        assert not (tmp_path / "hf").exists()
+    finally:
+        routers.unregister("toy")
+    assert export(["--checkpoint", str(runs["softmax"]), "--output", str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert "kappa_moe from step 2" in capsys.readouterr().out

@@ -156,9 +156,9 @@ def _validate_groups(moe, router, need):
         need(moe.topk // moe.group_topk <= moe.num_experts // moe.num_groups, "model.moe.group_topk",
              f"a group is scored by its best topk / group_topk = {moe.topk // moe.group_topk} experts, more than "
              f"the {moe.num_experts // moe.num_groups} it has")
-    need(moe.seq_aux_loss == 0 or moe.router == "sigmoid", "model.moe.seq_aux_loss",
-         f"is for the sigmoid router (beside its aux-free bias); the {moe.router} router balances with "
-         "model.moe.aux_loss")
+    need(moe.seq_aux_loss == 0 or router.seq_aux_loss, "model.moe.seq_aux_loss",
+         f"is for the {' or '.join(routers.names(lambda r: r.seq_aux_loss))} router (beside its aux-free bias); "
+         f"the {moe.router} router balances with model.moe.aux_loss")
 
 
 def _validate_mla(cfg: Config, need):

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from megatron_kappa import routers
 from megatron_kappa.config import Config
 from megatron_kappa.model.layout import ModelLayout
 
@@ -45,6 +46,13 @@ def native_refusals(cfg: Config, need):
     for key in ("value_embeddings", "embedding_norm", "residual_scalars"):
         need(not getattr(m, key), f"model.{key} is true (a nanochat-block part it lacks)")
     need(not m.logit_softcap, "model.logit_softcap is set (it has no softcap)")
+
+
+def router_refusal(adapter, cfg: Config, need):
+    """The model's router, unless the class runs its score function (megatron_kappa.routers: hf_score)."""
+    moe = cfg.model.moe
+    need(routers.lookup(moe.router).hf_score in adapter.scores,
+         f"model.moe.router is {moe.router} ({adapter.router_note})")
 
 
 def rope(cfg: Config) -> dict:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.export import targets
 from megatron_kappa.model.layout import ModelLayout
@@ -29,18 +30,19 @@ def target_for(cfg: Config, layout: ModelLayout, requested: str = "auto") -> str
     megatron_kappa.export.targets.auto_order() that holds the model."""
     if requested not in choices():
         raise ConfigError(f"--target: expected one of {choices()}, got {requested!r}")
-    if cfg.model.moe.router == "softmoe" and layout.has_moe:
-        raise ConfigError("model.moe.router: softmoe: the export does not implement the SoftMoE router "
-                          "(its variable experts per token and learned budgets); export a top-k router's run")
+    router = routers.lookup(cfg.model.moe.router)
+    if router.hf_score is None and layout.has_moe:  # no exported model routes like it
+        raise ConfigError(f"model.moe.router: {cfg.model.moe.router}: {router.export_refusal}")
     if requested != "auto":
         why = targets.lookup(requested).refusals(cfg, layout)
         if why:
             raise ConfigError(f"--target {requested}: " + "; ".join(why))
         return requested
     for adapter in targets.auto_order():
-        if not adapter.refusals(cfg, layout):
+        why = adapter.refusals(cfg, layout)
+        if not why:
             return adapter.name
-    raise ConfigError("--target auto: no registered target holds this model")
+    raise ConfigError(f"--target auto: {adapter.name}, the last tried: " + "; ".join(why))
 
 
 def hf_config(cfg: Config, layout: ModelLayout, target: str, special: dict, kappa=None) -> dict:

@@ -208,6 +208,8 @@ class MoE(nn.Module):
         c = config
         self.topk, self.score, self.route_scale, self.kappa = c.num_experts_per_tok, c.router_score, c.route_scale, c.kappa
         self.groups, self.group_topk = c.n_group, c.topk_group
+        if c.router_score not in ("softmax", "sigmoid"):  # the two `route` implements
+            raise ValueError(f"router_score: expected softmax or sigmoid, got {c.router_score!r}")
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         if c.router_score == "sigmoid":  # the aux-free balance bias, under DeepSeek-V3's name
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
@@ -236,7 +238,7 @@ class MoE(nn.Module):
         if self.score == "softmax":
             _, experts = torch.topk(self.limit_to_groups(logits), self.topk, dim=-1)
             weights = torch.softmax(logits.gather(1, experts), dim=-1)
-        else:
+        else:  # sigmoid (__init__ refuses any other)
             scores = torch.sigmoid(logits)
             bias = self.gate.e_score_correction_bias.float()
             _, experts = torch.topk(self.limit_to_groups(scores + bias), self.topk, dim=-1)

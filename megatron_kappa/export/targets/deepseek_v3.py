@@ -4,7 +4,7 @@ width, dense first layers, no κ."""
 from __future__ import annotations
 
 from megatron_kappa.config import Config
-from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope
+from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope, router_refusal
 from megatron_kappa.model.layout import ModelLayout
 
 
@@ -21,7 +21,7 @@ class DeepseekV3(StateDictAdapter):
         need(m.qk_layernorm, "model.qk_layernorm is false (DeepSeek-V3 norms its latents)")
         # transformers builds the latent norms with RMSNorm's default epsilon, not rms_norm_eps
         need(m.norm_eps == 1e-6, f"model.norm_eps is {m.norm_eps} (its latent norms use 1e-6, as published)")
-        need(moe.router in self.scores, f"model.moe.router is {moe.router} ({self.router_note})")
+        router_refusal(self, cfg, need)
         need(m.layout == "moe", f"model.layout is {m.layout} (its dense layers come first)")
         expert = ffn_sizes(cfg)[1]
         shared = moe.shared_ffn_hidden_size or 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_kappa import routers
 from megatron_kappa.config import Config, ConfigError
-from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes
+from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, router_refusal
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import ModelLayout, has_value_embedding
 
@@ -17,6 +18,13 @@ class KappaMoe(StateDictAdapter):
     name, architecture, model_type = "kappa_moe", "KappaMoeForCausalLM", "kappa_moe"
     native, code_files = False, (CODE,)
     scores = ("softmax", "sigmoid")  # modeling_kappa_moe.py's router_score
+    router_note = "modeling_kappa_moe.py scores by softmax or sigmoid"
+
+    def refusals(self, cfg: Config, layout: ModelLayout) -> list[str]:
+        why = []
+        if layout.has_moe:
+            router_refusal(self, cfg, lambda ok, msg: None if ok else why.append(msg))
+        return why
 
     def own_config(self, cfg: Config, layout: ModelLayout, kappa) -> dict:
         m, moe = cfg.model, cfg.model.moe
@@ -29,7 +37,8 @@ class KappaMoe(StateDictAdapter):
                               "AutoModelForCausalLM": f"{CODE[:-3]}.KappaMoeForCausalLM"},
                     intermediate_size=dense, moe_intermediate_size=expert,
                     shared_expert_intermediate_size=moe.shared_ffn_hidden_size, num_experts=moe.num_experts,
-                    mlp_layer_types=["moe" if x else "dense" for x in layout.moe_layers], router_score=moe.router,
+                    mlp_layer_types=["moe" if x else "dense" for x in layout.moe_layers],
+                    router_score=routers.lookup(moe.router).hf_score,  # None for a dense model's unexported router
                     route_scale=moe.route_scale, n_group=moe.num_groups, topk_group=moe.group_topk, kappa=k,
                     qk_norm=m.qk_layernorm, norm_gains=m.norm_gains,
                     embedding_norm=m.embedding_norm, residual_scalars=m.residual_scalars,

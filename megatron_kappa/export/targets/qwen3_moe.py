@@ -3,7 +3,7 @@ q/k norms with gains, no nanochat parts; dense layers are its `mlp_only_layers`.
 from __future__ import annotations
 
 from megatron_kappa.config import Config
-from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope
+from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope, router_refusal
 from megatron_kappa.model.layout import ModelLayout
 
 
@@ -17,7 +17,7 @@ class Qwen3Moe(StateDictAdapter):
         need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
         native_refusals(cfg, need)
         need(not m.mla.enabled, "model.mla.enabled is true (it has no latent attention; --target deepseek_v3)")
-        need(moe.router in self.scores, f"model.moe.router is {moe.router} ({self.router_note})")
+        router_refusal(self, cfg, need)
         need(moe.route_scale == 1.0, f"model.moe.route_scale is {moe.route_scale} (expected 1)")
         need(moe.num_groups is None, "model.moe.num_groups is set (it has no group-limited routing)")
         need(not moe.shared_ffn_hidden_size, "model.moe.shared_ffn_hidden_size is set (it has no shared expert)")

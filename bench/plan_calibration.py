@@ -106,15 +106,15 @@ def terms(cfg, rates) -> dict:
     def step(latency_us):
         r = dataclasses.replace(rates, latency_us=latency_us)
         p = planner.plan(cfg, planner.layout_of(cfg, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD, rates=r)
-        return p["speed"]
+        return p.speed
     zero, one = step(0.0), step(1e6)  # latency 1 s per message: the count of messages
-    t = zero["terms"]
+    t = zero.terms
     gemms = t["compute"] + t["memory"]  # the memory-bound experts' excess is GEMM time too
     busy = gemms + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
     grow = 1 + t["bubble"] / busy
-    comm = lambda s: sum(s["terms"][k] for k in ("tensor", "context", "expert", "pipeline", "data"))  # noqa: E731
+    comm = lambda s: sum(s.terms[k] for k in ("tensor", "context", "expert", "pipeline", "data"))  # noqa: E731
     return {"compute": gemms * grow, "traffic": comm(zero) * grow, "messages": (comm(one) - comm(zero)) * grow,
-            "estimated": step(rates.latency_us)["seconds"]}
+            "estimated": step(rates.latency_us).seconds}
 
 
 def main(argv=None) -> int:

@@ -51,8 +51,8 @@ def main(argv=None) -> int:
         run = rated(run, args)
         ranked = run.name not in unsearched and not args.no_rank
         r = check_run(run, ranked=ranked)
-        est, seconds = r["plan"]["speed"]["seconds"], measured_seconds(run)
-        line = f"{run.name}: {r['plan']['label']}: {r['gib']:.1f} GiB, {'fits' if r['fits'] else 'does NOT fit'}; " \
+        est, seconds = r.plan.speed.seconds, measured_seconds(run)
+        line = f"{run.name}: {r.plan.label}: {r.gib:.1f} GiB, {'fits' if r.fits else 'does NOT fit'}; " \
                f"estimate {est:.2f} s"
         if seconds:
             line += f", measured {seconds:.1f} s (estimate/measured {est / seconds:.2f})"
@@ -61,8 +61,8 @@ def main(argv=None) -> int:
                 measured.append(seconds)
                 estimated.append(est)
         if ranked:
-            line += (f"; search position {r['rank'] or '-'} of {r['layouts_that_fit']}, by its own estimate "
-                     f"{r['by_speed']} ({r['of_first']:.2f}x the first) [{time.monotonic() - t0:.0f} s]")
+            line += (f"; search position {r.rank or '-'} of {r.layouts_that_fit}, by its own estimate "
+                     f"{r.by_speed} ({r.of_first:.2f}x the first) [{time.monotonic() - t0:.0f} s]")
         print(line, flush=True)
     off = sum(abs(math.log(r)) for r in ratios) / len(ratios)
     print(f"estimate/measured over the {len(ratios)} measured runs: {min(ratios):.2f} to {max(ratios):.2f} "
@@ -81,7 +81,7 @@ def rated(run, args):
 
 
 def step_seconds(run, imbalance: float) -> float:
-    return check_run(dataclasses.replace(run, imbalance=imbalance), ranked=False)["plan"]["speed"]["seconds"]
+    return check_run(dataclasses.replace(run, imbalance=imbalance), ranked=False).plan.speed.seconds
 
 
 def fit_imbalance(forced, dropless_run, lo: float = 1.0, hi: float = 4.0) -> float:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from plan import speed
 from plan.activations import activation_bytes
-from plan.estimate import HEADROOM, plan, plan_stage
+from plan.estimate import HEADROOM, Plan, StagePlan, plan, plan_stage
 from plan.layout import Layout, check, layout_of, model_shape, with_layout
 from plan.params import (EXPERT_KINDS, KINDS, attention_params, largest_tensors, layer_params, mla_matrices,
                          stage_params)
@@ -56,8 +56,8 @@ from plan.render import render, render_search
 from plan.state import REDUCE_BUCKET_ELEMENTS, bucket_bytes, gradient_bytes, optimizer_groups, state_bytes
 from plan.units import GIB, value_bytes
 
-__all__ = ["EXPERT_KINDS", "GIB", "HEADROOM", "KINDS", "Layout", "Planned", "REDUCE_BUCKET_ELEMENTS",
+__all__ = ["EXPERT_KINDS", "GIB", "HEADROOM", "KINDS", "Layout", "Plan", "Planned", "REDUCE_BUCKET_ELEMENTS",
            "activation_bytes", "attention_params", "bucket_bytes", "check", "gradient_bytes",
            "largest_tensors", "layer_params", "layout_of", "mla_matrices", "model_shape", "optimizer_groups",
-           "plan", "plan_stage", "render", "render_search", "speed", "stage_params", "state_bytes",
+           "plan", "plan_stage", "render", "render_search", "speed", "StagePlan", "stage_params", "state_bytes",
            "value_bytes", "with_layout"]

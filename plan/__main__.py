@@ -94,25 +94,30 @@ def main(argv=None) -> int:
     for name in ("world", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    rates = planner.speed.Rates(args.tflops, args.nvlink_gbs, args.ib_gbs, args.latency_us, args.hbm_tbs,
-                                args.fp8_speedup, args.attention_tflops, args.layer_ms)
-    extra = Planned(args.optimizer_states, args.fp8_activations, args.recompute_norms, args.offload_optimizer,
-                    args.offload_activations, args.overlap, args.node_dispatch, args.fused_swiglu, args.dualpipe)
+    rates = planner.speed.Rates(tflops=args.tflops, nvlink_gbs=args.nvlink_gbs, ib_gbs=args.ib_gbs,
+                                latency_us=args.latency_us, hbm_tbs=args.hbm_tbs, fp8_speedup=args.fp8_speedup,
+                                attention_tflops=args.attention_tflops, layer_ms=args.layer_ms)
+    extra = Planned(optimizer_states=args.optimizer_states, fp8_activations=args.fp8_activations,
+                    recompute_norms=args.recompute_norms, offload_optimizer=args.offload_optimizer,
+                    offload_activations=args.offload_activations, overlap=args.overlap,
+                    node_dispatch=args.node_dispatch, fused_swiglu=args.fused_swiglu, dualpipe=args.dualpipe)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:
-            rows = search.search(cfg, args.world, args.gpu_mem, args.gpus_per_node, args.top, rates,
-                                 args.expert_imbalance, extra, progress=not args.no_progress)
-            print(json.dumps(rows, indent=1) if args.json else planner.render_search(rows))
+            rows = search.search(cfg, args.world, gpu_mem_gib=args.gpu_mem, gpus_per_node=args.gpus_per_node,
+                                 top=args.top, rates=rates, imbalance=args.expert_imbalance, planned=extra,
+                                 progress=not args.no_progress)
+            print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else planner.render_search(rows))
             return 0 if rows else 1
         layout = planner.layout_of(cfg, args.world)
         layout = dataclasses.replace(layout, cp=args.cp, vpp=args.vpp or layout.vpp)
-        result = planner.plan(cfg, layout, args.gpu_mem, args.gpus_per_node, rates, args.expert_imbalance, extra)
+        result = planner.plan(cfg, layout, gpu_mem_gib=args.gpu_mem, gpus_per_node=args.gpus_per_node, rates=rates,
+                              imbalance=args.expert_imbalance, planned=extra)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if args.json else planner.render(result))
-    return 0 if result["fits"] else 1
+    print(json.dumps(result.as_dict(), indent=1) if args.json else planner.render(result))
+    return 0 if result.fits else 1
 
 
 def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, progress: bool = False) -> int:
@@ -120,7 +125,7 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
     step times they measured): its plan's verdict and (`ranked`) its position among --search's
     layouts."""
     try:  # the runs' files are read as the module loads: a bad one is a one-line error, not a traceback
-        from plan.published import RUNS, TUNED, check_run, measured_seconds
+        from plan.published import RUNS, TUNED, check_run
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -129,16 +134,15 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
         if not as_json:
             print(f"{title}:", flush=True)
         for run in runs:
-            r = check_run(run, gpu_mem, gpus_per_node, ranked, progress)
-            r["measured_s"] = measured_seconds(run)
+            r = check_run(run, gpu_mem_gib=gpu_mem, gpus_per_node=gpus_per_node, ranked=ranked, progress=progress)
             rows.append(r)
             if not as_json:
                 print(describe(run, r, ranked), flush=True)
                 if run.note:
                     print(f"  note: {run.note}", flush=True)
     if as_json:
-        print(json.dumps(rows, indent=1, default=str))
-    return 0 if all(r["fits"] for r in rows) else 1
+        print(json.dumps([r.as_dict() for r in rows], indent=1, default=str))
+    return 0 if all(r.fits for r in rows) else 1
 
 
 if __name__ == "__main__":

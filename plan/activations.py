@@ -57,7 +57,7 @@ def in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:
     return min(chunks, vpp * micro_batches) / vpp
 
 
-def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batch: int,
+def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batch: int, *,
                      imbalance: float = 1.0, planned: Planned = Planned(), held: float | None = None) -> float:
     """An estimate of the activations one rank of `stage` keeps for backward, in bytes (the
     module's docstring gives the count); `held`: that many micro-batches of the stage instead of

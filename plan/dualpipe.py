@@ -74,10 +74,11 @@ def rank_params(cfg, layout, rank: int) -> dict[str, int]:
     return {kind: n + second[kind] for kind, n in first.items()}
 
 
-def rank_activations(cfg, layout, rank: int, recompute: str, micro_batch: int, imbalance: float, planned) -> float:
+def rank_activations(cfg, layout, rank: int, recompute: str, micro_batch: int, *, imbalance: float,
+                     planned) -> float:
     """The activations pipeline rank `rank` keeps at its peak under DualPipe (in_flight of each of
     its stages); with activation offload, two chunks of the larger stage, as under 1F1B."""
-    one = [activation_bytes(cfg, layout, s, recompute, micro_batch, imbalance, planned, held=1)
+    one = [activation_bytes(cfg, layout, s, recompute, micro_batch, imbalance=imbalance, planned=planned, held=1)
            for s in stages_of(layout.pp, rank)]
     if planned.offload_activations:
         return 2 * max(one)

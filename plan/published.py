@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from megatron_kappa.config import ConfigError, load_config
-from plan.estimate import plan
+from plan.estimate import Plan, plan
 from plan.layout import Layout, model_shape
 from plan.planned import Planned
 from plan.search import divisors, rank_of, search
@@ -182,7 +182,7 @@ def config_of(run: Published):
                                     f"parallel.pp={par.pp}", f"parallel.ep={par.ep}", f"parallel.etp={par.etp}"])
 
 
-def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8) -> Published:
+def chosen_vpp(run: Published, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8) -> Published:
     """`run` with its virtual stages: as given, or (open_vpp) the number above 1 that divides its
     largest stage's layers (as --search tries them) and is fastest among those that fit (the
     first tried, 2 where it divides, when none fits: the verdict then says so)."""
@@ -191,30 +191,59 @@ def chosen_vpp(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8
     cfg = config_of(run)
     most = max(model_shape(cfg, run.layout).stage_counts())
     tried = [dataclasses.replace(run.layout, vpp=v) for v in divisors(most) if v > 1]
-    plans = [(layout, plan(cfg, layout, gpu_mem_gib, gpus_per_node, run.rates, run.imbalance, run.planned))
+    plans = [(layout, plan(cfg, layout, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node, rates=run.rates,
+                           imbalance=run.imbalance, planned=run.planned))
              for layout in tried]
-    fitting = [(layout, p) for layout, p in plans if p["fits"]] or plans[:1]
-    best = max(fitting, key=lambda lp: lp[1]["speed"]["tokens_per_s"])[0]
+    fitting = [(layout, p) for layout, p in plans if p.fits] or plans[:1]
+    best = max(fitting, key=lambda lp: lp[1].speed.tokens_per_s)[0]
     return dataclasses.replace(run, layout=best)
 
 
-def check_run(run: Published, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, ranked: bool = True,
-              progress: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A published run planned: its plan at its layout (virtual stages chosen where open), the
+    step time its source measured, and (ranked) its place among --search's layouts."""
+    name: str
+    plan: Plan
+    fits: bool
+    gib: float  # the most-loaded rank's total
+    layout: Layout
+    measured_s: float | None
+    ranked: bool = False
+    rank: int | None = None  # the layout's own position among the searched ones (None: not among them)
+    layouts_that_fit: int | None = None
+    by_speed: int | None = None  # where its estimate falls among the searched layouts' best ones
+    of_first: float | None = None  # its estimate over the first layout's
+
+    def as_dict(self) -> dict:
+        """For --json: the plan as a dict, the search's fields only where it was ranked."""
+        out = {"name": self.name, "plan": self.plan.as_dict(), "fits": self.fits, "gib": self.gib,
+               "layout": self.layout}
+        if self.ranked:
+            out.update(rank=self.rank, layouts_that_fit=self.layouts_that_fit, by_speed=self.by_speed,
+                       of_first=self.of_first)
+        return out | {"measured_s": self.measured_s}
+
+
+def check_run(run: Published, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, ranked: bool = True,
+              progress: bool = False) -> RunPlan:
     """The plan of a published run (its virtual stages chosen where the source gives no number:
     chosen_vpp), and (`ranked`) its position among --search's layouts that fit at its world size
     with its planned-only settings (`progress`: the search's bar on stderr)."""
-    run = chosen_vpp(run, gpu_mem_gib, gpus_per_node)
+    measured = measured_seconds(run)
+    run = chosen_vpp(run, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node)
     cfg = config_of(run)
-    p = plan(cfg, run.layout, gpu_mem_gib, gpus_per_node, run.rates, run.imbalance, run.planned)
-    out = {"name": run.name, "plan": p, "fits": p["fits"], "gib": p["most_loaded"]["total_bytes"] / 2 ** 30,
-           "layout": run.layout}
-    if ranked:
-        rows = search(cfg, run.layout.world, gpu_mem_gib, gpus_per_node, None, run.rates, run.imbalance,
-                      planned=run.planned, progress=progress)
-        own = p["speed"]["tokens_per_s"]
-        # by_speed: where the run's own estimate falls among the searched layouts' best ones (also
-        # for a stage split the search does not try, such as an uneven split with virtual stages)
-        out.update(rank=rank_of(rows, run.layout), layouts_that_fit=len(rows),
-                   by_speed=1 + sum(r["speed"]["tokens_per_s"] > own for r in rows),
-                   of_first=own / rows[0]["speed"]["tokens_per_s"] if rows else None)
-    return out
+    settings = dict(gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node, rates=run.rates, imbalance=run.imbalance,
+                    planned=run.planned)
+    p = plan(cfg, run.layout, **settings)
+    out = RunPlan(name=run.name, plan=p, fits=p.fits, gib=p.most_loaded.total_bytes / 2 ** 30, layout=run.layout,
+                  measured_s=measured)
+    if not ranked:
+        return out
+    rows = search(cfg, run.layout.world, top=None, progress=progress, **settings)
+    own = p.speed.tokens_per_s
+    # by_speed: where the run's own estimate falls among the searched layouts' best ones (also
+    # for a stage split the search does not try, such as an uneven split with virtual stages)
+    return dataclasses.replace(out, ranked=True, rank=rank_of(rows, run.layout), layouts_that_fit=len(rows),
+                               by_speed=1 + sum(r.speed.tokens_per_s > own for r in rows),
+                               of_first=own / rows[0].speed.tokens_per_s if rows else None)

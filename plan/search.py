@@ -11,7 +11,7 @@ from tqdm import tqdm
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import model_layout
 from plan import speed
-from plan.estimate import plan
+from plan.estimate import Plan, plan
 from plan.layout import Layout, check, model_shape
 from plan.planned import Planned
 
@@ -67,9 +67,9 @@ def schedules(planned: Planned, layout: Layout) -> list[Planned]:
     return [planned]
 
 
-def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, top: int | None = 10,
+def search(cfg: Config, world: int, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, top: int | None = 10,
            rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned(),
-           progress: bool = False) -> list[dict]:
+           progress: bool = False) -> list[Plan]:
     """The layouts that fit, fastest first (estimated tokens/s, plan.speed), each
     with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes.
     `planned`: the planned-only settings every layout gets; `top` None: all of them; `progress`: a
@@ -80,18 +80,18 @@ def search(cfg: Config, world: int, gpu_mem_gib: float, gpus_per_node: int = 8, 
         for variant in settings(cfg, layout):
             for schedule in schedules(planned, layout):
                 try:
-                    p = plan(variant, layout, gpu_mem_gib, gpus_per_node, rates, imbalance, schedule)
+                    p = plan(variant, layout, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node, rates=rates,
+                             imbalance=imbalance, planned=schedule)
                 except ConfigError:  # e.g. a global batch the layout's data-parallel ranks cannot split
                     continue
-                if p["fits"] and (layout not in best
-                                  or p["speed"]["tokens_per_s"] > best[layout]["speed"]["tokens_per_s"]):
+                if p.fits and (layout not in best or p.speed.tokens_per_s > best[layout].speed.tokens_per_s):
                     best[layout] = p
-    return sorted(best.values(), key=lambda p: -p["speed"]["tokens_per_s"])[:top]
+    return sorted(best.values(), key=lambda p: -p.speed.tokens_per_s)[:top]
 
 
-def rank_of(rows: list[dict], layout: Layout) -> int | None:
+def rank_of(rows: list[Plan], layout: Layout) -> int | None:
     """1-based position of `layout` among `search`'s rows (None: it is not among them)."""
     for i, p in enumerate(rows, 1):
-        if Layout(**{k: p["layout"][k] for k in ("world", "tp", "pp", "ep", "etp", "cp", "vpp")}) == layout:
+        if p.layout == layout:
             return i
     return None

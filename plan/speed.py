@@ -297,9 +297,21 @@ def dispatcher_messages(ep: int, etp: int) -> int:
     return 6 * (ep - 1) + 6 * (etp - 1) + (ep * etp - 1)
 
 
-def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_params: list[dict[str, int]],
-              imbalance: float = 1.0, overlap: tuple[str, ...] = (), node_dispatch: bool = False,
-              dualpipe: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step by term on the slowest stage (TERMS, "bubble", "overlapped"
+    where traffic is hidden), and the tokens per second they give."""
+    seconds: float
+    terms: dict[str, float]
+    micro_batches: int
+    virtual_stages: int
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+
+
+def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates: Rates = Rates(),
+              gpus_per_node: int = 8, imbalance: float = 1.0, overlap: tuple[str, ...] = (),
+              node_dispatch: bool = False, dualpipe: bool = False) -> StepTime:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
     the busiest EP rank's routed rows over the average (dropless routing); `overlap`: the terms
@@ -368,9 +380,9 @@ def step_time(cfg: Config, layout, rates: Rates, gpus_per_node: int, stage_param
     seconds = busy + bubble + waited
     if overlap:
         terms["overlapped"] = seconds - sum(terms.values())
-    return {"seconds": seconds, "terms": terms, "micro_batches": micro, "virtual_stages": v,
-            "tokens_per_s": train.global_batch * m.seq_length / seconds,
-            "tokens_per_s_per_gpu": train.global_batch * m.seq_length / seconds / layout.world}
+    return StepTime(seconds=seconds, terms=terms, micro_batches=micro, virtual_stages=v,
+                    tokens_per_s=train.global_batch * m.seq_length / seconds,
+                    tokens_per_s_per_gpu=train.global_batch * m.seq_length / seconds / layout.world)
 
 
 TERMS = ("compute", "memory", "fixed", "tensor", "context", "expert", "pipeline", "data")

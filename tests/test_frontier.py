@@ -47,12 +47,12 @@ def test_frontier_config_fits_80gb_with_its_layout(name):
     total = sum(planner.stage_params(cfg, planner.Layout(1), 0).values())
     assert total == pytest.approx(published, rel=tolerance), total
     result = planner.plan(cfg, planner.layout_of(cfg, world), gpu_mem_gib=80, gpus_per_node=8)
-    assert result["fits"], planner.render(result)
+    assert result.fits, planner.render(result)
     assert cfg.parallel.pp > 1 and cfg.zero.stage == 1  # pipeline stages need ZeRO-1
     # the layout is needed: the same model on one pipeline stage does not fit
     flat = planner.plan(cfg, planner.Layout(world, cfg.parallel.tp, 1, cfg.parallel.ep, cfg.parallel.expert_tp),
                         gpu_mem_gib=80)
-    assert flat["most_loaded"]["param_count"] > 2 * result["most_loaded"]["param_count"]
+    assert flat.most_loaded.param_count > 2 * result.most_loaded.param_count
 
 
 def test_shared_expert_counted_where_published():

@@ -87,8 +87,8 @@ def test_the_planner_counts_it_and_does_not_call_it_planned_only():
     import plan as planner
     from plan import Layout
     cfg = load_config("configs/tiny.yaml", ["precision=bf16", "zero.offload_optimizer=true"])
-    on = planner.plan(cfg, Layout(2), 80)["most_loaded"]
-    off = planner.plan(load_config("configs/tiny.yaml", ["precision=bf16"]), Layout(2), 80)["most_loaded"]
-    assert on["bytes"]["master"] == on["bytes"]["moments"] == 0
-    assert on["cpu_bytes"] == off["bytes"]["master"] + off["bytes"]["moments"] > 0
-    assert planner.plan(cfg, Layout(2), 80)["planned_only"] == []
+    on = planner.plan(cfg, Layout(2), gpu_mem_gib=80).most_loaded
+    off = planner.plan(load_config("configs/tiny.yaml", ["precision=bf16"]), Layout(2), gpu_mem_gib=80).most_loaded
+    assert on.bytes["master"] == on.bytes["moments"] == 0
+    assert on.cpu_bytes == off.bytes["master"] + off.bytes["moments"] > 0
+    assert planner.plan(cfg, Layout(2), gpu_mem_gib=80).planned_only == []

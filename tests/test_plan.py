@@ -261,27 +261,27 @@ def test_activations_when_only_the_first_layers_are_recomputed():
 def test_verdict_and_search():
     cfg = load_config("configs/moe8.yaml")
     small = planner.plan(cfg, Layout(8, 1, 1, 8, 1), gpu_mem_gib=80)
-    assert small["fits"] and small["most_loaded"]["total_bytes"] < 72 * GIB
+    assert small.fits and small.most_loaded.total_bytes < 72 * GIB
     tight = planner.plan(cfg, Layout(8, 1, 1, 8, 1), gpu_mem_gib=4)
-    assert not tight["fits"]
+    assert not tight.fits
     rows = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=8)
-    assert rows and all(r["fits"] for r in rows)
-    speeds = [r["speed"]["tokens_per_s"] for r in rows]
+    assert rows and all(r.fits for r in rows)
+    speeds = [r.speed.tokens_per_s for r in rows]
     assert speeds == sorted(speeds, reverse=True)  # fastest first (tests/test_plan_speed.py: the estimate)
-    assert all(r["layout"]["tp"] <= 8 for r in rows)
+    assert all(r.layout.tp <= 8 for r in rows)
 
 
 def test_bad_layout_is_a_one_line_error():
     cfg = load_config("configs/tiny.yaml")
     with pytest.raises(ConfigError, match=r"parallel.ep: model.moe.num_experts=4 is not divisible by ep=8 \(TP1 PP1 EP8 "):
-        planner.plan(cfg, Layout(8, 1, 1, 8, 1), 80)
+        planner.plan(cfg, Layout(8, 1, 1, 8, 1), gpu_mem_gib=80)
     with pytest.raises(ConfigError, match=r"world size 8 is not divisible by ep × etp × pp = 4 × 1 × 4 .*\(TP1 PP4 EP4 "
                                           r"ETP1 DP2 \(EDP\?\)\)$"):  # a floor of 8 / 16 would read EDP0
-        planner.plan(cfg, Layout(8, 1, 4, 4, 1), 80)
+        planner.plan(cfg, Layout(8, 1, 4, 4, 1), gpu_mem_gib=80)
     with pytest.raises(ConfigError, match=r"num_layers=4 is not divisible by pp=8 .*\(TP1 PP8 "):
-        planner.plan(cfg, Layout(8, 1, 8, 1, 1), 80)
+        planner.plan(cfg, Layout(8, 1, 8, 1, 1), gpu_mem_gib=80)
     with pytest.raises(ConfigError, match=r"^plan: world size 7 is not divisible by tp × pp × cp = 1 × 2 × 1$"):
-        planner.plan(cfg, Layout(7, 1, 2, 1, 1), 80)  # the factors, no layout label
+        planner.plan(cfg, Layout(7, 1, 2, 1, 1), gpu_mem_gib=80)  # the factors, no layout label
 
 
 def test_command_line(tmp_path):

@@ -84,29 +84,29 @@ def test_each_rank_holds_its_two_stages_by_hand():
     cfg = tiny()
     layout = Layout(4, pp=4)
     stages = [planner.stage_params(cfg, layout, s) for s in range(4)]
-    plans = planner.plan(cfg, layout, 80, planned=DUAL)
-    assert plans["planned_only"] == ["DualPipe"]
-    assert f"most loaded   pipeline rank {plans['most_loaded']['stage']} of 4 (stages 0 and 3: DualPipe)" \
+    plans = planner.plan(cfg, layout, gpu_mem_gib=80, planned=DUAL)
+    assert plans.planned_only == ["DualPipe"]
+    assert f"most loaded   pipeline rank {plans.most_loaded.stage} of 4 (stages 0 and 3: DualPipe)" \
         in planner.render(plans)
-    assert "most loaded   pipeline stage " in planner.render(planner.plan(cfg, layout, 80))
+    assert "most loaded   pipeline stage " in planner.render(planner.plan(cfg, layout, gpu_mem_gib=80))
     for rank, (h, mirror) in enumerate(((0, 3), (1, 2), (1, 2), (0, 3))):
         got = planner.plan_stage(cfg, layout, rank, planned=DUAL)
-        assert got["params"] == {k: stages[h][k] + stages[mirror][k] for k in stages[h]}
-        assert got["bytes"]["weights"] == 2 * sum(stages[h].values()) + 2 * sum(stages[mirror].values())
+        assert got.params == {k: stages[h][k] + stages[mirror][k] for k in stages[h]}
+        assert got.bytes["weights"] == 2 * sum(stages[h].values()) + 2 * sum(stages[mirror].values())
         # the micro-batches in flight of each stage (replayed above), each stage's one micro-batch
         one = [planner.activation_bytes(cfg, layout, s, "none", 1, held=1) for s in (h, mirror)]
         held = {0: (4, 1), 1: (3, 2)}[h]
-        assert got["bytes"]["activations"] == held[0] * one[0] + held[1] * one[1]
+        assert got.bytes["activations"] == held[0] * one[0] + held[1] * one[1]
     # rank 0 holds the embedding and the output layer: both ends of the model
-    assert planner.plan_stage(cfg, layout, 0, planned=DUAL)["params"]["embedding"] == stages[0]["embedding"] > 0
-    assert planner.plan_stage(cfg, layout, 0, planned=DUAL)["params"]["output"] == stages[3]["output"] > 0
+    assert planner.plan_stage(cfg, layout, 0, planned=DUAL).params["embedding"] == stages[0]["embedding"] > 0
+    assert planner.plan_stage(cfg, layout, 0, planned=DUAL).params["output"] == stages[3]["output"] > 0
     # the control: 1F1B's rank 0 holds its own stage only, 4 micro-batches of it
     plain = planner.plan_stage(cfg, layout, 0)
-    assert plain["params"] == stages[0]
-    assert plain["bytes"]["activations"] == pytest.approx(4 * one_micro(cfg, layout, 0))
+    assert plain.params == stages[0]
+    assert plain.bytes["activations"] == pytest.approx(4 * one_micro(cfg, layout, 0))
     # with activation offload, two chunks of the larger stage
     offload = Planned(dualpipe=True, offload_activations=True)
-    assert planner.plan_stage(cfg, layout, 0, planned=offload)["bytes"]["activations"] == \
+    assert planner.plan_stage(cfg, layout, 0, planned=offload).bytes["activations"] == \
         2 * max(one_micro(cfg, layout, 0), one_micro(cfg, layout, 3))
 
 
@@ -123,32 +123,32 @@ def test_step_terms_by_hand():
     layout = Layout(8, pp=4)
     rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
     params = [planner.stage_params(cfg, layout, s) for s in range(4)]
-    got = speed.step_time(cfg, layout, rates, 8, params, dualpipe=True)
+    got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params, dualpipe=True)
     shape = planner.model_shape(cfg, layout)
     tokens = 16 * 128 / 2  # the replica's tokens
     compute = [speed.stage_flops(cfg, shape, s, tokens, 1, "none") / 100e12 for s in range(4)]
     ranks = [(compute[0] + compute[3]) / 2, (compute[1] + compute[2]) / 2]
-    assert got["terms"]["compute"] == pytest.approx(max(ranks))
+    assert got.terms["compute"] == pytest.approx(max(ranks))
     # ZeRO over DP2 on NVLink: reduce-scatter + all-gather, 2 bytes a parameter, half on the wire
     # (the experts over EDP 2 alike); then the mirror's exchange of both stages
     def zero(p):
         return 2 * 2 * sum(p.values()) / 2 / 200e9
     data = [zero(params[h]) + zero(params[m]) + 2 * (sum(params[h].values()) + sum(params[m].values())) / 200e9
             for h, m in ((0, 3), (1, 2))]
-    assert got["terms"]["data"] == pytest.approx(max(data))
-    busy = sum(got["terms"][k] for k in ("compute", "memory", "tensor", "context", "expert", "pipeline"))
+    assert got.terms["data"] == pytest.approx(max(data))
+    busy = sum(got.terms[k] for k in ("compute", "memory", "tensor", "context", "expert", "pipeline"))
     micro = 16 // 2
-    assert got["terms"]["bubble"] == pytest.approx((4 / 2 - 1) * busy / micro * 2 / 3)
-    assert got["seconds"] == pytest.approx(sum(got["terms"].values()))
+    assert got.terms["bubble"] == pytest.approx((4 / 2 - 1) * busy / micro * 2 / 3)
+    assert got.seconds == pytest.approx(sum(got.terms.values()))
     # 2 messages of the mirror's all-reduce beside ZeRO's 2 of each of the two stages' 2 groups
-    late = speed.step_time(cfg, layout, speed.Rates(100, 200, 25, latency_us=1000), 8, params, dualpipe=True)
-    assert late["terms"]["data"] - got["terms"]["data"] == pytest.approx(1e-3 * (2 + 2 * 2 * 2))
+    late = speed.step_time(cfg, layout, rates=speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=1000), gpus_per_node=8, stage_params=params, dualpipe=True)
+    assert late.terms["data"] - got.terms["data"] == pytest.approx(1e-3 * (2 + 2 * 2 * 2))
     # the control: 1F1B's bubble on the same layout is (p − 1) chunks of its slowest stage
-    one = speed.step_time(cfg, layout, rates, 8, params)
-    assert one["terms"]["bubble"] > got["terms"]["bubble"]
+    one = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params)
+    assert one.terms["bubble"] > got.terms["bubble"]
     # across nodes (2 GPUs a node) the mirror's exchange goes over InfiniBand
-    far = speed.step_time(cfg, layout, rates, 2, params, dualpipe=True)
-    assert far["terms"]["data"] > got["terms"]["data"]
+    far = speed.step_time(cfg, layout, rates=rates, gpus_per_node=2, stage_params=params, dualpipe=True)
+    assert far.terms["data"] > got.terms["data"]
 
 
 def test_layouts_dualpipe_cannot_run_are_refused():
@@ -156,14 +156,14 @@ def test_layouts_dualpipe_cannot_run_are_refused():
     for sets, layout, message in ((["model.num_layers=6"], Layout(3, pp=3), "even number of pipeline stages, got 3"),
                                   ([], Layout(2, pp=2, vpp=2), "DualPipe has no virtual stages, got 2")):
         with pytest.raises(ConfigError, match=message):
-            planner.plan(tiny(*sets), layout, 80, planned=DUAL)
-        assert planner.plan(tiny(*sets), layout, 80)["fits"]  # the control: 1F1B runs it
+            planner.plan(tiny(*sets), layout, gpu_mem_gib=80, planned=DUAL)
+        assert planner.plan(tiny(*sets), layout, gpu_mem_gib=80).fits  # the control: 1F1B runs it
     few = tiny("train.global_batch=6")  # 6 micro-batches for 4 stages: DualPipe needs 8
     with pytest.raises(ConfigError, match=r"at least 2 × PP = 8, got 6 \(TP1 PP4"):
-        planner.plan(few, Layout(4, pp=4), 80, planned=DUAL)
-    assert planner.plan(few, Layout(4, pp=4), 80)["fits"]  # the control: 1F1B runs it
+        planner.plan(few, Layout(4, pp=4), gpu_mem_gib=80, planned=DUAL)
+    assert planner.plan(few, Layout(4, pp=4), gpu_mem_gib=80).fits  # the control: 1F1B runs it
     # no stages, no schedule: DualPipe changes nothing and is not named
-    assert planner.plan(cfg, Layout(1), 80, planned=DUAL) == planner.plan(cfg, Layout(1), 80)
+    assert planner.plan(cfg, Layout(1), gpu_mem_gib=80, planned=DUAL) == planner.plan(cfg, Layout(1), gpu_mem_gib=80)
 
 
 def test_search_tries_dualpipe_beside_1f1b():
@@ -173,16 +173,16 @@ def test_search_tries_dualpipe_beside_1f1b():
     cfg = tiny()
     assert schedules(DUAL, Layout(4, pp=4)) == [DUAL, Planned()] and schedules(DUAL, Layout(4)) == [DUAL]
     rates = speed.Rates(latency_us=0)  # at 10 µs a message tiny's ZeRO traffic, doubled by DualPipe, decides
-    rows = search(cfg, 8, 80, 8, None, rates, planned=DUAL)
-    dual = [r for r in rows if "DualPipe" in r["planned_only"]]
-    assert dual and all(r["layout"]["pp"] % 2 == 0 and r["layout"]["vpp"] == 1 for r in dual)
-    assert any(r["layout"]["vpp"] > 1 for r in rows)  # interleaved 1F1B layouts are still searched
+    rows = search(cfg, 8, gpu_mem_gib=80, gpus_per_node=8, top=None, rates=rates, planned=DUAL)
+    dual = [r for r in rows if "DualPipe" in r.planned_only]
+    assert dual and all(r.layout.pp % 2 == 0 and r.layout.vpp == 1 for r in dual)
+    assert any(r.layout.vpp > 1 for r in rows)  # interleaved 1F1B layouts are still searched
     # on a GPU too small for DualPipe's two stages, the same layout comes back under 1F1B
     layout = Layout(8, pp=4)
-    one, two = (planner.plan(cfg, layout, 80, planned=p)["most_loaded"]["total_bytes"] for p in (Planned(), DUAL))
+    one, two = (planner.plan(cfg, layout, gpu_mem_gib=80, planned=p).most_loaded.total_bytes for p in (Planned(), DUAL))
     assert two > one
     small = (one + two) / 2 / 2 ** 30 / planner.HEADROOM  # GiB: 1F1B fits, DualPipe does not
-    assert not planner.plan(cfg, layout, small, planned=DUAL)["fits"] and planner.plan(cfg, layout, small)["fits"]
-    label = planner.plan(cfg, layout, 80)["label"]
-    row = next(r for r in search(cfg, 8, small, 8, None, rates, planned=DUAL) if r["label"] == label)
-    assert "DualPipe" not in row["planned_only"]
+    assert not planner.plan(cfg, layout, gpu_mem_gib=small, planned=DUAL).fits and planner.plan(cfg, layout, gpu_mem_gib=small).fits
+    label = planner.plan(cfg, layout, gpu_mem_gib=80).label
+    row = next(r for r in search(cfg, 8, gpu_mem_gib=small, gpus_per_node=8, top=None, rates=rates, planned=DUAL) if r.label == label)
+    assert "DualPipe" not in row.planned_only

@@ -62,12 +62,12 @@ def test_long_context_rows_fit_and_their_estimates_agree_with_the_measurements()
     ratios = []
     for run in LONG_CONTEXT:
         got = check_run(run, ranked=False)
-        assert got["fits"], (run.name, got["gib"])
+        assert got.fits, (run.name, got.gib)
         cp = f"CP{run.layout.cp} " if run.layout.cp > 1 else ""
-        assert got["plan"]["label"].startswith(f"TP4 PP8 {cp}VPP4 EP8 ETP1"), got["plan"]["label"]
-        ratios.append(got["plan"]["speed"]["seconds"] / measured_seconds(run))
+        assert got.plan.label.startswith(f"TP4 PP8 {cp}VPP4 EP8 ETP1"), got.plan.label
+        ratios.append(got.plan.speed.seconds / measured_seconds(run))
     assert all(0.9 < r < 1.1 for r in ratios), ratios
-    four_k = check_run(TUNED[2], ranked=False)["plan"]["speed"]["seconds"] / measured_seconds(TUNED[2])
+    four_k = check_run(TUNED[2], ranked=False).plan.speed.seconds / measured_seconds(TUNED[2])
     assert four_k < 0.6  # the 4K row's gap is what docs/plan.md discusses
 
 
@@ -107,12 +107,12 @@ def test_the_other_measured_runs_fit_and_their_estimates_by_hand():
     assert measured_seconds(fp8) == pytest.approx(2048 * 4096 / (1575 * 256), rel=1e-12)
     assert measured_seconds(deepseek) == pytest.approx(8192 * 4096 / (1297 * 1024), rel=1e-12)
     for run in (pp32, deepseek):
-        assert "stages without decoder layers" in check_run(run, ranked=False)["plan"]["planned_only"]
+        assert "stages without decoder layers" in check_run(run, ranked=False).plan.planned_only
     ratios = {}
     for run in MEASURED[:4]:  # Mixtral's: test_mixtral_measures_what_fp8_buys
         got = check_run(run, ranked=False)
-        assert got["fits"], (run.name, got["gib"])
-        ratios[run.name] = got["plan"]["speed"]["seconds"] / measured_seconds(run)
+        assert got.fits, (run.name, got.gib)
+        ratios[run.name] = got.plan.speed.seconds / measured_seconds(run)
     assert abs(ratios[deepseek.name] - 1) < 0.05, ratios
     assert all(0.8 < r < 1.1 for r in ratios.values()), ratios
 
@@ -125,12 +125,12 @@ def test_mixtral_measures_what_fp8_buys():
     mixtral, fp8 = TUNED[3], MEASURED[4]
     assert (mixtral.measured_tflops, fp8.measured_tflops) == (465, 560) and fp8.layout == mixtral.layout
     plans = [check_run(run, ranked=False) for run in (mixtral, fp8)]
-    assert all(p["fits"] for p in plans)
+    assert all(p.fits for p in plans)
     measured = [measured_seconds(run) for run in (mixtral, fp8)]
-    estimated = [p["plan"]["speed"]["seconds"] for p in plans]
+    estimated = [p.plan.speed.seconds for p in plans]
     assert measured[0] / measured[1] == pytest.approx(560 / 465)  # the same FLOPs per step
     assert estimated[0] / estimated[1] == pytest.approx(1.87, abs=0.01)
-    assert "bf16 optimizer moments" in plans[1]["plan"]["planned_only"]
+    assert "bf16 optimizer moments" in plans[1].plan.planned_only
 
 
 def test_the_comparison_bench_prints_every_measured_run(capsys):
@@ -175,7 +175,7 @@ def test_one_expert_imbalance_margin_gives_the_dropless_runs_at_every_length():
     assert measured_vs_estimated[3][0] < measured_vs_estimated[0][0] - 0.1  # the trend is real, not flat
     for _, d in pairs:  # the dropless rows fit and lie where docs/plan.md puts them
         got = check_run(d, ranked=False)
-        assert got["fits"] and 0.95 < got["plan"]["speed"]["seconds"] / measured_seconds(d) < 1.1
+        assert got.fits and 0.95 < got.plan.speed.seconds / measured_seconds(d) < 1.1
 
     fast = Rates(attention_tflops=1000.0)
     control = [(dataclasses.replace(f, rates=fast), dataclasses.replace(d, rates=fast)) for f, d in pairs]

@@ -43,15 +43,15 @@ def test_context_parallel_ring_traffic_by_hand():
     layout = Layout(8, cp=2)  # DP 4
     params = [planner.stage_params(cfg, layout, 0)]
     rates = speed.Rates(latency_us=0)  # and 3 (cp − 1) messages per layer and micro-batch at the latency
-    got = speed.step_time(cfg, layout, rates, 8, params)
+    got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params)
     tokens = 8 * TOKENS / (4 * 2)
-    assert got["terms"]["context"] == 3 * 1 * 4 * tokens * (2 * HEADS_D) * 2 / 450e9
-    ms = speed.step_time(cfg, layout, speed.Rates(latency_us=1000), 8, params)["terms"]["context"]
-    assert ms - got["terms"]["context"] == pytest.approx(1e-3 * 3 * 1 * 4 * 2)  # 2 micro-batches per step
-    plain = speed.step_time(cfg, Layout(8), rates, 8, params)
-    assert plain["terms"]["context"] == 0 and plain["terms"]["data"] == got["terms"]["data"]  # both over 8
+    assert got.terms["context"] == 3 * 1 * 4 * tokens * (2 * HEADS_D) * 2 / 450e9
+    ms = speed.step_time(cfg, layout, rates=speed.Rates(latency_us=1000), gpus_per_node=8, stage_params=params).terms["context"]
+    assert ms - got.terms["context"] == pytest.approx(1e-3 * 3 * 1 * 4 * 2)  # 2 micro-batches per step
+    plain = speed.step_time(cfg, Layout(8), rates=rates, gpus_per_node=8, stage_params=params)
+    assert plain.terms["context"] == 0 and plain.terms["data"] == got.terms["data"]  # both over 8
     # the compute: half the tokens per rank as DP 8 would give (same total), the same FLOPs
-    assert got["terms"]["compute"] == pytest.approx(plain["terms"]["compute"])
+    assert got.terms["compute"] == pytest.approx(plain.terms["compute"])
 
 
 def test_virtual_stages_in_flight_bubble_and_traffic():
@@ -66,7 +66,7 @@ def test_virtual_stages_in_flight_bubble_and_traffic():
     cfg = tiny("train.global_batch=16", "model.num_layers=8")
     assert act(cfg, two, 0) / act(cfg, one, 0) == pytest.approx(in_flight(4, 0, 16, 2) / 4)
     params = [planner.stage_params(cfg, one, s) for s in range(4)]
-    a, b = (speed.step_time(cfg, lay, speed.Rates(), 8, params)["terms"] for lay in (one, two))
+    a, b = (speed.step_time(cfg, lay, rates=speed.Rates(), gpus_per_node=8, stage_params=params).terms for lay in (one, two))
     assert b["pipeline"] == 2 * a["pipeline"]  # every chunk boundary crossed
     for t, v in ((a, 1), (b, 2)):
         busy = t["compute"] + t["memory"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
@@ -85,9 +85,9 @@ def test_bf16_moments_and_optimizer_offload():
     # the step's fp32 gradient of a group is made on the CPU too: the GPU's step peak is the partitions
     on_gpu, on_cpu = (planner.gradient_bytes(params, cfg, layout, Planned(offload_optimizer=o)) for o in (False, True))
     assert on_gpu["step"] - on_cpu["step"] == 4 * on_gpu["largest_group"] > 0
-    plan = planner.plan(cfg, layout, 80, planned=Planned(offload_optimizer=True))
-    assert plan["most_loaded"]["cpu_bytes"] > 0 and "optimizer offload" in plan["planned_only"]
-    assert "offloaded" not in plan["most_loaded"]["bytes"]  # not counted on the GPU
+    plan = planner.plan(cfg, layout, gpu_mem_gib=80, planned=Planned(offload_optimizer=True))
+    assert plan.most_loaded.cpu_bytes > 0 and "optimizer offload" in plan.planned_only
+    assert "offloaded" not in plan.most_loaded.bytes  # not counted on the GPU
 
 
 def test_fp8_activations_and_norm_recompute_by_hand():
@@ -145,33 +145,33 @@ def test_every_published_run_fits_with_its_published_settings():
     assert [r.name for r in RUNS] == ["DeepSeek-V3", "Kimi K2", "Qwen3-235B-A22B", "Mixtral-8x22B"]
     for run in RUNS:
         got = check_run(run, ranked=False)
-        assert got["fits"], (run.name, got["gib"])
-        assert got["plan"]["label"].startswith(f"TP{run.layout.tp} PP{run.layout.pp}")
+        assert got.fits, (run.name, got.gib)
+        assert got.plan.label.startswith(f"TP{run.layout.tp} PP{run.layout.pp}")
     for run in RUNS[:2]:
         bare = dataclasses.replace(run, planned=Planned())
-        assert not check_run(bare, ranked=False)["fits"], run.name
+        assert not check_run(bare, ranked=False).fits, run.name
     # Kimi K2 ran "with virtual stages", the number not given: the fastest that fits, of those the
     # search tries for the layout (every divisor of the largest stage's layers above 1)
     from plan.published import chosen_vpp, config_of
     kimi = RUNS[1]
     assert kimi.open_vpp and kimi.layout.vpp == 1 and not any(r.open_vpp for r in RUNS if r is not kimi)
     chosen = chosen_vpp(kimi).layout
-    assert chosen.vpp > 1 and check_run(kimi, ranked=False)["layout"] == chosen
+    assert chosen.vpp > 1 and check_run(kimi, ranked=False).layout == chosen
     cfg = config_of(kimi)
     most = max(planner.model_shape(cfg, kimi.layout).stage_counts())
     speeds = {}
     for v in (v for v in range(2, most + 1) if most % v == 0):
-        got = planner.plan(cfg, dataclasses.replace(kimi.layout, vpp=v), 80, 8, kimi.rates, planned=kimi.planned)
-        if got["fits"]:
-            speeds[v] = got["speed"]["tokens_per_s"]
+        got = planner.plan(cfg, dataclasses.replace(kimi.layout, vpp=v), gpu_mem_gib=80, gpus_per_node=8, rates=kimi.rates, planned=kimi.planned)
+        if got.fits:
+            speeds[v] = got.speed.tokens_per_s
     assert len(speeds) > 1 and max(speeds, key=speeds.get) == chosen.vpp
     # DeepSeek-V3 under DualPipe (two stages a rank) fits by §3.3.3's MoE savings: the SwiGLU's
     # input in fp8 and its output recomputed; without them it does not
     deepseek = RUNS[0]
-    assert deepseek.planned.dualpipe and "DualPipe" in check_run(deepseek, ranked=False)["plan"]["planned_only"]
+    assert deepseek.planned.dualpipe and "DualPipe" in check_run(deepseek, ranked=False).plan.planned_only
     without = dataclasses.replace(deepseek, planned=dataclasses.replace(deepseek.planned, fp8_activations="linear"),
                                   sets=tuple(s.replace(",moe_act", "") for s in deepseek.sets))
-    assert without.sets != deepseek.sets and not check_run(without, ranked=False)["fits"]
+    assert without.sets != deepseek.sets and not check_run(without, ranked=False).fits
 
 
 def test_nvidia_tuned_layouts_fit_as_they_ran():
@@ -186,9 +186,9 @@ def test_nvidia_tuned_layouts_fit_as_they_ran():
         cfg = config_of(run)
         assert cfg.parallel.vpp == run.layout.vpp and cfg.train.micro_batch == 1
         got = check_run(run, ranked=False)
-        assert got["fits"], (run.name, got["gib"])
-        assert got["plan"]["speed"]["virtual_stages"] == run.layout.vpp
-        assert not check_run(run, gpu_mem_gib=48, ranked=False)["fits"], run.name
+        assert got.fits, (run.name, got.gib)
+        assert got.plan.speed.virtual_stages == run.layout.vpp
+        assert not check_run(run, gpu_mem_gib=48, ranked=False).fits, run.name
     assert config_of(TUNED[0]).parallel.layout.count("t") == 94
     assert [r.measured_s for r in TUNED] == [19.7, 17.6, 29.0, None]
 
@@ -260,10 +260,10 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
     micro = 4
     for rates in (speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0),
                   speed.Rates(tflops=100, nvlink_gbs=0.05, ib_gbs=0.01, latency_us=0)):
-        plain = speed.step_time(cfg, layout, rates, 4, params)
-        t = plain["terms"]
-        assert plain["seconds"] == pytest.approx(sum(t.values()))  # nothing hidden: the control
-        got = speed.step_time(cfg, layout, rates, 4, params, overlap=("expert", "pipeline", "data"))
+        plain = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params)
+        t = plain.terms
+        assert plain.seconds == pytest.approx(sum(t.values()))  # nothing hidden: the control
+        got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params, overlap=("expert", "pipeline", "data"))
         # stage 1 (2 MoE layers, the loss) is the slowest either way
         # the GEMMs' time: compute and the memory-bound experts' excess (the same 2 MoE layers on
         # either stage: test_plan_speed.test_memory_bound_experts_by_hand)
@@ -274,12 +274,12 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
                    for s in range(2)]
         assert compute[1] == t["compute"]
         exposed = max(max(d / 2, d - c - t["memory"]) for d, c in zip(data, compute))
-        assert got["seconds"] == pytest.approx(busy * (1 + 1 / micro) + exposed)
-        assert got["terms"]["bubble"] == pytest.approx(busy / micro)
-        assert got["seconds"] == pytest.approx(sum(got["terms"].values()))  # "overlapped": the hidden traffic
+        assert got.seconds == pytest.approx(busy * (1 + 1 / micro) + exposed)
+        assert got.terms["bubble"] == pytest.approx(busy / micro)
+        assert got.seconds == pytest.approx(sum(got.terms.values()))  # "overlapped": the hidden traffic
         traffic = t["tensor"] + t["context"] + t["expert"] + t["pipeline"] + t["data"]
-        assert -got["terms"]["overlapped"] == pytest.approx(traffic - (busy - gemms + exposed))
-        assert got["seconds"] < plain["seconds"]
+        assert -got.terms["overlapped"] == pytest.approx(traffic - (busy - gemms + exposed))
+        assert got.seconds < plain.seconds
     with pytest.raises(ValueError, match="overlap: expected some of data, expert, pipeline, tensor, context, got all"):
         Planned(overlap=("all",))
     assert Planned(overlap=("data", "expert")).labels(Layout(1)) == ["overlap (data, expert)"]
@@ -299,7 +299,8 @@ def test_node_limited_dispatch_by_hand():
         layout = Layout(4, ep=4)
         params = [planner.stage_params(cfg, layout, 0)]
         rows = 8 * 128 / 4 * 2  # a DP4 replica's tokens x top-2
-        expert = lambda *a, **k: speed.step_time(cfg, layout, rates, *a, **k)["terms"]["expert"]  # noqa: E731
+        expert = lambda gpus, params, **k: speed.step_time(  # noqa: E731
+            cfg, layout, rates=rates, gpus_per_node=gpus, stage_params=params, **k).terms["expert"]
         # plain: half the rows go to the other node over InfiniBand, a quarter to the node peer
         # over NVLink, the two at once
         assert expert(2, params) == pytest.approx(4 * 3 * max(rows / 2 * H * 2 / 25e9, rows / 4 * H * 2 / 200e9))

@@ -106,12 +106,12 @@ def test_step_terms_by_hand():
     layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
     rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)  # test_latency_by_hand: the messages
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
-    got = speed.step_time(cfg, layout, rates, 4, params)
+    got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params)
     h, k = 64, 2  # tiny: hidden 64, top-2, 4 layers (the first dense), 2 per stage
     assert (cfg.model.hidden_size, cfg.model.moe.topk, cfg.model.num_layers, cfg.model.first_dense) == (h, k, 4, 1)
     tokens = 32 * 1024 / 4  # a DP4 replica's tokens per step: 8192
     micro = 32 // (2 * 4)  # 4 micro-batches per rank
-    assert got["micro_batches"] == micro
+    assert got.micro_batches == micro
     # tensor: stage 1's two MoE layers' attention blocks (5 collectives each: the routed experts
     # go through the dispatcher; tiny has no shared expert) and the output layer (3), each of
     # tokens x h x 2 bytes, half of it on the wire, NVLink (TP2 in a node)
@@ -125,7 +125,7 @@ def test_step_terms_by_hand():
     pipeline = 2 * tokens * h * 2 / 2 / 25e9
     flops = speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none")
     compute = flops / 100e12
-    t = got["terms"]
+    t = got.terms
     assert t["tensor"] == pytest.approx(tensor) and t["expert"] == pytest.approx(expert)
     assert t["pipeline"] == pytest.approx(pipeline) and t["compute"] == pytest.approx(compute)
     # the bubble: (p - 1) / (v m) of the stage's busy time (the memory-bound experts' excess is
@@ -135,8 +135,8 @@ def test_step_terms_by_hand():
     # DP4 ranks TP2 apart and EDP4 ranks EP x ETP = 2 apart both span 8 ranks: across nodes
     data = [2 * 2 * sum(p.values()) * 3 / 4 / 25e9 for p in params]
     assert t["data"] == pytest.approx(max(data))
-    assert got["seconds"] == pytest.approx(sum(t.values()))
-    assert got["tokens_per_s"] == pytest.approx(32 * 1024 / got["seconds"])
+    assert got.seconds == pytest.approx(sum(t.values()))
+    assert got.tokens_per_s == pytest.approx(32 * 1024 / got.seconds)
 
 
 def test_search_ranks_by_estimated_speed_and_lets_ep_cross_nodes():
@@ -145,16 +145,16 @@ def test_search_ranks_by_estimated_speed_and_lets_ep_cross_nodes():
     rule put every such layout last)."""
     cfg = load_config("configs/moe8.yaml")
     slow = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=2, top=100)
-    speeds = [r["speed"]["tokens_per_s"] for r in slow]
+    speeds = [r.speed.tokens_per_s for r in slow]
     assert speeds == sorted(speeds, reverse=True)
     keys = ("tp", "pp", "ep", "etp", "cp", "vpp")  # each layout once, at its fastest setting
-    assert len({tuple(r["layout"][k] for k in keys) for r in slow}) == len(slow)
+    assert len({tuple(getattr(r.layout, k) for k in keys) for r in slow}) == len(slow)
     fast = search.search(cfg, 16, gpu_mem_gib=80, gpus_per_node=2, top=100,
                           rates=speed.Rates(ib_gbs=speed.Rates().nvlink_gbs))
-    assert not fast[0]["ep_inside_node"] or any(not r["ep_inside_node"] for r in fast[:3])
+    assert not fast[0].ep_inside_node or any(not r.ep_inside_node for r in fast[:3])
     # memory still decides what is listed: on 24 GiB GPUs only recompute or small micro-batches fit
     tight = search.search(cfg, 16, gpu_mem_gib=24, gpus_per_node=8, top=100)
-    assert all(r["fits"] for r in tight)
+    assert all(r.fits for r in tight)
 
 
 def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
@@ -164,13 +164,13 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
                                             "model.moe.capacity_factor=null"])
     layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
-    even = speed.step_time(cfg, layout, speed.Rates(), 8, params)
-    busy = speed.step_time(cfg, layout, speed.Rates(), 8, params, imbalance=1.5)
+    even = speed.step_time(cfg, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params)
+    busy = speed.step_time(cfg, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params, imbalance=1.5)
     latency = 1e-5 * (4 + 2 + 1) * 2 * 4 * 1  # the dispatcher's messages do not grow (test_latency_by_hand)
-    assert busy["terms"]["expert"] - latency == pytest.approx(1.5 * (even["terms"]["expert"] - latency))
+    assert busy.terms["expert"] - latency == pytest.approx(1.5 * (even.terms["expert"] - latency))
     tokens = 32 * 1024 / 4
     experts = sum(speed.layer_flops(cfg, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
-    assert (busy["terms"]["compute"] - even["terms"]["compute"]) * speed.Rates().tflops * 1e12 == \
+    assert (busy.terms["compute"] - even.terms["compute"]) * speed.Rates().tflops * 1e12 == \
         pytest.approx(3 * 0.5 * experts)
     # fp32, per MoE layer: the extra half of the rows, tokens·k·etp/tp of them on a rank (TP2, ETP1)
     rows_bytes = 0.5 * tokens * 2 * 1 / 2 * (64 + 3 * 256) * 4
@@ -179,8 +179,8 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
     assert got[1] - got[0] == pytest.approx(2 * rows_bytes * micro_tokens / tokens * in_flight)
     capped = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
                                                "model.moe.capacity_factor=1.25"])
-    assert speed.step_time(capped, layout, speed.Rates(), 8, params, imbalance=1.5)["terms"] == \
-        speed.step_time(capped, layout, speed.Rates(), 8, params)["terms"]
+    assert speed.step_time(capped, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params, imbalance=1.5).terms == \
+        speed.step_time(capped, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params).terms
 
 
 def test_expert_tp_gathers_the_rows_by_hand():
@@ -197,18 +197,18 @@ def test_expert_tp_gathers_the_rows_by_hand():
     for etp in (1, 2):
         layout = Layout(16, tp=2, pp=2, ep=2, etp=etp)
         params = [planner.stage_params(cfg, layout, s) for s in range(2)]
-        terms[etp] = speed.step_time(cfg, layout, rates, 4, params)["terms"]
+        terms[etp] = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params).terms
     tokens, h, k = 32 * 1024 / 4, 64, 2
     gather = 4 * 2 * (tokens * k / 2) * (2 - 1) * h * 2 / 200e9  # stage 1: 2 MoE layers; ETP2 in a node
     assert terms[2]["expert"] - terms[1]["expert"] == pytest.approx(gather)
     assert terms[2]["tensor"] == terms[1]["tensor"]  # sequence parallelism's own collectives are apart
     one = Layout(16, tp=2, pp=2, ep=2, etp=2)
     params = [planner.stage_params(cfg, one, s) for s in range(2)]
-    ms = speed.step_time(cfg, one, speed.Rates(latency_us=1000), 4, params)
-    zero = speed.step_time(cfg, one, speed.Rates(latency_us=0), 4, params)
+    ms = speed.step_time(cfg, one, rates=speed.Rates(latency_us=1000), gpus_per_node=4, stage_params=params)
+    zero = speed.step_time(cfg, one, rates=speed.Rates(latency_us=0), gpus_per_node=4, stage_params=params)
     # per MoE layer and micro-batch: over EP2 (1 peer) and over ETP2 (1 peer) the tokens' 4 and the
     # probabilities' 2 collectives each, and the counts' all-gather over EP x ETP = 4 ranks (3 peers)
-    assert ms["terms"]["expert"] - zero["terms"]["expert"] == pytest.approx(1e-3 * (6 + 6 + 3) * 2 * 4)
+    assert ms.terms["expert"] - zero.terms["expert"] == pytest.approx(1e-3 * (6 + 6 + 3) * 2 * 4)
 
 
 def test_latency_by_hand():
@@ -218,8 +218,8 @@ def test_latency_by_hand():
                                             "model.moe.capacity_factor=null"])
     layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
-    none = speed.step_time(cfg, layout, speed.Rates(latency_us=0), 4, params)["terms"]
-    ms = speed.step_time(cfg, layout, speed.Rates(latency_us=1000), 4, params)["terms"]
+    none = speed.step_time(cfg, layout, rates=speed.Rates(latency_us=0), gpus_per_node=4, stage_params=params).terms
+    ms = speed.step_time(cfg, layout, rates=speed.Rates(latency_us=1000), gpus_per_node=4, stage_params=params).terms
     micro = 4
     # 5 per attention block, 3 for the output layer, 3 all-reduces for the loss's one chunk; TP2: 1 peer
     assert ms["tensor"] - none["tensor"] == pytest.approx(1e-3 * (5 * 2 + 3 + 3) * micro * 1)
@@ -272,22 +272,22 @@ def test_memory_bound_experts_by_hand():
         excess += max(0.0, moved / 2e12 - counter.get_total_flops() / 100e12)
     # stage 1: 2 MoE layers, 2 experts a rank (4 / EP2), 4 micro-batches, forward + 2 backward passes
     want = excess * 2 * 2 * 4 * 3
-    got = speed.step_time(cfg, layout, rates, 4, params)
-    t = got["terms"]
+    got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params)
+    t = got.terms
     assert want > 0 and t["memory"] == pytest.approx(want)
     assert t["bubble"] == pytest.approx((t["compute"] + t["memory"] + t["tensor"] + t["expert"] + t["pipeline"]) / 4)
-    assert got["seconds"] == pytest.approx(sum(t.values()))
+    assert got.seconds == pytest.approx(sum(t.values()))
     # the experts recomputed (selective "moe"): a fourth pass; EP4 gives each expert twice the rows
     again = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
                                                                recompute_modules=("moe",)))
-    assert speed.step_time(again, layout, rates, 4, params)["terms"]["memory"] == pytest.approx(want * 4 / 3)
+    assert speed.step_time(again, layout, rates=rates, gpus_per_node=4, stage_params=params).terms["memory"] == pytest.approx(want * 4 / 3)
     # full recompute of the stage's first layer only (model.recompute_layers 1): 4 + 3 passes
     first = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full", recompute_layers=1))
-    assert speed.step_time(first, layout, rates, 4, params)["terms"]["memory"] == pytest.approx(want * 7 / 6)
+    assert speed.step_time(first, layout, rates=rates, gpus_per_node=4, stage_params=params).terms["memory"] == pytest.approx(want * 7 / 6)
     assert speed.expert_gemm_rows(cfg, Layout(16, tp=2, pp=2, ep=4, etp=1)) == 2048
     # controls: at 10 TB/s these GEMMs are compute-bound (no memory term), and the FLOPs-only
     # compute term is the same either way
-    fast = speed.step_time(cfg, layout, dataclasses.replace(rates, hbm_tbs=10.0), 4, params)["terms"]
+    fast = speed.step_time(cfg, layout, rates=dataclasses.replace(rates, hbm_tbs=10.0), gpus_per_node=4, stage_params=params).terms
     assert fast["memory"] == 0 and fast["compute"] == t["compute"]
 
 
@@ -297,11 +297,11 @@ def test_search_trades_micro_batch_for_memory_bound_experts():
     less often) and the largest EP first (more rows per expert); the control, an HBM that bounds
     nothing, keeps micro-batch 1 and puts plain DP first (the FLOPs alike, the all-to-all not free)."""
     cfg = load_config("configs/tiny.yaml", ["train.global_batch=64", "model.moe.capacity_factor=null"])
-    slow = search.search(cfg, 4, 80, 4, None, speed.Rates(hbm_tbs=0.05, latency_us=0))
-    assert all(r["micro_batch"] == 8 for r in slow[:5]) and slow[0]["layout"]["ep"] == 4
-    free = search.search(cfg, 4, 80, 4, None, speed.Rates(hbm_tbs=1e6, latency_us=0))
-    assert all(r["micro_batch"] == 1 for r in free[:5]) and free[0]["layout"]["ep"] == 1
-    assert all(r["speed"]["terms"]["memory"] == 0 for r in free)
+    slow = search.search(cfg, 4, gpu_mem_gib=80, gpus_per_node=4, top=None, rates=speed.Rates(hbm_tbs=0.05, latency_us=0))
+    assert all(r.micro_batch == 8 for r in slow[:5]) and slow[0].layout.ep == 4
+    free = search.search(cfg, 4, gpu_mem_gib=80, gpus_per_node=4, top=None, rates=speed.Rates(hbm_tbs=1e6, latency_us=0))
+    assert all(r.micro_batch == 1 for r in free[:5]) and free[0].layout.ep == 1
+    assert all(r.speed.terms["memory"] == 0 for r in free)
 
 
 def test_attention_rate_and_fixed_layer_time_by_hand():
@@ -315,17 +315,17 @@ def test_attention_rate_and_fixed_layer_time_by_hand():
     layout, s, tokens, micro = Layout(16, tp=2, pp=2, ep=2, etp=1), 1024, 32 * 1024 / 4, 4
     base = dict(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
     params = [planner.stage_params(cfg, layout, st) for st in range(2)]
-    plain = speed.step_time(cfg, layout, speed.Rates(**base), 4, params)
-    got = speed.step_time(cfg, layout, speed.Rates(**base, attention_tflops=25, layer_ms=2.0), 4, params)
+    plain = speed.step_time(cfg, layout, rates=speed.Rates(**base), gpus_per_node=4, stage_params=params)
+    got = speed.step_time(cfg, layout, rates=speed.Rates(**base, attention_tflops=25, layer_ms=2.0), gpus_per_node=4, stage_params=params)
     scores = 3 * 2 * (2 * tokens * s * (64 + 64) / 2 / 2)  # 3 passes, 2 layers: QKᵀ and AV (64 wide each), half, / TP
     assert speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none", scores_only=True) == scores
-    t, p = got["terms"], plain["terms"]
+    t, p = got.terms, plain.terms
     assert t["compute"] == pytest.approx(p["compute"] - scores / 100e12 + scores / 25e12)
     assert t["fixed"] == pytest.approx(2.0e-3 * micro * 2) and p["fixed"] == 0
     assert {k: v for k, v in t.items() if k not in ("compute", "fixed", "bubble")} == \
         {k: v for k, v in p.items() if k not in ("compute", "fixed", "bubble")}
     busy = t["compute"] + t["memory"] + t["fixed"] + t["tensor"] + t["expert"] + t["pipeline"]
-    assert t["bubble"] == pytest.approx(busy / micro) and got["seconds"] == pytest.approx(sum(t.values()))
+    assert t["bubble"] == pytest.approx(busy / micro) and got.seconds == pytest.approx(sum(t.values()))
     # full recompute does the scores again once: 4 passes
     full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full"))
     assert speed.stage_flops(full, planner.model_shape(full, layout), 1, tokens, 2, "full", scores_only=True) \
@@ -342,13 +342,13 @@ def test_fp8_speedup_scales_the_gemms_not_a_separate_attention_rate():
     for precision in ("fp8", "bf16"):
         cfg = load_config("configs/tiny.yaml", [*sets, f"precision={precision}"])
         params = [planner.stage_params(cfg, layout, st) for st in range(2)]
-        compute = {k: speed.step_time(cfg, layout, speed.Rates(**base, fp8_speedup=k), 4, params)["terms"]["compute"]
+        compute = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k), gpus_per_node=4, stage_params=params).terms["compute"]
                    for k in (2.0, 1.25)}
         assert compute[1.25] == pytest.approx(compute[2.0] * (2 / 1.25 if precision == "fp8" else 1))
     scores = speed.stage_flops(cfg := load_config("configs/tiny.yaml", [*sets, "precision=fp8"]),
                                planner.model_shape(cfg, layout), 1, 32 * 1024 / 4, 2, "none", scores_only=True)
     params = [planner.stage_params(cfg, layout, st) for st in range(2)]
-    split = {k: speed.step_time(cfg, layout, speed.Rates(**base, fp8_speedup=k, attention_tflops=50), 4, params)
-             ["terms"]["compute"] for k in (2.0, 1.25)}
+    split = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k, attention_tflops=50), gpus_per_node=4, stage_params=params)
+             .terms["compute"] for k in (2.0, 1.25)}
     gemms = {k: split[k] - scores / 50e12 for k in split}  # the rest scales, the scores do not
     assert gemms[1.25] == pytest.approx(gemms[2.0] * 2 / 1.25)

@@ -100,10 +100,10 @@ def test_a_stage_without_decoder_layers_is_planned_not_trained(tmp_path):
         message = error(tmp_path, [*pp3, f"parallel.layout={text}"], world=3)
         assert f"parallel.layout: '{text}': entry {entry} holds no decoder layer" in message
         cfg = load_config("configs/tiny.yaml", [*pp3, f"parallel.layout={text}"])
-        assert "stages without decoder layers" in plan(cfg, Layout(3, pp=3), 80)["planned_only"]
+        assert "stages without decoder layers" in plan(cfg, Layout(3, pp=3), gpu_mem_gib=80).planned_only
     check(tmp_path, [*pp3, "parallel.layout=Et*3|t|tL"], world=3)
     cfg = load_config("configs/tiny.yaml", [*pp3, "parallel.layout=Et*3|t|tL"])
-    assert "stages without decoder layers" not in plan(cfg, Layout(3, pp=3), 80)["planned_only"]
+    assert "stages without decoder layers" not in plan(cfg, Layout(3, pp=3), gpu_mem_gib=80).planned_only
 
 
 def test_tokenizer_larger_than_vocab_and_core_bundle(tmp_path):

@@ -41,6 +41,8 @@ Modules:
                   project configures it (megatron_kappa.parallel.engine.ds_config): weights,
                   gradients at their two peaks, the fp32 master copy, the optimizer moments and the
                   reduce bucket
+  tables.py       docs/plan.md's tables of the published runs, generated from their plans
+                  (`--published`)
   units.py        Units the planner counts in: GiB, and the bytes of one value in a precision
 """
 from __future__ import annotations

@@ -74,6 +74,9 @@ def main(argv=None) -> int:
                     help="plan each published frontier run at its layout and settings (plan.published)")
     ap.add_argument("--rank", action="store_true",
                     help="with --published: also rank each run among --search's layouts (a search each: about two minutes for all eight)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="with --published: docs/plan.md's tables of the runs at 80 GiB, 8 GPUs a node (plan.tables; "
+                         "with --rank, their search positions)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (--search, --rank)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
@@ -83,9 +86,12 @@ def main(argv=None) -> int:
                                 ("--set", args.set)) if v]
         if given:
             ap.error(f"--published plans each run at its own config, world and settings: leave out {', '.join(given)}")
+        if args.markdown:
+            from plan import tables
+            return tables.main(["--print"] + ["--no-rank"] * (not args.rank) + ["--no-progress"] * args.no_progress)
         return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank, not args.no_progress)
-    if args.rank:
-        ap.error("--rank goes with --published")
+    if args.rank or args.markdown:
+        ap.error(f"--{'rank' if args.rank else 'markdown'} goes with --published")
     for name in ("config", "world"):
         if getattr(args, name) is None:
             ap.error(f"--{name} is required (but with --published)")

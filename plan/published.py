@@ -48,6 +48,7 @@ class Published:
     imbalance: float = 1.0  # the busiest EP rank's routed rows over the average as planned (1: forced balance)
     measured_tflops_dropless: float | None = None  # the same run's TFLOP/s with the experts' load as routed
     group: str = "report"
+    table: str = ""  # the row's words in docs/plan.md's generated table (plan.tables)
 
 
 # YAML key -> (Published field, what the value must be)
@@ -57,7 +58,7 @@ KEYS = {"name": ("name", "text"), "group": ("group", "text"), "config": ("config
         "measured_s": ("measured_s", "number"), "measured_tflops": ("measured_tflops", "number"),
         "measured_tokens_per_gpu_s": ("measured_tokens_per_gpu_s", "number"),
         "measured_tflops_dropless": ("measured_tflops_dropless", "number"),
-        "open_vpp": ("open_vpp", "flag"), "imbalance": ("imbalance", "number")}
+        "open_vpp": ("open_vpp", "flag"), "imbalance": ("imbalance", "number"), "table": ("table", "text")}
 REQUIRED = ("name", "group", "config", "layout", "set", "source")
 KINDS = {"text": lambda v: isinstance(v, str) and v.strip() != "", "mapping": lambda v: isinstance(v, dict),
          "list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),

@@ -14,7 +14,8 @@ Modules:
   kappa/        κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the router
                 logit
   metrics/      What a run reports: metrics.jsonl and TensorBoard, κ and router statistics, the
-                paper's analyses per MoE layer, the SoftMoE budgets and the throughput
+                paper's analyses per MoE layer and the throughput (a router's own metrics, SoftMoE's
+                budgets, come from its registry entry)
   model/        The model: config → megatron-core TransformerConfig and layer specs → GPTModel
   optim/        The optimizers: the parameter groups, AdamW or Muon/Aurora under DeepSpeed's ZeRO,
                 and every group's learning-rate and weight-decay schedule (`python -m

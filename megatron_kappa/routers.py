@@ -3,9 +3,9 @@ adds one at run time).
 
   softmax   top-k of a softmax with megatron's Switch aux loss (the paper).
   sigmoid   top-k of a sigmoid balanced without an aux loss by a non-trained expert bias, moved
-            after every optimizer step (Trinity; megatron_kappa.parallel.grads.update_expert_bias).
+            after every optimizer step (Trinity).
   softmoe   truncated LapSum soft top-k with learned per-layer budgets: a variable number of
-            experts per token (docs/softmoe.md; megatron_kappa.model.softmoe).
+            experts per token (docs/softmoe.md).
 
 Everything that depends on the router kind asks its entry (`lookup(cfg.model.moe.router)`), and
 nothing else compares the router's name:
@@ -15,36 +15,83 @@ nothing else compares the router's name:
                      eval.capacity_factor (`capacity`), model.moe.seq_aux_loss (`seq_aux_loss`)
   model.build        megatron's TransformerConfig values (`megatron`), the router and MoE-layer
                      classes (`router`, `layer`; κ on or off)
-  config.checks      also pipeline stages (`pipeline_refusal`);  plan: the planner (`planned`)
+  config.checks      also pipeline stages (`pipeline_refusal`);  plan/: the planner (`planned`)
   train.loop         the after-step hook (`after_step`), the logged metrics (`metrics`)
   export             the score function the exported models run (`hf_score`), or why a model
                      routed by it is refused (`export_refusal`)
   bench/throughput   one device's default dispatcher (sorted, for a `topk` router)
 
-Torch-free, like the config, the preflight and the planner that read it; it imports no module of
-this package. The built-in routers' pieces that live in later stages (model classes, the expert-
-bias update, the SoftMoE metrics) are named "module:attribute" (`_late`) and imported when the
-stage that owns them calls them (build_model, the training loop), never when this module or the
-config is imported. A router registered at run time gives its callables themselves.
+An entry holds two kinds of thing. Its facts (the help line, megatron's settings, the config
+rules, top-k or not, capacity, pipeline stages, the planner, the export) are data and torch-free
+functions, written here. Its pieces (the router and MoE-layer classes, the after-step hook, the
+metrics) need torch and megatron-core. A built-in router's pieces live in one module per router,
+megatron_kappa/model/routers/<name>.py, which imports this module and hands them over when it is
+imported (`implement`); the entry here holds a placeholder for each (`Given`) that calls what was
+handed over. Every arrow points down: this module imports nothing of the package and names no
+module of a later stage, in an import or in a string. Why this design:
+- The facts stay here because the config, the preflight and the planner read them for every
+  router, built-in or not, without importing torch (tests/test_routers.py checks it).
+- The pieces sit in model/ (the model's stage), one module per router, because build_model, the
+  only caller of `router` and `layer`, imports megatron_kappa.model.routers: they are handed over
+  before anything asks for them. The after-step hook and the metrics are called by the training
+  loop after build_model, so they live in the same module (sigmoid's expert-bias update needs only
+  megatron's parallel_state; SoftMoE's metrics read its routers' counters): one module holds all
+  of a router's pieces.
+- Placeholders, not an entry rewritten at import: an entry copied by dataclasses.replace before
+  its module was imported (a test deriving a router from softmax's) still reaches the pieces, and
+  one called too early says so in one line.
+- Rejected: "module:attribute" strings imported at first call (this module's former `_late`) and
+  imports inside functions are arrows from this stage up to model/, parallel/ and metrics/ that a
+  reader does not see where the piece is; one registry per stage (facts here, classes in model/,
+  hooks in train/) would make a new router several registrations.
+A router registered at run time gives its pieces themselves: one `register(name, Router(...))`.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 DEFAULT = "softmax"  # the paper's; the config's default
+_HANDED: dict[tuple[str, str], Callable] = {}  # (router, piece) → what its module handed over
 
 
-def _late(ref: str) -> Callable:
-    """A callable standing for `module:attribute`, imported at its first call."""
-    module, _, attr = ref.partition(":")
+class Given:
+    """A built-in router's piece that its module (megatron_kappa/model/routers/<router>.py) hands
+    over when imported (`implement`); calling it calls that."""
 
-    def call(*args, **kwargs):
-        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
-    call.ref = ref  # tests/test_routers.py resolves every one of them
-    call.__name__ = call.__qualname__ = attr
-    return call
+    def __init__(self, router: str, piece: str):
+        self.router, self.piece = router, piece
+
+    def __call__(self, *args, **kwargs):
+        handed = _HANDED.get((self.router, self.piece))
+        if handed is None:
+            raise RuntimeError(f"model.moe.router: {self.router}: its {self.piece} comes from "
+                               f"model/routers/{self.router}.py, which is not imported yet (build_model imports it)")
+        return handed(*args, **kwargs)
+
+    def __eq__(self, other):
+        return isinstance(other, Given) and (self.router, self.piece) == (other.router, other.piece)
+
+    def __hash__(self):
+        return hash((self.router, self.piece))
+
+    def __repr__(self):
+        return f"Given({self.router!r}, {self.piece!r})"
+
+
+def implement(name: str, **pieces: Callable):
+    """Hand over the pieces of the built-in router `name` that its entry leaves to its module
+    (called once, by that module, when it is imported)."""
+    router = lookup(name)
+    for piece, handed in pieces.items():
+        if getattr(router, piece, None) != Given(name, piece) or not callable(handed):
+            raise ValueError(f"model.moe.router: {name}: {piece} is not a piece its entry leaves to its module")
+        _HANDED[(name, piece)] = handed
+
+
+def given(router: "Router") -> dict[str, Optional[Callable]]:
+    """{piece: what was handed over for it, None while not} of `router`'s placeholders (tests)."""
+    return {f: _HANDED.get((v.router, v.piece)) for f, v in vars(router).items() if isinstance(v, Given)}
 
 
 def _topk(moe) -> float:
@@ -54,7 +101,8 @@ def _topk(moe) -> float:
 @dataclass(frozen=True)
 class Router:
     """A `model.moe.router` kind. `cfg` is a megatron_kappa.config.Config, `moe` its
-    model.moe section (MoEConfig)."""
+    model.moe section (MoEConfig). A built-in's `router`, `layer`, `after_step` and `metrics` are
+    `Given` placeholders; a router registered at run time gives the callables."""
     help: str  # docs/config.md: "<name> <what it is>" (model.moe.router's help lists them all)
     # cfg → megatron TransformerConfig values for the MoE layers beyond those model.build sets for
     # every router: at least moe_router_score_function and the load-balancing settings
@@ -72,7 +120,7 @@ class Router:
     topk: bool = True  # runs exactly model.moe.topk experts per token (the sorted dispatcher needs it)
     capacity: bool = True  # megatron's expert capacity applies: tokens can drop (eval.capacity_factor)
     pipeline_refusal: Optional[str] = None  # why it cannot be split over pipeline stages ("<name> ...")
-    planned: bool = True  # the memory planner (megatron_kappa.plan) models it
+    planned: bool = True  # the memory planner (plan/) models it
     seq_aux_loss: bool = False  # its megatron settings take model.moe.seq_aux_loss (a sequence-wise balance loss)
     # the export: the score function the exported models run for it (transformers' classes and
     # modeling_kappa_moe.py's router_score): "softmax" over the top-k logits, or "sigmoid" scores
@@ -133,8 +181,7 @@ def router_help() -> str:
 
 # --- the built-in routers -----------------------------------------------------------------------
 
-_topk_router = _late("megatron_kappa.model.build:topk_router")
-_topk_layer = _late("megatron_kappa.model.build:topk_layer")
+# each one's pieces: megatron_kappa/model/routers/<name>.py (`implement`)
 
 
 def _softmax_megatron(cfg) -> dict:
@@ -151,12 +198,15 @@ def _sigmoid_megatron(cfg) -> dict:
                 moe_router_bias_update_rate=cfg.model.moe.bias_update_rate)
 
 
-_update_expert_bias = _late("megatron_kappa.parallel.grads:update_expert_bias")
-
-
-def _sigmoid_after_step(model, cfg):
-    """The global batch's token counts move each router's expert bias toward balance."""
-    _update_expert_bias(model, cfg.model.moe.bias_update_rate)
+def _softmoe_megatron(cfg) -> dict:
+    """TransformerConfig values for SoftMoE layers. megatron's own top-k, balancing loss and
+    capacity are not used (model/softmoe.py); `moe_router_topk` is the cap, which bounds what
+    megatron sizes by it."""
+    moe = cfg.model.moe
+    return dict(moe_router_topk=moe.softmoe.max_experts or moe.num_experts,
+                moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=moe.aux_loss,
+                moe_router_topk_scaling_factor=None, moe_expert_capacity_factor=None)
 
 
 def _softmoe_budget(moe) -> float:
@@ -178,18 +228,15 @@ def _softmoe_rules(moe, need):
 
 
 register("softmax", Router(help="softmax top-k with aux loss (paper)", megatron=_softmax_megatron,
-                           router=_topk_router, layer=_topk_layer, hf_score="softmax"))
+                           router=Given("softmax", "router"), layer=Given("softmax", "layer"),
+                           hf_score="softmax"))
 register("sigmoid", Router(help="sigmoid with an aux-loss-free bias (Trinity)", megatron=_sigmoid_megatron,
-                           router=_topk_router, layer=_topk_layer, after_step=_sigmoid_after_step,
-                           seq_aux_loss=True, hf_score="sigmoid"))
+                           router=Given("sigmoid", "router"), layer=Given("sigmoid", "layer"),
+                           after_step=Given("sigmoid", "after_step"), seq_aux_loss=True, hf_score="sigmoid"))
 register("softmoe", Router(
     help="softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)",
-    # megatron's own top-k, balancing loss and capacity are not used (model/softmoe.py)
-    megatron=_late("megatron_kappa.model.softmoe:megatron_kwargs"),
-    router=_late("megatron_kappa.model.build:softmoe_router"),
-    layer=_late("megatron_kappa.model.build:softmoe_layer"),
-    metrics=_late("megatron_kappa.metrics.softmoe:softmoe_stats"),
-    active_experts=_softmoe_budget, validate=_softmoe_rules, topk=False, capacity=False,
+    megatron=_softmoe_megatron, router=Given("softmoe", "router"), layer=Given("softmoe", "layer"),
+    metrics=Given("softmoe", "metrics"), active_experts=_softmoe_budget, validate=_softmoe_rules, topk=False, capacity=False,
     pipeline_refusal="shares one expert budget over all MoE layers, which pipeline stages split",
     planned=False, export_refusal="the export does not implement the SoftMoE router (its variable experts per "
                                   "token and learned budgets); export a top-k router's run"))

@@ -13,7 +13,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
-from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, reduce_data_parallel_grads, update_expert_bias
+from megatron_kappa.model.routers.sigmoid import update_expert_bias
+from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks, reduce_data_parallel_grads
 from megatron_kappa.parallel.groups import current_device
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3

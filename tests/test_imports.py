@@ -117,7 +117,6 @@ def test_no_module_imports_a_later_stage():
     assert upward_imports(package_sources(), how=("imports",)) == []
 
 
-@pytest.mark.xfail(strict=True, reason="routers.py late strings: being removed by the router-registry change")
 def test_no_string_named_upward_import():
     assert upward_imports(package_sources(), how=("names",)) == []
 
@@ -229,38 +228,10 @@ def circles(modules: dict[str, str]) -> list[str]:
     return [circle_line(modules, part) for part in tangles(modules)]
 
 
-# Tangles being untied by other work of issue 51; a tangle found inside one of these is tolerated
-# until then (test_no_import_circles), and test_the_tangle_is_untied fails as soon as one is gone:
-# then drop its entry here and its xfail mark.
-ROUTERS_LATE = ["megatron_kappa.config", "megatron_kappa.config.checks", "megatron_kappa.config.loading",
-                "megatron_kappa.config.presets", "megatron_kappa.config.ranges", "megatron_kappa.config.reference",
-                "megatron_kappa.config.schema", "megatron_kappa.model.build", "megatron_kappa.model.experts",
-                "megatron_kappa.model.fp8", "megatron_kappa.model.layout", "megatron_kappa.model.mla",
-                "megatron_kappa.model.nanochat", "megatron_kappa.routers"]
-UNTYING = {"routers": ROUTERS_LATE}
-
-
 def test_no_import_circles():
-    """The package and the first-party packages beside it: no circle outside UNTYING's."""
-    modules = first_party_sources()
-    new = [circle_line(modules, part) for part in tangles(modules)
-           if not any(set(part) <= set(tangle) for tangle in UNTYING.values())]
-    assert new == []
-
-
-@pytest.mark.parametrize("tangle", [
-    pytest.param("routers", marks=pytest.mark.xfail(strict=True, reason=(
-        "routers.py late strings, being removed by the router-registry change: megatron_kappa.config -> "
-        "megatron_kappa.config.checks -> megatron_kappa.routers ~> megatron_kappa.model.build -> "
-        "megatron_kappa.config (tangled with it: megatron_kappa.config.loading, megatron_kappa.config.presets, "
-        "megatron_kappa.config.ranges, megatron_kappa.config.reference, megatron_kappa.config.schema, "
-        "megatron_kappa.model.experts, megatron_kappa.model.fp8, megatron_kappa.model.layout, "
-        "megatron_kappa.model.mla, megatron_kappa.model.nanochat)"))),
-])
-def test_the_tangle_is_untied(tangle):
-    modules = first_party_sources()
-    found = [circle_line(modules, part) for part in tangles(modules) if set(part) & set(UNTYING[tangle])]
-    assert found == []
+    """The package and the first-party packages beside it: no circle (the last tangle, routers.py's
+    late strings into model/build, is untied: model/routers/ hands the pieces down)."""
+    assert circles(first_party_sources()) == []
 
 
 def test_the_check_finds_a_circle():

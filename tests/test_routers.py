@@ -1,7 +1,6 @@
 """The router registry (megatron_kappa.routers): a router kind added at run time trains through the
 unchanged training loop, and the registry stays torch-free and points at code that exists."""
 import dataclasses
-import importlib
 import json
 from functools import partial
 from pathlib import Path
@@ -140,16 +139,26 @@ def test_the_callers_queries_follow_the_registry(softmax_t):
         check(cfg, Layout(2))
 
 
-def test_every_late_reference_resolves():
-    """The built-in routers name their model, parallel and training pieces as strings: each one
-    exists (a moved file fails here, not in a training run)."""
-    refs = {getattr(v, "ref") for v in vars(routers).values() if hasattr(v, "ref")}
-    for router in routers.ROUTERS.values():
-        refs |= {getattr(v, "ref") for v in vars(router).values() if hasattr(v, "ref")}
-    assert len(refs) == 7, refs
-    for ref in sorted(refs):
-        module, _, attr = ref.partition(":")
-        assert callable(getattr(importlib.import_module(module), attr)), ref
+def test_every_built_in_piece_is_handed_over_by_its_module():
+    """The built-in routers' entries leave their torch pieces to one module each
+    (megatron_kappa/model/routers/<name>.py), which imports the registry, never the other way:
+    importing that package hands every one over, each by its own router's module (a moved or
+    missing piece fails here, not in a training run). Negative controls: a piece nobody handed
+    over says so in one line, and a module cannot hand over what its entry does not leave to it."""
+    import megatron_kappa.model.routers  # noqa: F401
+    handed = {name: routers.given(routers.lookup(name)) for name in ("softmax", "sigmoid", "softmoe")}
+    assert {name: sorted(pieces) for name, pieces in handed.items()} == {
+        "softmax": ["layer", "router"], "sigmoid": ["after_step", "layer", "router"],
+        "softmoe": ["layer", "metrics", "router"]}
+    for name, pieces in handed.items():
+        for piece, fn in pieces.items():
+            assert callable(fn) and fn.__module__ in ("megatron_kappa.model.routers." + name,
+                                                      "megatron_kappa.model.routers.softmax"), (name, piece, fn)
+    with pytest.raises(RuntimeError, match=r"^model\.moe\.router: softmax: its after_step comes from "
+                                           r"model/routers/softmax\.py, which is not imported yet"):
+        routers.Given("softmax", "after_step")(None, None)
+    with pytest.raises(ValueError, match="softmax: after_step is not a piece its entry leaves to its module"):
+        routers.implement("softmax", after_step=print)
 
 
 def test_the_registry_and_the_config_import_no_torch():

@@ -18,7 +18,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
 from megatron_kappa.model.softmoe import CLAMP, Allocation, link_budgets, softmoe_routers
-from megatron_kappa.metrics.softmoe import softmoe_stats
+from megatron_kappa.model.routers.softmoe import softmoe_stats
 from moe_reference import expert_grads, layer_weights
 from test_lapsum import reference as lapsum_reference
 

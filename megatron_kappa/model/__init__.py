@@ -30,6 +30,9 @@ Modules:
   norms.py             The norms of the layer spec: torch's RMSNorm, usable with sequence
                        parallelism
   params.py            Which parameters are which: one predicate per kind, by name
+  routers/             The built-in routers' pieces that need torch, one module per router, each
+                       handing its own to the router registry (megatron_kappa.routers.implement)
+                       when imported
   softmoe.py           The SoftMoE router (arXiv 2606.17952, reconstructed: docs/softmoe.md): a
                        truncated LapSum soft top-k whose per-layer mean number of active experts k_l
                        is learned under a global budget

@@ -18,11 +18,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, g
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+import megatron_kappa.model.routers  # noqa: F401  (hands the built-in routers' classes to the registry)
 from megatron_kappa import routers
 from megatron_kappa.config import Config, ModelConfig
 from megatron_kappa.kappa import KappaSettings
@@ -34,11 +34,8 @@ from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
 from megatron_kappa.config import recompute as selective
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
 from megatron_kappa.model import fp8, init, nanochat, softmoe
-from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 from megatron_kappa.model.norms import SPTorchNorm
-from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 from megatron_kappa.model.virtual_stages import VirtualStages
 
 
@@ -203,24 +200,6 @@ def router_spec(cfg: Config):
     return routers.lookup(cfg.model.moe.router).router(cfg, kappa)
 
 
-def topk_router(cfg: Config, kappa: KappaSettings | None):
-    """The router of the top-k kinds (softmax, sigmoid): megatron's TopKRouter (the stock spec's),
-    ZLossRouter for the authors' z-loss, or KappaRouter, which also hands on the logit, for κ
-    experts."""
-    moe = cfg.model.moe
-    z_loss = ZLoss(moe.z_loss_form, moe.z_loss_input_grad_scale)
-    if kappa is not None:
-        return partial(KappaRouter, kappa=kappa, z_loss=z_loss)
-    return TopKRouter if z_loss == ZLoss() else partial(ZLossRouter, z_loss=z_loss)
-
-
-def softmoe_router(cfg: Config, kappa: KappaSettings | None):
-    """The SoftMoE router, with the logit channel for κ experts."""
-    if kappa is None:
-        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(cfg))
-    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(cfg), kappa=kappa)
-
-
 def experts_spec(cfg: Config, stock: MoESubmodules, device):
     """The experts: grouped GEMMs (FP8 or not) or megatron's per-expert loop, with κ-SwiGLU or
     plain SwiGLU."""
@@ -240,20 +219,6 @@ def moe_layer_spec(cfg: Config, stock: MoESubmodules, device):
     layer = routers.lookup(cfg.model.moe.router).layer(cfg, cfg.model.kappa.enabled)
     return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg),
                                                    shared_experts=stock.shared_experts))
-
-
-def topk_layer(cfg: Config, kappa: bool):
-    """The MoE layer of the top-k kinds: the sorted dispatcher's (it moves the logit channel like
-    the probabilities), or megatron's, whose dispatcher the κ layer swaps for one that carries the
-    logit."""
-    if cfg.model.moe.dispatcher == "sorted":
-        return SortedMoELayer
-    return KappaMoELayer if kappa else MoELayer
-
-
-def softmoe_layer(cfg: Config, kappa: bool):
-    """The SoftMoE layer: a variable number of experts per token (the logit carried for κ)."""
-    return partial(SoftMoELayer, carry_logit=kappa)
 
 
 def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,

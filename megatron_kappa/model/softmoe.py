@@ -53,16 +53,6 @@ def softmoe_settings(cfg) -> SoftMoESettings:
                            route_scale=moe.route_scale)
 
 
-def megatron_kwargs(cfg) -> dict:
-    """TransformerConfig values for SoftMoE layers. megatron's own top-k, balancing loss and
-    capacity are not used; `moe_router_topk` is the cap, which bounds what megatron sizes by it."""
-    moe = cfg.model.moe
-    return dict(moe_router_topk=moe.softmoe.max_experts or moe.num_experts,
-                moe_router_score_function="softmax", moe_router_pre_softmax=True,
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=moe.aux_loss,
-                moe_router_topk_scaling_factor=None, moe_expert_capacity_factor=None)
-
-
 class Allocation:
     """k [L] for the L SoftMoE layers of one model, from their routers' θ (differentiable).
 

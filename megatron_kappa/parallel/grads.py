@@ -9,15 +9,12 @@ plain loop in tests), so they are named here:
   reduce_data_parallel_grads
       dense params: average over DP; expert params (incl. κ's α and b): sum over expert-DP,
       divide by DP. (DeepSpeed's job when it drives training; the parity tests use it)
-  update_expert_bias
-      the aux-loss-free router bias: token counts summed over TP×DP, bias += rate · sign(mean − count).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
 from megatron_kappa.model.params import is_expert
 
@@ -70,22 +67,3 @@ def reduce_data_parallel_grads(model, skip_expert_data_parallel: bool = False):
     _all_reduce_flat(dense, parallel_state.get_data_parallel_group(), scale=1.0 / dp)
     if not skip_expert_data_parallel:
         _all_reduce_flat(expert, parallel_state.get_expert_data_parallel_group(), scale=1.0 / dp)
-
-
-def routers_with_expert_bias(model):
-    return [m for m in model.modules()
-            if getattr(m, "expert_bias", None) is not None and hasattr(m, "local_tokens_per_expert")]
-
-
-@torch.no_grad()
-def update_expert_bias(model, rate: float):
-    """After each optimizer step (the global batch), move each router's bias toward balance."""
-    routers = routers_with_expert_bias(model)
-    if not routers:
-        return
-    counts = torch.stack([r.local_tokens_per_expert for r in routers])
-    biases = torch.stack([r.expert_bias for r in routers])
-    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    for router, bias in zip(routers, get_updated_expert_bias(counts, biases, rate, group)):
-        router.expert_bias.copy_(bias)
-        router.local_tokens_per_expert.zero_()

@@ -1,4 +1,6 @@
-"""SoftMoE metrics for metrics.jsonl (logging steps only; one all-reduce for all layers).
+"""The SoftMoE router's pieces (megatron_kappa.routers' `softmoe` entry): its router (with the
+logit channel for κ experts), the MoE layer that runs a variable number of experts per token,
+and its metrics for metrics.jsonl (logging steps only; one all-reduce for all layers).
 
 Per SoftMoE layer N (the decoder layer index, as in the κ metrics):
   softmoe/layerN/k             k_l, the layer's learned mean number of active experts
@@ -12,25 +14,42 @@ its own tokens. A window with cap hits also prints a warning line (rank 0).
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron_kappa.model.softmoe import softmoe_routers
+from megatron_kappa import routers
+from megatron_kappa.config import Config
+from megatron_kappa.kappa import KappaSettings
+from megatron_kappa.model import softmoe
+from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
+
+
+def softmoe_router(cfg: Config, kappa: KappaSettings | None):
+    """The SoftMoE router, with the logit channel for κ experts."""
+    if kappa is None:
+        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(cfg))
+    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(cfg), kappa=kappa)
+
+
+def softmoe_layer(cfg: Config, kappa: bool):
+    """The SoftMoE layer: a variable number of experts per token (the logit carried for κ)."""
+    return partial(SoftMoELayer, carry_logit=kappa)
 
 
 def softmoe_stats(model, device: torch.device) -> dict:
-    routers = softmoe_routers(model)
-    if not routers:
+    layers = softmoe.softmoe_routers(model)  # [(decoder layer index, SoftMoE router)]
+    if not layers:
         return {}
-    counts = torch.stack([r.pop_counts(device) for _, r in routers])  # [L, E + 2]
+    counts = torch.stack([r.pop_counts(device) for _, r in layers])  # [L, E + 2]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
     counts = counts.cpu().double()
-    k = routers[0][1]._allocation.k().detach().cpu().double()
+    k = layers[0][1]._allocation.k().detach().cpu().double()
     E = counts.shape[1] - 2
     out, hits = {}, []
-    for (index, _), row, k_l in zip(routers, counts, k):
+    for (index, _), row, k_l in zip(layers, counts, k):
         tokens = row[: E + 1].sum().clamp_min(1.0)
         hist = row[: E + 1] / tokens
         prefix = f"softmoe/layer{index}"
@@ -41,8 +60,11 @@ def softmoe_stats(model, device: torch.device) -> dict:
         if row[E + 1] > 0:
             hits.append(f"layer {index}: {out[f'{prefix}/cap_hits']:.2%}")
     out["softmoe/k_mean"] = k.mean().item()
-    out["softmoe/active_mean"] = sum(out[f"softmoe/layer{i}/active_mean"] for i, _ in routers) / len(routers)
+    out["softmoe/active_mean"] = sum(out[f"softmoe/layer{i}/active_mean"] for i, _ in layers) / len(layers)
     if hits and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"warning: SoftMoE tokens over model.moe.softmoe.max_experts ({routers[0][1].settings.max_experts}), "
+        print(f"warning: SoftMoE tokens over model.moe.softmoe.max_experts ({layers[0][1].settings.max_experts}), "
               f"kept its largest weights: {', '.join(hits)}", file=sys.stderr, flush=True)
     return out
+
+
+routers.implement("softmoe", router=softmoe_router, layer=softmoe_layer, metrics=softmoe_stats)

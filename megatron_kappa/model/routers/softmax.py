@@ -1,0 +1,38 @@
+"""The softmax router's pieces (megatron_kappa.routers' `softmax` entry): megatron's top-k router,
+or its z-loss or κ subclass, in megatron's MoE layer or the sorted one; the sigmoid router uses
+the same two (model/routers/sigmoid.py)."""
+from __future__ import annotations
+
+from functools import partial
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_kappa import routers
+from megatron_kappa.config import Config
+from megatron_kappa.kappa import KappaSettings
+from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
+from megatron_kappa.model.sorted_dispatch import SortedMoELayer
+
+
+def topk_router(cfg: Config, kappa: KappaSettings | None):
+    """The router of the top-k kinds (softmax, sigmoid): megatron's TopKRouter (the stock spec's),
+    ZLossRouter for the authors' z-loss, or KappaRouter, which also hands on the logit, for κ
+    experts."""
+    moe = cfg.model.moe
+    z_loss = ZLoss(moe.z_loss_form, moe.z_loss_input_grad_scale)
+    if kappa is not None:
+        return partial(KappaRouter, kappa=kappa, z_loss=z_loss)
+    return TopKRouter if z_loss == ZLoss() else partial(ZLossRouter, z_loss=z_loss)
+
+
+def topk_layer(cfg: Config, kappa: bool):
+    """The MoE layer of the top-k kinds: the sorted dispatcher's (it moves the logit channel like
+    the probabilities), or megatron's, whose dispatcher the κ layer swaps for one that carries the
+    logit."""
+    if cfg.model.moe.dispatcher == "sorted":
+        return SortedMoELayer
+    return KappaMoELayer if kappa else MoELayer
+
+
+routers.implement("softmax", router=topk_router, layer=topk_layer)

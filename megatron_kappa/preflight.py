@@ -6,8 +6,8 @@ a one-line ConfigError naming the key or file and what was expected. It checks w
 alone cannot (megatron_kappa.config.validate does the rest): the world size the launcher gives
 against the parallel layout and batch sizes, the precision against what is installed, the data
 files (index magic, truncated shards, empty train/valid splits that would hang megatron-core's
-dataset builder), the tokenizer against the vocabulary, the CORE bundle, the init weights, and a
-checkpoint to resume against the layout.
+dataset builder), documents that start with BOS for data.packing: bestfit, the tokenizer against
+the vocabulary, the CORE bundle, the init weights, and a checkpoint to resume against the layout.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, ModelConfig, stage_layout, to_dict
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
+from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import largest_token_id, read_index
 from megatron_kappa.parallel import launch_env
@@ -141,6 +142,21 @@ def check_data(cfg: Config):
                     f"data.split=90,10,0) or set data.valid_paths to held-out shards")
 
 
+def check_packing(cfg: Config):
+    """data.packing: bestfit starts every row at a document's BOS and drops its EOD: the
+    documents must start with BOS (data.bos, else the data prep manifest) and the tokenizer
+    must say which ids those are. The dataset checks every document it packs as well."""
+    if cfg.data.packing != "bestfit" or cfg.data.mock:  # mock data: megatron's synthetic rows
+        return
+    if not cfg.data.tokenizer:
+        raise ConfigError("config: data.packing: bestfit needs data.tokenizer (its BOS and EOD ids)")
+    if not documents_start_with_bos(cfg):
+        why = "data.bos is false" if cfg.data.bos is False else \
+            "no data prep manifest.json beside data.paths says \"bos\": true (set data.bos: true if they do)"
+        raise ConfigError(f"config: data.packing: bestfit needs documents that start with BOS; {why}; "
+                          "or use data.packing: concat")
+
+
 def check_tokenizer(cfg: Config):
     if not cfg.data.tokenizer:
         return
@@ -208,6 +224,7 @@ def preflight(cfg: Config, world: int | None = None):
     if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
     check_data(cfg)
+    check_packing(cfg)
     check_tokenizer(cfg)
     check_eval(cfg)
     check_resume(cfg, world)

@@ -426,7 +426,18 @@ class DataConfig:
     split: str = _f("99,1,0", "train,valid,test split of `paths` when no `valid_paths`",
                     allowed='three numbers: train,valid,test')
     tokenizer: Optional[str] = _f(None, "SentencePiece .model used to make the shards")
-    mock: bool = _f(False, "megatron-core's mock dataset instead of files (smoke tests, benchmarks)")
+    mock: bool = _f(False, "megatron-core's mock dataset instead of files (smoke tests, benchmarks; "
+                           "synthetic sequences, whatever data.packing says)")
+    packing: Literal["concat", "bestfit"] = _f(
+        "concat", "how documents fill the rows of seq_length + 1 tokens. concat: megatron-core's GPTDataset "
+                  "(documents back to back, each ending in EOD, a row may start mid-document, rows "
+                  "shuffled). bestfit: 14c9b04's BOS-aligned best fit (megatron_kappa/data/bestfit.py): "
+                  "every row starts at a document's BOS, the largest buffered document that fits goes "
+                  "next, a gap no document fits takes the shortest one cropped (≈35 % of tokens cropped "
+                  "at 2048, reported at start); the trailing EOD is dropped; needs documents that start "
+                  "with BOS and data.tokenizer")
+    packing_buffer: int = _f(1000, "documents bestfit chooses among (14c9b04's buffer_size; refilled 128 at "
+                                   "a time below it)", range=POSITIVE)
     cache_dir: Optional[str] = _f(None, "index cache folder (default: <run.dir>/data_cache)")
     bos: Optional[bool] = _f(None, "the training documents start with BOS (null: read \"bos\" from the "
                                    "data prep manifest.json beside data.paths at training start, false "

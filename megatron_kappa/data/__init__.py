@@ -1,6 +1,9 @@
 """Data formats shared by data preparation, the preflight, training and evaluation.
 
 Modules:
+  bestfit.py  `data.packing: bestfit`: the authors' BOS-aligned best-fit packing (14c9b04
+              nanochat/dataloader.py:4-13, 80-106) over Megatron indexed shards, as a megatron-core
+              dataset
   blend.py    `data.paths` in Megatron-LM's --data-path form, and `data.split` as megatron-core cuts
               it
   bos.py      Whether a run's training documents start with BOS: the question CORE must answer the

@@ -1,11 +1,13 @@
 """Training data through megatron-core's datasets: GPTDataset over indexed shards (weighted
-blends, train/valid split) or MockGPTDataset, a deterministic batch order that resumes from a
+blends, train/valid split), the authors' best-fit rows (data.packing: bestfit,
+megatron_kappa.data.bestfit) or MockGPTDataset, a deterministic batch order that resumes from a
 step number alone, and the move of each batch to the device (pinned, non-blocking).
 
 Every input check (files, index magic, truncated shards, empty splits, tokenizer vs vocabulary)
 runs earlier, in megatron_kappa.preflight."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 from megatron_kappa.config import Config
+from megatron_kappa.data.bestfit import BestFitConfig, BestFitDataset
 from megatron_kappa.data.blend import parse_blend
 
 
@@ -42,13 +45,16 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
     if cfg.data.mock:
         config = GPTDatasetConfig(blend=None, split="98,2,0", **common)
         cls = MockGPTDataset
-    elif cfg.data.valid_paths:
-        config = GPTDatasetConfig(blend_per_split=[parse_blend(cfg.data.paths), parse_blend(cfg.data.valid_paths), None],
-                                  **common)
-        cls = GPTDataset
     else:
-        config = GPTDatasetConfig(blend=parse_blend(cfg.data.paths), split=cfg.data.split, **common)
-        cls = GPTDataset
+        if cfg.data.packing == "bestfit":
+            cls, make = BestFitDataset, partial(BestFitConfig, packing_buffer=cfg.data.packing_buffer)
+        else:
+            cls, make = GPTDataset, GPTDatasetConfig
+        if cfg.data.valid_paths:
+            config = make(blend_per_split=[parse_blend(cfg.data.paths), parse_blend(cfg.data.valid_paths), None],
+                          **common)
+        else:
+            config = make(blend=parse_blend(cfg.data.paths), split=cfg.data.split, **common)
     train, valid, _ = BlendedMegatronDatasetBuilder(
         cls, [train_samples, valid_samples, None], lambda: True, config).build()
     return train, valid

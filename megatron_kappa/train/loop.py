@@ -29,6 +29,7 @@ from megatron_kappa.checkpoint import resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, to_dict
+from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
@@ -215,6 +216,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     # --- data
     valid_samples = max(cfg.eval.valid_iters, 1) * cfg.train.micro_batch * dp
     train_ds, valid_ds = build_datasets(cfg, steps * cfg.train.global_batch, valid_samples)
+    if cropped_report(train_ds):  # data.packing: bestfit discards tokens: say how many
+        log(f"data: bestfit packing (14c9b04), every row of {cfg.model.seq_length + 1} tokens starts at BOS: "
+            f"train {cropped_report(train_ds)}; valid {cropped_report(valid_ds)}")
     position_ids = torch.arange(cfg.model.seq_length, device=device).expand(cfg.train.micro_batch, -1)
 
     # --- the loop

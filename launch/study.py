@@ -62,8 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run")
     ap.add_argument("--kappa-set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                    help="config overrides for the κ variants only, after --set (the paper-time code's κ "
-                         "arm: model.moe.aux_loss=5e-4; docs/recipe.md)")
+                    help="config overrides for the κ variants only, after --set (the paper configs already "
+                         "give the κ arm 14c9b04's halved aux loss: model.moe.aux_loss null; docs/recipe.md)")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
     ap.add_argument("--nproc", type=positive_int, default=None,
                     help="processes per run (default: the visible GPUs, else 1); slurm: set by --sbatch-args")

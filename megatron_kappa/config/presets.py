@@ -1,5 +1,5 @@
-"""Keys that set other keys: `model.block` (a preset of the block keys) and `model.aspect_ratio`
-(the width from the depth). Applied to the merged YAML and overrides before the schema builds
+"""Keys that set other keys: `model.block` (a preset of the block keys), `model.aspect_ratio`
+(the width from the depth) and a null `model.moe.aux_loss` (14c9b04's weight for the arm). Applied to the merged YAML and overrides before the schema builds
 the config, so every reader sees plain values and a run's config.yaml records them.
 
 A preset fills only the keys the config leaves out: `model.block: nanochat` with
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_kappa.config.schema import ConfigError, ModelConfig
+from megatron_kappa.config.schema import ConfigError, KappaConfig, ModelConfig
 
 # The authors' block at the paper's date (askerlee/kappa-swiglu 14c9b04; docs/authors_model.md):
 # nanochat/gpt.py 315-317 (norms without gains, torch's default eps: the fp32 machine epsilon),
@@ -22,6 +22,14 @@ BLOCKS = {
                  "init": "nanochat", "qk_layernorm": True},
 }
 AUTHORS_HEAD_DIM = 128  # 14c9b04 scripts/base_train.py 283
+# 14c9b04 scripts/base_train.py 202 and 355-356: the aux-loss weight 1e-3, halved for a κ run unless
+# --aux-loss-weight is given (02b8de3 has the halving commented out, 397-398)
+AUTHORS_AUX_LOSS = 1e-3
+
+
+def authors_aux_loss(kappa_enabled: bool) -> float:
+    """14c9b04's aux-loss weight for an arm whose --aux-loss-weight was not set."""
+    return AUTHORS_AUX_LOSS / 2 if kappa_enabled else AUTHORS_AUX_LOSS
 
 
 def width_from_aspect_ratio(num_layers: int, aspect_ratio: int, head_dim: int = AUTHORS_HEAD_DIM) -> int:
@@ -30,8 +38,9 @@ def width_from_aspect_ratio(num_layers: int, aspect_ratio: int, head_dim: int = 
 
 
 def apply(data: dict) -> dict:
-    """`data` (the merged config mapping) with model.block's preset and model.aspect_ratio's width
-    filled in; a key the config gives that contradicts aspect_ratio is a ConfigError."""
+    """`data` (the merged config mapping) with model.block's preset, model.aspect_ratio's width and
+    a null model.moe.aux_loss filled in; a key the config gives that contradicts aspect_ratio is a
+    ConfigError."""
     model = data.get("model")
     if not isinstance(model, dict):
         return data
@@ -55,4 +64,9 @@ def apply(data: dict) -> dict:
                 raise ConfigError(f"config: model.{key}: {given}, but model.aspect_ratio {ratio} at "
                                   f"{layers} layers gives {value} (set one of them)")
             model[key] = value
+    moe = model.get("moe")
+    if isinstance(moe, dict) and "aux_loss" in moe and moe["aux_loss"] is None:
+        kappa = model.get("kappa")
+        enabled = kappa.get("enabled", KappaConfig.enabled) if isinstance(kappa, dict) else KappaConfig.enabled
+        model["moe"] = {**moe, "aux_loss": authors_aux_loss(bool(enabled))}
     return {**data, "model": model}

@@ -124,7 +124,10 @@ class MoEConfig:
     # it is checked when the config is validated (config/checks.py), not here
     router: str = _f(routers.DEFAULT, routers.router_help(),
                      allowed="a router's name (megatron_kappa.routers)", state=True)
-    aux_loss: float = _f(1e-3, "Switch load-balancing loss weight (softmax and softmoe routers)", range=NON_NEGATIVE)
+    aux_loss: Optional[float] = _f(1e-3, "Switch load-balancing loss weight (softmax and softmoe routers); null: "
+                                         "14c9b04's rule, 1e-3 halved to 5e-4 when model.kappa.enabled (its "
+                                         "base_train.py 355-356; config/presets.py resolves it when the config "
+                                         "is read)", range=NON_NEGATIVE)
     z_loss: float = _f(1e-5, "router z-loss weight", range=NON_NEGATIVE)
     aux_loss_form: Literal["megatron", "authors"] = _f(
         "megatron", "megatron: megatron-core's Switch loss E·Σ_e P_e·f_e with f_e the share of the top-k "

@@ -99,6 +99,12 @@ def validate(cfg: Config):
         need(len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                      for b in betas),
              f"train.{key}", f"expected two numbers in [0, 1), got {betas}")
+    if (moe.capacity, moe.drop_order) != ("megatron", "probs") and m.layout != "dense":
+        key = "model.moe.capacity" if moe.capacity != "megatron" else "model.moe.drop_order"
+        need(router.capacity and moe.dispatcher != "sorted" and
+             (moe.capacity_factor is not None or cfg.eval.capacity_factor is not None), key,
+             "a capacity rule needs model.moe.capacity_factor or eval.capacity_factor, a router that "
+             "drops tokens and not the sorted dispatcher")
     if cfg.eval.capacity_factor is not None and m.layout != "dense":
         need(router.capacity and moe.dispatcher != "sorted", "eval.capacity_factor",
              f"must be null with the {' or '.join(routers.names(lambda r: not r.capacity))} router or the "

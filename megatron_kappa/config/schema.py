@@ -163,6 +163,16 @@ class MoEConfig:
                     "all experts on one rank: EP = TP = ETP = 1, a top-k router, no capacity factor)")
     capacity_factor: Optional[float] = _f(None, "expert capacity factor in training (null: no token "
                                                 "dropping; authors: 1.0, tokens over capacity dropped)", range=POSITIVE)
+    capacity: Literal["megatron", "authors"] = _f(
+        "megatron", "expert capacity of a group of T tokens (one router call: a rank's micro-batch, / tp under "
+                    "sequence parallelism) with capacity_factor f: megatron: ceil(T·k/E·f); authors: "
+                    "floor(k·f·T/E) rounded up to even, at least 4 (14c9b04 gpt.py 679-687; "
+                    "megatron_kappa/model/capacity.py)")
+    drop_order: Literal["probs", "position", "authors"] = _f(
+        "probs", "which tokens an expert over capacity drops: probs: the lowest routing weights, position: the "
+                 "latest tokens (megatron-core's policies); authors: the top-1 choices fill the experts first, "
+                 "then the top-2, each in the order of the tokens, batch row by batch row (14c9b04 gpt.py "
+                 "577-600)")
     grouped_gemm: bool = _f(True, "all local experts in two grouped GEMMs (torch.nn.functional.grouped_mm) "
                                   "instead of megatron's per-expert loop (SequentialMLP); needs d_model and "
                                   "the expert ffn size / etp to be multiples of 4 (fp32) or 8 (bf16)", state=True)

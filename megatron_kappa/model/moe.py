@@ -5,7 +5,9 @@ per-pair tensor from the router to the experts: the routing probabilities. We wi
 channels, [..., 2] = (prob, logit) ("two-channel probs"; docs/kappa.md):
 
   ZLossRouter        TopKRouter with the authors' z-loss (de-meaned, the mean penalised) and its
-                     gradient into the router input scaled (model.moe.z_loss_form / _input_grad_scale).
+                     gradient into the router input scaled (model.moe.z_loss_form / _input_grad_scale),
+                     and the authors' expert capacity and drop order (model.moe.capacity /
+                     drop_order; megatron_kappa.model.capacity).
   KappaRouter        returns probs [T, E, 2]; loss hooks (aux, z-loss) see the usual [T, E] probs.
   Kappa*Dispatcher   permute/gather the logit column exactly like the prob column; every later op
                      (all-to-all, TP gather, sort by expert) splits only dim 0, so [N, 2] rides along.
@@ -29,6 +31,14 @@ from megatron.core.transformer.moe.token_dispatcher import (
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings
 from megatron_kappa.kappa.inputs import kappa_input, scale_grad
+from megatron_kappa.model import capacity
+
+
+@dataclass(frozen=True)
+class CapacityRule:
+    """model.moe.capacity and drop_order (megatron_kappa.model.capacity)."""
+    capacity: str = "megatron"
+    drop_order: str = "probs"
 
 
 @dataclass(frozen=True)
@@ -55,10 +65,26 @@ class ZLossRouter(TopKRouter):
     reuses the router weight: 14c9b04 gpt.py 520-530; the weight's gradient is whole). The routing
     and the aux loss are megatron-core's."""
 
-    def __init__(self, *args, z_loss: ZLoss = ZLoss(), **kwargs):
+    def __init__(self, *args, z_loss: ZLoss = ZLoss(), capacity_rule: CapacityRule = CapacityRule(), **kwargs):
         super().__init__(*args, **kwargs)
         self.z_loss = z_loss
         self.own_z_loss = z_loss != ZLoss()  # megatron's z-loss otherwise
+        self.capacity_rule = capacity_rule
+
+    def routing(self, logits, padding_mask=None):
+        """megatron's routing; with a capacity rule other than megatron's (its capacity, dropping the
+        lowest weights), megatron routes without capacity and the rule drops (model/capacity.py)."""
+        factor = self.config.moe_expert_capacity_factor
+        if factor is None or self.capacity_rule == CapacityRule():
+            return super().routing(logits, padding_mask)
+        seq, batch = logits.shape[:2]
+        self.config.moe_expert_capacity_factor = None
+        try:
+            probs, routing_map = super().routing(logits, padding_mask)
+        finally:
+            self.config.moe_expert_capacity_factor = factor
+        cap = capacity.capacity(seq * batch, self.topk, routing_map.shape[-1], factor, self.capacity_rule.capacity)
+        return capacity.drop(probs, routing_map, self.topk, cap, self.capacity_rule.drop_order, seq, batch)
 
     def gating(self, input):
         if self.own_z_loss:

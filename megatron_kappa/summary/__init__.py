@@ -107,7 +107,21 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
         # model's, shared): beside the totals above, which they are not part of
         "mtp_params": sum(mtp.values()),
         "mtp_active_params": int(round(sum(mtp.values()) - mtp["experts"] + mtp["experts"] * ratio)),
+        "capacity": capacity_line(cfg) if has_moe else None,
     }
+
+
+def capacity_line(cfg: Config) -> str | None:
+    """Expert capacity in words, with its group (the tokens one router call sees: model/capacity.py)."""
+    moe, train_factor, eval_factor = cfg.model.moe, cfg.model.moe.capacity_factor, cfg.eval.capacity_factor
+    if train_factor is None and eval_factor is None:
+        return None
+    group = cfg.train.micro_batch * cfg.model.seq_length // cfg.parallel.tp
+    factors = f"factor {train_factor if train_factor is not None else 'none'} in training" + (
+        f", {eval_factor} in evaluation" if eval_factor is not None else "")
+    return (f"{factors}; capacity {moe.capacity}, drop order {moe.drop_order}; per group of {group:,} tokens "
+            f"(micro_batch {cfg.train.micro_batch} × seq_length {cfg.model.seq_length}"
+            + (f" / tp {cfg.parallel.tp}" if cfg.parallel.tp > 1 else "") + ")")
 
 
 def summarize(cfg: Config) -> dict:
@@ -194,6 +208,7 @@ def render(s: dict) -> str:
           if "auto_batch_tokens" in s else []),
         f"layers (d dense, M MoE) {layout}",
         f"experts                 {'κ-SwiGLU' if s['kappa'] else 'SwiGLU'}",
+        *([f"expert capacity         {s['capacity']}"] if s.get("capacity") else []),
         *([f"MTP modules (apart)     {_fmt(s['mtp_params'])}  ({_fmt(s['mtp_active_params'])} active per token)"]
           if s.get("mtp_params") else []),
         "by category             " + ", ".join(f"{k} {_fmt(v)}" for k, v in s["by_category"].items()),

@@ -11,19 +11,22 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_kappa import routers
 from megatron_kappa.config import Config
 from megatron_kappa.kappa import KappaSettings
-from megatron_kappa.model.moe import KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
+from megatron_kappa.model.moe import CapacityRule, KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 
 
 def topk_router(cfg: Config, kappa: KappaSettings | None):
     """The router of the top-k kinds (softmax, sigmoid): megatron's TopKRouter (the stock spec's),
-    ZLossRouter for the authors' z-loss, or KappaRouter, which also hands on the logit, for κ
+    ZLossRouter for the authors' z-loss or capacity rule, or KappaRouter, which also hands on the logit, for κ
     experts."""
     moe = cfg.model.moe
     z_loss = ZLoss(moe.z_loss_form, moe.z_loss_input_grad_scale)
+    rule = CapacityRule(moe.capacity, moe.drop_order)
     if kappa is not None:
-        return partial(KappaRouter, kappa=kappa, z_loss=z_loss)
-    return TopKRouter if z_loss == ZLoss() else partial(ZLossRouter, z_loss=z_loss)
+        return partial(KappaRouter, kappa=kappa, z_loss=z_loss, capacity_rule=rule)
+    if z_loss == ZLoss() and rule == CapacityRule():
+        return TopKRouter
+    return partial(ZLossRouter, z_loss=z_loss, capacity_rule=rule)
 
 
 def topk_layer(cfg: Config, kappa: bool):

@@ -83,7 +83,7 @@ def test_a_mixtral_shaped_model_loads_into_transformers_mixtral(runs, tmp_path):
         from megatron_kappa.export.convert import target_for
         from megatron_kappa.model.layout import model_layout
         cfg = load_config("configs/tiny.yaml", ["model.qk_layernorm=false", "model.first_dense=0"])
-        target_for(cfg, model_layout(cfg), "mixtral")
+        target_for(cfg.model, model_layout(cfg), "mixtral")
 
 
 @pytest.mark.slow
@@ -108,7 +108,7 @@ def test_softmoe_and_native_classes_refuse_what_they_cannot_hold():
 
     def target(*sets, requested="auto"):
         cfg = load_config("configs/tiny.yaml", list(sets))
-        return target_for(cfg, model_layout(cfg), requested)
+        return target_for(cfg.model, model_layout(cfg), requested)
     assert target() == "kappa_moe"  # κ on
     assert target("model.kappa.enabled=false") == "qwen3_moe"
     assert target("model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0") == "mixtral"

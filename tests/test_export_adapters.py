@@ -48,18 +48,18 @@ def round_trip_problems(adapter, cfg, layout, state) -> list[str]:
     v, problems, exported, covered = cfg.model.vocab_size, [], [], set()
     for i in range(cfg.model.num_layers):
         prefix = f"decoder.layers.{i}."
-        hf = adapter.to_hf(cfg, layout, i, lambda rel: state.get(prefix + rel))
+        hf = adapter.to_hf(cfg.model, layout, i, lambda rel: state.get(prefix + rel))
         exported += hf
         try:
-            back = {prefix + k: t for k, t in adapter.from_hf(cfg, layout, i, hf).items()}
+            back = {prefix + k: t for k, t in adapter.from_hf(cfg.model, layout, i, hf).items()}
         except KeyError as e:
             problems.append(f"layer {i}: {e}")
             continue
         problems += compare(back, {k: t for k, t in state.items() if k.startswith(prefix)}, v)
         covered |= set(back)
-    hf = adapter.outer_to_hf(cfg, state.get)
+    hf = adapter.outer_to_hf(cfg.model, state.get)
     exported += hf
-    back = adapter.outer_from_hf(cfg, hf)
+    back = adapter.outer_from_hf(cfg.model, hf)
     problems += compare(back, {k: state[k] for k in back}, v)
     covered |= set(back)
     problems += [f"{name}: not exported" for name in sorted(set(state) - covered) if not name.startswith("mtp.")]
@@ -87,7 +87,7 @@ def test_the_registry_holds_the_four_targets():
 def test_from_hf_undoes_to_hf(world1, target):
     cfg, layout, state = trained_state(MODELS[target])
     adapter = targets.lookup(target)
-    assert adapter.refusals(cfg, layout) == [] and convert.target_for(cfg, layout, target) == target
+    assert adapter.refusals(cfg.model, layout) == [] and convert.target_for(cfg.model, layout, target) == target
     assert round_trip_problems(adapter, cfg, layout, state) == []
 
 
@@ -98,8 +98,8 @@ def test_a_broken_inverse_is_caught(world1):
         renames = Mixtral.renames[:-1] + (("up_proj.", "w1."),)
 
     class Swapped(Qwen3Moe):
-        def layer_rules(self, cfg, layout, i):
-            rules = super().layer_rules(cfg, layout, i)
+        def layer_rules(self, model, layout, i):
+            rules = super().layer_rules(model, layout, i)
             return [Rule(r.megatron, r.hf, r.split, (lambda ts, join=r.join: join([ts[0], ts[2], ts[1]])), r.required)
                     if r.megatron.endswith("linear_qkv.weight") else r for r in rules]
 
@@ -115,12 +115,12 @@ def test_a_broken_inverse_is_caught(world1):
 def test_from_hf_refuses_a_tensor_it_has_no_name_for(world1):
     cfg, layout, state = trained_state(MODELS["qwen3_moe"])
     adapter = targets.lookup("qwen3_moe")
-    hf = adapter.to_hf(cfg, layout, 1, lambda rel: state.get("decoder.layers.1." + rel))
+    hf = adapter.to_hf(cfg.model, layout, 1, lambda rel: state.get("decoder.layers.1." + rel))
     with pytest.raises(KeyError, match="layer 1: no megatron tensor for model.layers.1.mlp.extra.weight"):
-        adapter.from_hf(cfg, layout, 1, {**hf, "model.layers.1.mlp.extra.weight": torch.zeros(1)})
+        adapter.from_hf(cfg.model, layout, 1, {**hf, "model.layers.1.mlp.extra.weight": torch.zeros(1)})
     del hf["model.layers.1.self_attn.k_proj.weight"]
     with pytest.raises(KeyError, match="k_proj.weight missing"):
-        adapter.from_hf(cfg, layout, 1, hf)
+        adapter.from_hf(cfg.model, layout, 1, hf)
 
 
 def test_the_converter_names_no_target():

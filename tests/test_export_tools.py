@@ -57,10 +57,10 @@ def test_an_interrupted_export_leaves_no_folder(runs, tmp_path, monkeypatch):
     from megatron_kappa.export import convert, writer
     real = convert.layer_tensors
 
-    def fail_at_layer_2(cfg, layout, target, i, get):
+    def fail_at_layer_2(model, layout, target, i, get):
         if i == 2:
             raise KeyboardInterrupt
-        return real(cfg, layout, target, i, get)
+        return real(model, layout, target, i, get)
     monkeypatch.setattr(convert, "layer_tensors", fail_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
         writer.export(runs("kappa-nanochat-sigmoid"), tmp_path / "hf", progress=False)

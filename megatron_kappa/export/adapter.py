@@ -20,43 +20,40 @@ from typing import Callable
 import torch
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config
+from megatron_kappa.config import ModelConfig
 from megatron_kappa.model.layout import ModelLayout
 
 
-def ffn_sizes(cfg: Config) -> tuple[int, int]:
+def ffn_sizes(model: ModelConfig) -> tuple[int, int]:
     """(dense MLP, expert) hidden sizes."""
-    m = cfg.model
-    dense = m.ffn_hidden_size or 4 * m.hidden_size
-    return dense, m.moe.ffn_hidden_size or dense
+    dense = model.ffn_hidden_size or 4 * model.hidden_size
+    return dense, model.moe.ffn_hidden_size or dense
 
 
-def head_sizes(cfg: Config) -> tuple[int, int, int]:
+def head_sizes(model: ModelConfig) -> tuple[int, int, int]:
     """(query heads, key/value heads, head dim)."""
-    m = cfg.model
-    return m.num_attention_heads, m.num_query_groups or m.num_attention_heads, \
-        m.head_dim or m.hidden_size // m.num_attention_heads
+    return model.num_attention_heads, model.num_query_groups or model.num_attention_heads, \
+        model.head_dim or model.hidden_size // model.num_attention_heads
 
 
-def native_refusals(cfg: Config, need):
+def native_refusals(model: ModelConfig, need):
     """What none of transformers' classes has: κ and the nanochat block's parts."""
-    m = cfg.model
-    need(not m.kappa.enabled, "model.kappa.enabled is true (κ-SwiGLU experts need the kappa_moe code)")
-    need(m.norm_gains, "model.norm_gains is false (its norms have gains)")
+    need(not model.kappa.enabled, "model.kappa.enabled is true (κ-SwiGLU experts need the kappa_moe code)")
+    need(model.norm_gains, "model.norm_gains is false (its norms have gains)")
     for key in ("value_embeddings", "embedding_norm", "residual_scalars"):
-        need(not getattr(m, key), f"model.{key} is true (a nanochat-block part it lacks)")
-    need(not m.logit_softcap, "model.logit_softcap is set (it has no softcap)")
+        need(not getattr(model, key), f"model.{key} is true (a nanochat-block part it lacks)")
+    need(not model.logit_softcap, "model.logit_softcap is set (it has no softcap)")
 
 
-def router_refusal(adapter, cfg: Config, need):
+def router_refusal(adapter, model: ModelConfig, need):
     """The model's router, unless the class runs its score function (megatron_kappa.routers: hf_score)."""
-    moe = cfg.model.moe
+    moe = model.moe
     need(routers.lookup(moe.router).hf_score in adapter.scores,
          f"model.moe.router is {moe.router} ({adapter.router_note})")
 
 
-def rope(cfg: Config) -> dict:
-    return {"rope_type": "default", "rope_theta": float(cfg.model.rotary_base)}
+def rope(model: ModelConfig) -> dict:
+    return {"rope_type": "default", "rope_theta": float(model.rotary_base)}
 
 
 def _whole(t):
@@ -95,9 +92,9 @@ def swiglu(megatron: str, hf: str) -> list[Rule]:
             rename(megatron + "linear_fc2.weight", hf + "down_proj.weight", required=True)]
 
 
-def qkv(cfg: Config) -> Rule:
+def qkv(model: ModelConfig) -> Rule:
     """linear_qkv (per query group: its query heads, its key head, its value head) ↔ q/k/v_proj."""
-    heads, kv, d = head_sizes(cfg)
+    heads, kv, d = head_sizes(model)
     per_group = heads // kv
 
     def split(t):
@@ -121,16 +118,15 @@ MLA_NAMES = {"q_proj.weight": "linear_q_proj.weight", "q_a_proj.weight": "linear
              "kv_a_layernorm.weight": "kv_layernorm.weight", "kv_b_proj.weight": "linear_kv_up_proj.weight"}
 
 
-def hub_layer_rules(cfg: Config, layout: ModelLayout, i: int) -> list[Rule]:
+def hub_layer_rules(model: ModelConfig, layout: ModelLayout, i: int) -> list[Rule]:
     """Layer i in the hub's layout (Qwen3-MoE's and DeepSeek-V3's names, per-expert tensors):
     megatron names relative to decoder.layers.<i>., Hugging Face names in full, in the order the
     export writes them."""
-    m = cfg.model
     p = f"model.layers.{i}."
-    if m.mla.enabled:  # megatron's MLA projections under DeepSeek-V3's names (the same layouts)
+    if model.mla.enabled:  # megatron's MLA projections under DeepSeek-V3's names (the same layouts)
         rules = [rename("self_attention." + mg, p + "self_attn." + hf) for hf, mg in MLA_NAMES.items()]
     else:
-        attention = qkv(cfg)
+        attention = qkv(model)
         rules = [Rule(attention.megatron, tuple(p + n for n in attention.hf), attention.split, attention.join,
                       required=True)]
     rules.append(rename("self_attention.linear_proj.weight", p + "self_attn.o_proj.weight", required=True))
@@ -140,25 +136,25 @@ def hub_layer_rules(cfg: Config, layout: ModelLayout, i: int) -> list[Rule]:
                 "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
                 "self_attn.value_gate.weight": "self_attention.value_gate",
                 "resid_lambda": "resid_lambda", "x0_lambda": "x0_lambda"}
-    if m.mla.enabled:  # q_layernorm is the query latent's norm there (MLA_NAMES)
+    if model.mla.enabled:  # q_layernorm is the query latent's norm there (MLA_NAMES)
         del optional["self_attn.q_norm.weight"], optional["self_attn.k_norm.weight"]
     rules += [rename(mg, p + hf) for hf, mg in optional.items()]
-    rules.append(vocab_rows("self_attention.value_embedding", p + "self_attn.value_embedding.weight", m.vocab_size))
+    rules.append(vocab_rows("self_attention.value_embedding", p + "self_attn.value_embedding.weight", model.vocab_size))
     if not layout.moe_layers[i]:
         return rules + swiglu("mlp.", p + "mlp.")
     rules += [rename("mlp.router.weight", p + "mlp.gate.weight", required=True),
               rename("mlp.router.expert_bias", p + "mlp.gate.e_score_correction_bias")]
-    for e in range(m.moe.num_experts):
+    for e in range(model.moe.num_experts):
         rules += swiglu(f"mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}.")
     rules += [rename("mlp.experts." + name, p + "mlp." + name) for name in ("kappa_alpha", "kappa_bias")]
-    if m.moe.shared_ffn_hidden_size:
+    if model.moe.shared_ffn_hidden_size:
         rules += swiglu("mlp.shared_experts.", p + "mlp.shared_experts.")
     return rules
 
 
-def outer_rules(cfg: Config) -> list[Rule]:
+def outer_rules(model: ModelConfig) -> list[Rule]:
     """The embedding, the output layer and the final norm (full names on both sides)."""
-    v = cfg.model.vocab_size
+    v = model.vocab_size
     return [vocab_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight", v, required=True),
             vocab_rows("output_layer.weight", "lm_head.weight", v, required=True),
             rename("decoder.final_layernorm.weight", "model.norm.weight")]
@@ -179,26 +175,26 @@ class StateDictAdapter:
     renames: tuple[tuple[str, str], ...] = ()
 
     # --- what it holds ---------------------------------------------------------------------------
-    def refusals(self, cfg: Config, layout: ModelLayout) -> list[str]:
+    def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         """Why this class cannot hold the model (empty: it can)."""
         return []
 
-    def own_config(self, cfg: Config, layout: ModelLayout, kappa) -> dict:
+    def own_config(self, model: ModelConfig, layout: ModelLayout, kappa) -> dict:
         """config.json's keys beyond those every target writes (`config`)."""
         raise NotImplementedError
 
-    def config(self, cfg: Config, layout: ModelLayout, special: dict, kappa=None) -> dict:
+    def config(self, model: ModelConfig, layout: ModelLayout, special: dict, kappa=None) -> dict:
         """config.json. `special`: bos/eos/pad token ids; `kappa`: the KappaSettings in effect
         (model.build.kappa_settings) when κ is on."""
-        m, moe = cfg.model, cfg.model.moe
-        heads, kv, head_dim = head_sizes(cfg)
-        common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=m.norm_eps,
-                      max_position_embeddings=m.seq_length, tie_word_embeddings=False,
+        moe = model.moe
+        heads, kv, head_dim = head_sizes(model)
+        common = dict(vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=model.norm_eps,
+                      max_position_embeddings=model.seq_length, tie_word_embeddings=False,
                       num_experts_per_tok=moe.topk, bos_token_id=special["bos"], eos_token_id=special["eos"],
                       pad_token_id=special["pad"], hidden_act="silu")
         return dict(common, architectures=[self.architecture], model_type=self.model_type,
-                    **self.own_config(cfg, layout, kappa))
+                    **self.own_config(model, layout, kappa))
 
     # --- names and tensors, both ways --------------------------------------------------------------
     def hf_name(self, hub: str) -> str:
@@ -213,31 +209,31 @@ class StateDictAdapter:
             hf = hf.replace(new, old)
         return hf
 
-    def layer_rules(self, cfg: Config, layout: ModelLayout, i: int) -> list[Rule]:
+    def layer_rules(self, model: ModelConfig, layout: ModelLayout, i: int) -> list[Rule]:
         """Layer i's tensors: megatron names relative to decoder.layers.<i>., this class's in full."""
         return [Rule(r.megatron, tuple(self.hf_name(n) for n in r.hf), r.split, r.join, r.required)
-                for r in hub_layer_rules(cfg, layout, i)]
+                for r in hub_layer_rules(model, layout, i)]
 
-    def outer_rules(self, cfg: Config) -> list[Rule]:
+    def outer_rules(self, model: ModelConfig) -> list[Rule]:
         return [Rule(r.megatron, tuple(self.hf_name(n) for n in r.hf), r.split, r.join, r.required)
-                for r in outer_rules(cfg)]
+                for r in outer_rules(model)]
 
-    def to_hf(self, cfg: Config, layout: ModelLayout, i: int, get: Callable[[str], torch.Tensor]) -> dict:
+    def to_hf(self, model: ModelConfig, layout: ModelLayout, i: int, get: Callable[[str], torch.Tensor]) -> dict:
         """{Hugging Face name: tensor} of layer i; get(relative megatron name) reads
         decoder.layers.<i>.<name> (None where the model has no such tensor)."""
-        return apply(self.layer_rules(cfg, layout, i), get, f"decoder.layers.{i}.")
+        return apply(self.layer_rules(model, layout, i), get, f"decoder.layers.{i}.")
 
-    def from_hf(self, cfg: Config, layout: ModelLayout, i: int, tensors: dict) -> dict:
+    def from_hf(self, model: ModelConfig, layout: ModelLayout, i: int, tensors: dict) -> dict:
         """{megatron name relative to decoder.layers.<i>.: tensor} from layer i's Hugging Face
         tensors (all of them, nothing else): `to_hf`'s inverse."""
-        return invert(self.layer_rules(cfg, layout, i), tensors, f"layer {i}")
+        return invert(self.layer_rules(model, layout, i), tensors, f"layer {i}")
 
-    def outer_to_hf(self, cfg: Config, get: Callable[[str], torch.Tensor]) -> dict:
+    def outer_to_hf(self, model: ModelConfig, get: Callable[[str], torch.Tensor]) -> dict:
         """The embedding, the final norm and the output layer; get(full megatron name)."""
-        return apply(self.outer_rules(cfg), get, "")
+        return apply(self.outer_rules(model), get, "")
 
-    def outer_from_hf(self, cfg: Config, tensors: dict) -> dict:
-        return invert(self.outer_rules(cfg), tensors, "the embedding, final norm and output layer")
+    def outer_from_hf(self, model: ModelConfig, tensors: dict) -> dict:
+        return invert(self.outer_rules(model), tensors, "the embedding, final norm and output layer")
 
 
 def apply(rules: list[Rule], get: Callable[[str], torch.Tensor], prefix: str) -> dict:

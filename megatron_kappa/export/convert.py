@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import ConfigError, ModelConfig
 from megatron_kappa.export import targets
 from megatron_kappa.model.layout import ModelLayout
 
@@ -25,41 +25,41 @@ def choices() -> list[str]:
     return ["auto", *targets.TARGETS]
 
 
-def target_for(cfg: Config, layout: ModelLayout, requested: str = "auto") -> str:
+def target_for(model: ModelConfig, layout: ModelLayout, requested: str = "auto") -> str:
     """The export target: `requested`, checked, or for auto the first target in
     megatron_kappa.export.targets.auto_order() that holds the model."""
     if requested not in choices():
         raise ConfigError(f"--target: expected one of {choices()}, got {requested!r}")
-    router = routers.lookup(cfg.model.moe.router)
+    router = routers.lookup(model.moe.router)
     if router.hf_score is None and layout.has_moe:  # no exported model routes like it
-        raise ConfigError(f"model.moe.router: {cfg.model.moe.router}: {router.export_refusal}")
+        raise ConfigError(f"model.moe.router: {model.moe.router}: {router.export_refusal}")
     if requested != "auto":
-        why = targets.lookup(requested).refusals(cfg, layout)
+        why = targets.lookup(requested).refusals(model, layout)
         if why:
             raise ConfigError(f"--target {requested}: " + "; ".join(why))
         return requested
     for adapter in targets.auto_order():
-        why = adapter.refusals(cfg, layout)
+        why = adapter.refusals(model, layout)
         if not why:
             return adapter.name
     raise ConfigError(f"--target auto: {adapter.name}, the last tried: " + "; ".join(why))
 
 
-def hf_config(cfg: Config, layout: ModelLayout, target: str, special: dict, kappa=None) -> dict:
+def hf_config(model: ModelConfig, layout: ModelLayout, target: str, special: dict, kappa=None) -> dict:
     """config.json of the export. `special`: bos/eos/pad token ids; `kappa`: the KappaSettings in
     effect (model.build.kappa_settings) when κ is on."""
-    return targets.lookup(target).config(cfg, layout, special, kappa)
+    return targets.lookup(target).config(model, layout, special, kappa)
 
 
-def layer_tensors(cfg: Config, layout: ModelLayout, target: str, i: int, get: Callable[[str], torch.Tensor]) -> dict:
+def layer_tensors(model: ModelConfig, layout: ModelLayout, target: str, i: int, get: Callable[[str], torch.Tensor]) -> dict:
     """{HF name: tensor} of layer i; get(relative megatron name) reads decoder.layers.<i>.<name>
     (None where the model has no such tensor)."""
-    return targets.lookup(target).to_hf(cfg, layout, i, get)
+    return targets.lookup(target).to_hf(model, layout, i, get)
 
 
-def outer_tensors(cfg: Config, target: str, get: Callable[[str], torch.Tensor]) -> dict:
+def outer_tensors(model: ModelConfig, target: str, get: Callable[[str], torch.Tensor]) -> dict:
     """The embedding, the final norm and the output layer."""
-    return targets.lookup(target).outer_to_hf(cfg, get)
+    return targets.lookup(target).outer_to_hf(model, get)
 
 
 def code_files(target: str) -> tuple[str, ...]:

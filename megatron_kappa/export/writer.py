@@ -78,7 +78,7 @@ def plan(run_dir: str | Path, target: str = "auto", tokenizer: str | None = None
         raise ConfigError(f"--checkpoint: {ckpts.folder(step)}: a format-1 checkpoint (DeepSpeed's files); resume "
                           "it for one step to write format 2, then export (docs/checkpoints.md)")
     layout = model_layout(cfg)  # only which layers are MoE is read (not the TP-padded vocabulary)
-    target = convert.target_for(cfg, layout, target)
+    target = convert.target_for(cfg.model, layout, target)
     tok = tokenizer or cfg.data.tokenizer
     if tok and not Path(tok).is_file():
         raise ConfigError(f"--tokenizer: {tok}: no such file (expected the run's SentencePiece .model)")
@@ -110,21 +110,21 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
         if tok_file:
             ours = Tokenizer(tok_file)
             special = {"bos": ours.bos, "eos": ours.eod, "pad": ours.pad}
-        config = convert.hf_config(cfg, layout, target, special,
+        config = convert.hf_config(cfg.model, layout, target, special,
                                    kappa_settings(cfg) if cfg.model.kappa.enabled else None)
         shards = ShardWriter(tmp, shard_mb * 2**20)
         first_dtype = None
         for i in tqdm(range(cfg.model.num_layers), desc="export", unit="layer", disable=not progress):
             prefix = f"decoder.layers.{i}."
             state = ckpts.weights(step, lambda n, prefix=prefix: n.startswith(prefix))
-            tensors = convert.layer_tensors(cfg, layout, target, i, lambda rel, s=state, p=prefix: s.get(p + rel))
+            tensors = convert.layer_tensors(cfg.model, layout, target, i, lambda rel, s=state, p=prefix: s.get(p + rel))
             first_dtype = first_dtype or next(iter(tensors.values())).dtype
             shards.add({k: v.to(cast) if cast else v for k, v in tensors.items()})
             del state, tensors
         # model.mtp's modules stay behind: inference uses the main model (transformers' DeepSeek-V3
         # loads no MTP layer either), and they would be read whole here
         outer = ckpts.weights(step, lambda n: not n.startswith(("decoder.layers.", "mtp.")))
-        shards.add({k: v.to(cast) if cast else v for k, v in convert.outer_tensors(cfg, target, outer.get).items()})
+        shards.add({k: v.to(cast) if cast else v for k, v in convert.outer_tensors(cfg.model, target, outer.get).items()})
         shards.finish()
         config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[cast or first_dtype]
         config["transformers_version"] = _transformers_version()

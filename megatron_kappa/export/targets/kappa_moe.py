@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import ConfigError, ModelConfig
 from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, router_refusal
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import ModelLayout, has_value_embedding
@@ -20,17 +20,17 @@ class KappaMoe(StateDictAdapter):
     scores = ("softmax", "sigmoid")  # modeling_kappa_moe.py's router_score
     router_note = "modeling_kappa_moe.py scores by softmax or sigmoid"
 
-    def refusals(self, cfg: Config, layout: ModelLayout) -> list[str]:
+    def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         why = []
         if layout.has_moe:
-            router_refusal(self, cfg, lambda ok, msg: None if ok else why.append(msg))
+            router_refusal(self, model, lambda ok, msg: None if ok else why.append(msg))
         return why
 
-    def own_config(self, cfg: Config, layout: ModelLayout, kappa) -> dict:
-        m, moe = cfg.model, cfg.model.moe
-        dense, expert = ffn_sizes(cfg)
+    def own_config(self, model: ModelConfig, layout: ModelLayout, kappa) -> dict:
+        moe = model.moe
+        dense, expert = ffn_sizes(model)
         k = None
-        if m.kappa.enabled:
+        if model.kappa.enabled:
             k = dict(U=kappa.U, logit_scale=kappa.logit_scale, tanh_gain=kappa.tanh_gain, use_alpha=kappa.use_alpha,
                      use_bias=kappa.use_bias, input=kappa_input_kind(kappa.input))
         return dict(auto_map={"AutoConfig": f"{CODE[:-3]}.KappaMoeConfig",
@@ -40,12 +40,12 @@ class KappaMoe(StateDictAdapter):
                     mlp_layer_types=["moe" if x else "dense" for x in layout.moe_layers],
                     router_score=routers.lookup(moe.router).hf_score,  # None for a dense model's unexported router
                     route_scale=moe.route_scale, n_group=moe.num_groups, topk_group=moe.group_topk, kappa=k,
-                    qk_norm=m.qk_layernorm, norm_gains=m.norm_gains,
-                    embedding_norm=m.embedding_norm, residual_scalars=m.residual_scalars,
-                    value_embedding_layers=[i for i in range(m.num_layers)
-                                            if m.value_embeddings and has_value_embedding(i + 1, m.num_layers)],
-                    logit_softcap=m.logit_softcap, rope_theta=float(m.rotary_base),
-                    mla=dataclasses.asdict(m.mla) if m.mla.enabled else None)
+                    qk_norm=model.qk_layernorm, norm_gains=model.norm_gains,
+                    embedding_norm=model.embedding_norm, residual_scalars=model.residual_scalars,
+                    value_embedding_layers=[i for i in range(model.num_layers)
+                                            if model.value_embeddings and has_value_embedding(i + 1, model.num_layers)],
+                    logit_softcap=model.logit_softcap, rope_theta=float(model.rotary_base),
+                    mla=dataclasses.asdict(model.mla) if model.mla.enabled else None)
 
 
 def kappa_input_kind(name: str) -> str:

@@ -1,6 +1,7 @@
 """The paper configs' training recipe against 14c9b04 (askerlee/kappa-swiglu at the paper's date),
 each rule checked against an independent re-statement of the authors' code."""
 import pytest
+import torch
 
 from megatron_kappa.config import load_config
 
@@ -43,3 +44,55 @@ def test_the_two_arms_differ_only_where_the_authors_did():
     assert fixed == [1e-3, 1e-3] != [on, off]
     # configs without the rule keep their number whatever κ is
     assert load_config("configs/tiny.yaml", ["model.kappa.enabled=true"]).model.moe.aux_loss == 1e-3
+
+
+class _Kappa(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.Module()
+        self.experts.kappa_alpha = torch.nn.Parameter(torch.zeros(4))
+
+
+def _after_unfreeze(state: str):
+    """α after the first step past the freeze (torch's AdamW under KappaFreeze, lr 0 while frozen),
+    and the freeze's length."""
+    from megatron_kappa.train.recipe import KappaFreeze
+    cfg = load_config("configs/tiny.yaml", [f"model.kappa.freeze_optimizer_state={state}",
+                                            "model.kappa.freeze_fraction=0.1"])
+    model, total = _Kappa(), 50
+    opt = torch.optim.AdamW([{"params": [model.experts.kappa_alpha], "kind": "kappa"}], lr=0.0, betas=(0.8, 0.95),
+                            eps=1e-10, weight_decay=0.0)
+    freeze = KappaFreeze(model, total, cfg)
+    start = freeze.start
+    assert freeze.params == [model.experts.kappa_alpha]
+    for step in range(start + 1):
+        freeze.begin_step(step, opt)
+        opt.param_groups[0]["lr"] = 0.0 if step < start else LR
+        opt.zero_grad()
+        (model.experts.kappa_alpha.double() * GRAD).sum().backward()
+        opt.step()
+    return model.experts.kappa_alpha.detach().double(), start
+
+
+LR, GRAD = 0.05, torch.tensor([0.3, -1e-3, 2.0, 0.0], dtype=torch.float64)
+
+
+def adamw_first_move(step: int) -> torch.Tensor:
+    """14c9b04 nanochat/optim.py 38-50 in float64 from zero moments and α = 0: the first nonzero
+    gradient g at AdamW step `step`."""
+    b1, b2, eps = 0.8, 0.95, 1e-10
+    m, v = (1 - b1) * GRAD, (1 - b2) * GRAD ** 2
+    denom = (v / (1 - b2 ** step)).sqrt() + eps
+    return -(LR / (1 - b1 ** step)) * m / denom
+
+
+def test_kappa_adamw_counts_steps_through_the_freeze_as_14c9b04():
+    """keep: the first update after the freeze is the authors' AdamW at step start + 1 (the frozen
+    steps counted, their moments zero); drop: AdamW's step 1. The two differ (negative control)."""
+    kept, start = _after_unfreeze("keep")
+    dropped, _ = _after_unfreeze("drop")
+    assert start == 5
+    torch.testing.assert_close(kept, adamw_first_move(start + 1), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(dropped, adamw_first_move(1), rtol=1e-6, atol=1e-9)
+    assert (kept - dropped).abs().max() > 1e-3
+    assert load_config("configs/moe8.yaml").model.kappa.freeze_optimizer_state == "keep"

@@ -56,6 +56,11 @@ class KappaConfig:
                                                 "(null: 0.1 paper, 0.05 authors)", range=FRACTION)
     freeze_min_steps: Optional[int] = _f(None, "α, b held at 0 for at least this many steps (null: 0 paper, "
                                                "200 authors)", range=NON_NEGATIVE)
+    freeze_optimizer_state: Literal["drop", "keep"] = _f(
+        "drop", "AdamW's state of α, b at the unfreeze: drop (start fresh: step 1, zero moments) or keep "
+                "(14c9b04: its AdamW counts a step for every parameter with a gradient, the frozen ones' zero "
+                "gradients included, so the first updates use the bias corrections of step delay + 1 on; "
+                "nanochat/optim.py 919-934)")
     lr: Optional[float] = _f(None, "κ learning-rate peak, reached after `warmup` iterations past unfreezing "
                                    "(authors: before their width scaling and main-LR multiplier) "
                                    f"({kappa_inputs.null_help('lr')})", range=NON_NEGATIVE)

@@ -90,12 +90,15 @@ class KappaFreeze:
     """Holds α, b at exactly 0 until `kappa_start`, with no optimizer-state drift.
 
     While frozen, a gradient hook zeroes their gradients (so clipping never sees them) and their
-    learning rate is 0; at the unfreeze step their optimizer state is dropped, so AdamW starts
-    them fresh (step 1, zero moments) as if they had just been added.
+    learning rate is 0: AdamW's moments stay exactly zero and α, b do not move, while AdamW counts
+    its steps. model.kappa.freeze_optimizer_state says what happens at the unfreeze step: drop
+    (their optimizer state is dropped, so AdamW starts them fresh, step 1, as if they had just been
+    added) or keep (14c9b04: the step count goes on from the freeze's).
     """
 
     def __init__(self, model, total: int, cfg: Config):
         self.start = kappa_start(total, cfg)
+        self.drop_state = cfg.model.kappa.freeze_optimizer_state == "drop"
         self.frozen = True
         self.params = [p for n, p in model.named_parameters() if is_kappa(n)]
         for p in self.params:
@@ -103,7 +106,7 @@ class KappaFreeze:
 
     def begin_step(self, step: int, optimizer):
         self.frozen = step < self.start
-        if step == self.start and self.start > 0:
+        if step == self.start and self.start > 0 and self.drop_state:
             base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
             for group in base.param_groups:
                 if group["kind"] == "kappa":

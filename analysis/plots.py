@@ -64,7 +64,7 @@ def unfreeze_step(run_dir: Path, records: list[dict]) -> int | None:
     if not cfg.model.kappa.enabled:
         return None
     total = cfg.train.steps or (records[-1]["step"] if records else 0)
-    return first_trained(total, cfg)
+    return first_trained(total, cfg.model.kappa)
 
 
 def _grid(n: int, title: str):

@@ -97,11 +97,11 @@ def interleaved_step_ms(rounds: int, warmup: int) -> dict:
                                                                            "train.global_batch=4"])
         torch.manual_seed(0)
         model = build_model(cfg, device)
-        engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, 1,
-                                           lambda groups: optim.build_optimizer(groups, cfg))
-        schedule.set_learning_rates(opt, 10, 300, cfg)
+        engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+                                           lambda groups: optim.build_optimizer(groups, cfg.train))
+        schedule.set_learning_rates(opt, 10, 300, cfg.train, cfg.model)
         engines[method] = engine
-        updates[method] = muon.update_fn(cfg) if method != "adamw" else None
+        updates[method] = muon.update_fn(cfg.train) if method != "adamw" else None
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))
     tokens = torch.randint(0, 2048, (4, 129), generator=torch.Generator().manual_seed(0)).to(device)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(4, 128, device=device)}

@@ -181,20 +181,20 @@ def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
     cfg = load_config(None, ["model.kappa.schedule=authors", "model.hidden_size=3072",
                              "model.num_attention_heads=24", "train.lr_decay_style=wsd", "train.warmup=0",
                              "train.min_lr_ratio=0", "train.lr_wsd_decay_fraction=0.5"])
-    assert [schedule.kappa_start(t, cfg) for t in (1000, 10000, 10001)] == [200, 500, 501]
-    assert schedule.kappa_start(10000, load_config(None, [])) == 1000  # paper: 10 %
+    assert [schedule.kappa_start(t, cfg.model.kappa) for t in (1000, 10000, 10001)] == [200, 500, 501]
+    assert schedule.kappa_start(10000, load_config(None, []).model.kappa) == 1000  # paper: 10 %
     # width (3072/768)^-0.5 = 0.5; κ peak 0.12; ramp i/1000 from step 500; main multiplier 1 until
     # step 5000, then (10000 − step)/5000; after the warmup the ramp goes 1 → 0.5 over 8500 steps.
     for step, want in ((499, 0.0), (500, 0.0), (1000, 0.12 * 0.5 * 0.5), (1500, 0.06),
                        (5000, 0.06 * (1 - 0.5 * 3500 / 8500)),
                        (7500, 0.06 * 0.5 * (1 - 0.5 * 6000 / 8500)),
                        (9999, 0.06 * (1 / 5000) * (1 - 0.5 * 8499 / 8500))):
-        assert schedule.kappa_lr(step, 10000, cfg) == pytest.approx(want, rel=1e-12, abs=1e-15), step
+        assert schedule.kappa_lr(step, 10000, cfg.train, cfg.model) == pytest.approx(want, rel=1e-12, abs=1e-15), step
     # Negative control: the paper's schedule at the same steps is different (warmup (i+1)/warmup
     # from step 1000, no width scaling, no main-LR multiplier).
     paper = load_config(None, ["model.hidden_size=3072", "model.num_attention_heads=24"])
-    assert schedule.kappa_lr(1000, 10000, paper) == pytest.approx(0.12 / 1000)
-    assert schedule.kappa_lr(7500, 10000, paper) != pytest.approx(schedule.kappa_lr(7500, 10000, cfg))
+    assert schedule.kappa_lr(1000, 10000, paper.train, paper.model) == pytest.approx(0.12 / 1000)
+    assert schedule.kappa_lr(7500, 10000, paper.train, paper.model) != pytest.approx(schedule.kappa_lr(7500, 10000, cfg.train, cfg.model))
 
 
 def test_variant_settings_and_conflicting_keys():
@@ -229,8 +229,8 @@ def test_variants_bring_their_kappa_learning_rates_and_l2_alpha(world1):
     assert (v.lr, v.lr_end, v.l2_alpha) == (0.5, 0.1, 0.03)
     # the paper schedule's peak after the warmup is the variant's lr; at the last step its lr_end
     cfg = kcfg("input=normalized", "freeze_fraction=0.1", "warmup=10")
-    assert schedule.kappa_lr(10 + 9, 100, cfg) == pytest.approx(0.3)
-    assert schedule.kappa_lr(99, 100, cfg) == pytest.approx(0.15)
+    assert schedule.kappa_lr(10 + 9, 100, cfg.train, cfg.model) == pytest.approx(0.3)
+    assert schedule.kappa_lr(99, 100, cfg.train, cfg.model) == pytest.approx(0.15)
     # the penalty: λ_α 1e-2 under normalized equals an explicit l2_alpha=0.01 with input logit
     from megatron_kappa.model.build import build_model
     sets = ["model.kappa.l2_reduction=sum", "model.kappa.l2_bias=0"]
@@ -254,9 +254,9 @@ def test_kappa_lr_batch_scaling():
         scaled = load_config(None, [*base, "model.kappa.freeze_fraction=0.1", "model.kappa.batch_lr_scaling=true"])
         factor = (32 * 4096 / 2 ** 19) ** 0.5  # 2^17 tokens: 0.5
         for step in (50, 500, 3000, 9999):
-            assert schedule.kappa_lr(step, 10000, scaled) == pytest.approx(factor * schedule.kappa_lr(step, 10000, plain),
-                                                                       rel=1e-12), (schedule_name, step)
-        assert schedule.kappa_lr(3000, 10000, plain) > 0
+            assert schedule.kappa_lr(step, 10000, scaled.train, scaled.model) == pytest.approx(
+                factor * schedule.kappa_lr(step, 10000, plain.train, plain.model), rel=1e-12), (schedule_name, step)
+        assert schedule.kappa_lr(3000, 10000, plain.train, plain.model) > 0
 
 
 def test_paper_configs_train_kappa_as_the_paper_time_code():
@@ -269,8 +269,8 @@ def test_paper_configs_train_kappa_as_the_paper_time_code():
     assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale) == (3.0, 0.15, 2.0, 0.1)
     # moe8: 128 × 2048 tokens per step, width 768: the κ peak is 0.12 × √(2^18 / 2^19)
     total = 10000
-    peak = max(schedule.kappa_lr(step, total, cfg) for step in range(0, total, 7))
+    peak = max(schedule.kappa_lr(step, total, cfg.train, cfg.model) for step in range(0, total, 7))
     assert peak == pytest.approx(0.12 * 0.5 ** 0.5, rel=1e-3)
     prose = load_config("configs/moe8.yaml", ["model.kappa.input=logit", "model.kappa.schedule=paper",
                                               "model.kappa.batch_lr_scaling=false"])
-    assert max(schedule.kappa_lr(step, total, prose) for step in range(total)) == pytest.approx(0.12)
+    assert max(schedule.kappa_lr(step, total, prose.train, prose.model) for step in range(total)) == pytest.approx(0.12)

@@ -103,7 +103,7 @@ def test_the_block_preset_and_its_parameters(world1):
 
 def test_optimizer_groups_of_the_block(world1):
     cfg, model = build("train.optimizer=aurora", "train.lr_embedding=0.3", "train.batch_lr_scaling=true")
-    rows = {r["group"]: r for r in describe_groups(model, cfg, kappa_peak=0.0)}
+    rows = {r["group"]: r for r in describe_groups(model, cfg.train, cfg.model, kappa_peak=0.0)}
     assert any(n.endswith("value_embedding") for n in rows["embedding"]["names"])  # at the embedding rate
     assert any(n.endswith("value_gate") for n in rows["matrix"]["names"])  # the gates with the matrices
     batch = (cfg.train.global_batch * cfg.model.seq_length / 2 ** 19) ** 0.5

@@ -67,7 +67,7 @@ def test_install_and_uninstall_restore_deepspeed():
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
     from megatron_kappa.optim import muon
     before = original_muon.muon_update, muon_optimizer.muon_update
-    fn = muon.update_fn(load_config("configs/tiny.yaml", ["train.optimizer=muon", "train.grad_clip=0"]))
+    fn = muon.update_fn(load_config("configs/tiny.yaml", ["train.optimizer=muon", "train.grad_clip=0"]).train)
     muon.install(fn)
     try:
         assert original_muon.muon_update is fn and muon_optimizer.muon_update is fn
@@ -134,9 +134,9 @@ def test_zero_step_matches_float64_reference(world1, method, zero):
     lr, wd, beta = 0.5, cfg.train.muon.weight_decay, cfg.train.muon.momentum
     torch.manual_seed(0)
     model, twin = build_model(cfg, current_device()), build_model(cfg, current_device())
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, 1,
-                                       lambda groups: optim.build_optimizer(groups, cfg))
-    muon.install(muon.update_fn(cfg, torch.float64))
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+                                       lambda groups: optim.build_optimizer(groups, cfg.train))
+    muon.install(muon.update_fn(cfg.train, torch.float64))
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     for group in opt.param_groups:
         group["lr"] = lr if group["kind"] == "matrix" else 0.0

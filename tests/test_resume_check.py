@@ -62,7 +62,7 @@ def signature(cfg):
     model = build_model(cfg, meta=True)
     # the buffers too: a checkpoint holds them (the sigmoid router's expert bias)
     params = sorted((n, tuple(p.shape), str(p.dtype)) for n, p in [*model.named_parameters(), *model.named_buffers()])
-    groups = [(g["kind"], len(g["params"])) for g in param_groups(model, cfg) if g["params"]]
+    groups = [(g["kind"], len(g["params"])) for g in param_groups(model, cfg.train, cfg.model) if g["params"]]
     return params, groups
 
 

@@ -51,26 +51,26 @@ def get_weight_decay(base_weight_decay, it, num_iterations):
 def test_wsd_matches_the_authors_code_at_every_step(total):
     cfg = paper()
     for step in range(total):
-        assert schedule.lr_multiplier(step, total, cfg) == pytest.approx(
+        assert schedule.lr_multiplier(step, total, cfg.train) == pytest.approx(
             get_lr_multiplier(step, total, 0.0, 0.5, 0.0), abs=1e-15)
-        assert schedule.wd_multiplier(step, total, cfg) == pytest.approx(
+        assert schedule.wd_multiplier(step, total, cfg.train) == pytest.approx(
             get_weight_decay(1.0, step, total), abs=1e-15)
 
 
 def test_schedules_at_hand_computed_steps():
     cfg = paper()  # 100 steps, decay over the last 50 to 0
-    lr = lambda step, c=cfg: schedule.lr_multiplier(step, 100, c)
+    lr = lambda step, c=cfg: schedule.lr_multiplier(step, 100, c.train)
     assert (lr(0), lr(50), lr(51), lr(75), lr(99)) == pytest.approx((1.0, 1.0, 0.98, 0.5, 0.02))
-    assert schedule.lr_multiplier(75, 100, paper("train.min_lr_ratio=0.1")) == pytest.approx(0.55)
+    assert schedule.lr_multiplier(75, 100, paper("train.min_lr_ratio=0.1").train) == pytest.approx(0.55)
     warm = paper("train.warmup=10")
     assert (lr(0, warm), lr(4, warm), lr(9, warm), lr(10, warm)) == pytest.approx((0.1, 0.5, 1.0, 1.0))
-    assert schedule.wd_multiplier(25, 100, cfg) == pytest.approx(0.75)
-    assert schedule.wd_multiplier(25, 100, paper("train.wd_decay_style=constant")) == 1.0
+    assert schedule.wd_multiplier(25, 100, cfg.train) == pytest.approx(0.75)
+    assert schedule.wd_multiplier(25, 100, paper("train.wd_decay_style=constant").train) == 1.0
     # cosine (the default): warmup 5 in tiny.yaml, min 0.1, 106 steps: the middle of the decay is 0.55
     cos = load_config("configs/tiny.yaml", [])
-    assert schedule.lr_multiplier(5, 106, cos) == pytest.approx(1.0)
-    assert schedule.lr_multiplier(55, 106, cos) == pytest.approx(0.55)
-    assert schedule.lr_multiplier(105, 106, cos) == pytest.approx(0.1)
+    assert schedule.lr_multiplier(5, 106, cos.train) == pytest.approx(1.0)
+    assert schedule.lr_multiplier(55, 106, cos.train) == pytest.approx(0.55)
+    assert schedule.lr_multiplier(105, 106, cos.train) == pytest.approx(0.1)
     assert schedule.main_lr(55, 2.0, 106, 5, 0.1) == pytest.approx(1.1)
 
 
@@ -78,7 +78,7 @@ def test_negative_control_other_schedules_miss_the_authors():
     """Cosine, or a 40 % decay, or warmup, differ from the authors' multiplier somewhere."""
     for extra in (["train.lr_decay_style=cosine"], ["train.lr_wsd_decay_fraction=0.4"], ["train.warmup=3"]):
         cfg = paper(*extra)
-        gaps = [abs(schedule.lr_multiplier(s, 100, cfg) - get_lr_multiplier(s, 100, 0.0, 0.5, 0.0))
+        gaps = [abs(schedule.lr_multiplier(s, 100, cfg.train) - get_lr_multiplier(s, 100, 0.0, 0.5, 0.0))
                 for s in range(100)]
         assert max(gaps) > 0.05, extra
 
@@ -88,27 +88,28 @@ def test_peak_values_and_scalings():
     cfg = paper()
     batch = math.sqrt(8 * 128 / 2 ** 19)  # 0.0441941...
     width = (64 / 768) ** -0.5  # √12
-    assert schedule.batch_scale(cfg) == pytest.approx(0.04419417382415922)
+    assert schedule.batch_scale(cfg.train, cfg.model) == pytest.approx(0.04419417382415922)
     assert width == pytest.approx(3.4641016151377544)
-    assert schedule.peak_lrs(cfg) == pytest.approx({
+    assert schedule.peak_lrs(cfg.train, cfg.model) == pytest.approx({
         "matrix": 0.01 * batch, "router": 3e-3 * batch, "embedding": 0.3 * width * batch,
         "output": 0.004 * width * batch, "non_matrix": 0.3 * width * batch,
         "resid_lambda": 0.005 * batch, "x0_lambda": 0.5 * batch})  # the λ: not width-scaled
-    assert schedule.peak_weight_decays(cfg)["matrix"] == pytest.approx(0.05 * 9)  # (12/4)²
-    lrs, wds = schedule.main_values(75, 100, cfg)
+    assert schedule.peak_weight_decays(cfg.train, cfg.model)["matrix"] == pytest.approx(0.05 * 9)  # (12/4)²
+    lrs, wds = schedule.main_values(75, 100, cfg.train, cfg.model)
     assert lrs["output"] == pytest.approx(0.004 * width * batch * 0.5)
     assert wds["matrix"] == pytest.approx(0.45 * 0.25) and wds["embedding"] == 0.0
     # off: the plain values (the defaults keep today's behaviour)
     plain = load_config("configs/tiny.yaml", [])
     lambdas = {"resid_lambda": 0.005, "x0_lambda": 0.5}  # their own keys (model.residual_scalars)
-    assert schedule.peak_lrs(plain) == pytest.approx({k: lambdas.get(k, 3e-3) for k in schedule.peak_lrs(plain)})
-    assert schedule.peak_weight_decays(plain)["matrix"] == 0.05
+    assert schedule.peak_lrs(plain.train, plain.model) == pytest.approx(
+        {k: lambdas.get(k, 3e-3) for k in schedule.peak_lrs(plain.train, plain.model)})
+    assert schedule.peak_weight_decays(plain.train, plain.model)["matrix"] == 0.05
 
 
 # ---- groups and set_learning_rates --------------------------------------------------------------
 def groups_by_name(model, cfg):
     names = {id(p): n for n, p in model.named_parameters()}
-    return {g["name"]: [names[id(p)] for p in g["params"]] for g in optim.param_groups(model, cfg)}
+    return {g["name"]: [names[id(p)] for p in g["params"]] for g in optim.param_groups(model, cfg.train, cfg.model)}
 
 
 @pytest.mark.parametrize("router_optimizer", ["matrix", "adamw"])
@@ -116,7 +117,7 @@ def test_groups_and_per_step_values(world1, router_optimizer):
     from megatron_kappa.model.build import build_model
     cfg = paper(f"train.router_optimizer={router_optimizer}")
     model = build_model(cfg, torch.device("cpu"))
-    groups = optim.param_groups(model, cfg)
+    groups = optim.param_groups(model, cfg.train, cfg.model)
     by_name = groups_by_name(model, cfg)
     every = sorted(n for names in by_name.values() for n in names)
     assert every == sorted(n for n, _ in model.named_parameters())  # each parameter once
@@ -126,8 +127,8 @@ def test_groups_and_per_step_values(world1, router_optimizer):
     assert by_name["output"] == ["output_layer.weight"]
     assert all(g["eps"] == 1e-10 and g["betas"] == (0.8, 0.95) for g in groups if not g["use_muon"])
     opt = torch.optim.SGD([dict(g, params=[torch.zeros(1)]) for g in groups if g["params"]], lr=0.0)
-    lrs = schedule.set_learning_rates(opt, 75, 100, cfg)
-    peak, wd = schedule.peak_lrs(cfg), schedule.peak_weight_decays(cfg)
+    lrs = schedule.set_learning_rates(opt, 75, 100, cfg.train, cfg.model)
+    peak, wd = schedule.peak_lrs(cfg.train, cfg.model), schedule.peak_weight_decays(cfg.train, cfg.model)
     for g in opt.param_groups:
         if g["kind"] != "kappa":
             assert g["lr"] == pytest.approx(peak[g["kind"]] * 0.5) == lrs[g["kind"]]
@@ -141,9 +142,9 @@ def test_adamw_groups_take_the_eps_and_width_scaling(world1):
     cfg = load_config("configs/tiny.yaml", ["train.adam_eps=1e-10", "train.lr_output=0.004",
                                             "train.adamw_width_scaling=true"])
     model = build_model(cfg, torch.device("cpu"))
-    opt = optim.build_optimizer(optim.param_groups(model, cfg), cfg)
+    opt = optim.build_optimizer(optim.param_groups(model, cfg.train, cfg.model), cfg.train)
     assert all(g["eps"] == 1e-10 for g in opt.param_groups)
-    schedule.set_learning_rates(opt, 5, 50, cfg)  # tiny: the peak after 5 warmup steps
+    schedule.set_learning_rates(opt, 5, 50, cfg.train, cfg.model)  # tiny: the peak after 5 warmup steps
     lr = {g["kind"]: g["lr"] for g in opt.param_groups}
     assert lr["output"] == pytest.approx(0.004 * 12 ** 0.5) and lr["matrix"] == pytest.approx(3e-3)
     assert lr["embedding"] == pytest.approx(3e-3 * 12 ** 0.5)
@@ -180,10 +181,10 @@ def test_paper_configs_use_the_authors_recipe():
     assert (t.optimizer, t.router_optimizer, t.lr_decay_style, t.wd_decay_style, t.clip) == (
         "aurora", "matrix", "wsd", "linear", 0.0)
     b = math.sqrt(t.global_batch * 2048 / 2 ** 19)  # the authors' batch_lr_scale
-    assert schedule.peak_lrs(cfg) == pytest.approx({"matrix": 0.01 * b, "router": 3e-4 * b, "embedding": 0.3 * b,
+    assert schedule.peak_lrs(cfg.train, cfg.model) == pytest.approx({"matrix": 0.01 * b, "router": 3e-4 * b, "embedding": 0.3 * b,
                                                     "output": 0.004 * b, "non_matrix": 0.3 * b,
                                                     "resid_lambda": 0.005 * b, "x0_lambda": 0.5 * b})
-    assert schedule.peak_weight_decays(cfg)["matrix"] == pytest.approx(0.05 * 2.25)
+    assert schedule.peak_weight_decays(cfg.train, cfg.model)["matrix"] == pytest.approx(0.05 * 2.25)
     assert (t.betas, t.adam_eps, t.warmup, t.min_lr_ratio) == ([0.8, 0.95], 1e-10, 0, 0.0)
 
 
@@ -195,14 +196,14 @@ def test_optim_cli_lists_the_optimizer_groups(capsys):
     out = capsys.readouterr().out
     rows = {r["group"]: r for r in json.loads(out[out.index("[\n"):])}
     cfg = paper("train.steps=100")
-    peak = schedule.peak_lrs(cfg)
+    peak = schedule.peak_lrs(cfg.train, cfg.model)
     assert set(rows) == {"matrix", "embedding", "output", "non_matrix", "kappa"}  # no router group
     assert rows["matrix"]["optimizer"] == "aurora" and "decoder.layers.*.mlp.router.weight" in rows["matrix"]["names"]
     for kind in ("matrix", "embedding", "output", "non_matrix"):
         assert rows[kind]["lr"] == pytest.approx(peak[kind])
     assert rows["matrix"]["weight_decay"] == pytest.approx(0.45)
     assert rows["output"]["names"] == ["output_layer.weight"] and rows["output"]["eps"] == 1e-10
-    assert rows["kappa"]["lr"] == pytest.approx(max(schedule.kappa_lr(s, 100, cfg) for s in range(100)))
+    assert rows["kappa"]["lr"] == pytest.approx(max(schedule.kappa_lr(s, 100, cfg.train, cfg.model) for s in range(100)))
     from megatron_kappa.model.build import build_model  # the CLI set up the process group of one
     model = build_model(cfg, meta=True)
     assert sum(r["tensors"] for r in rows.values()) == len(list(model.parameters()))

@@ -153,12 +153,12 @@ def test_kappa_lr_schedule_corner_points():
     total = 20000
     start = schedule.unfreeze_step(total, 0.1)
     assert start == 2000
-    assert schedule.kappa_lr(start - 1, total, cfg) == 0.0
-    assert schedule.kappa_lr(start, total, cfg) == pytest.approx(0.12 / 1000)
-    assert schedule.kappa_lr(start + 999, total, cfg) == pytest.approx(0.12)
-    assert schedule.kappa_lr(total - 1, total, cfg) == pytest.approx(0.06)
+    assert schedule.kappa_lr(start - 1, total, cfg.train, cfg.model) == 0.0
+    assert schedule.kappa_lr(start, total, cfg.train, cfg.model) == pytest.approx(0.12 / 1000)
+    assert schedule.kappa_lr(start + 999, total, cfg.train, cfg.model) == pytest.approx(0.12)
+    assert schedule.kappa_lr(total - 1, total, cfg.train, cfg.model) == pytest.approx(0.06)
     mid = (start + 999 + total - 1) // 2
-    assert schedule.kappa_lr(mid, total, cfg) == pytest.approx(0.09, abs=1e-5)
+    assert schedule.kappa_lr(mid, total, cfg.train, cfg.model) == pytest.approx(0.09, abs=1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

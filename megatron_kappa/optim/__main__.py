@@ -20,8 +20,8 @@ def optimizer_groups(cfg: Config) -> list[dict]:
     init_distributed(unsharded.parallel, cfg.train.seed)
     model = build_model(unsharded, meta=True)
     total = cfg.train.steps or count(model, cfg)["steps_for_budget"]
-    kappa_peak = max(kappa_lr(step, total, cfg) for step in range(total))
-    return describe_groups(model, cfg, kappa_peak)
+    kappa_peak = max(kappa_lr(step, total, cfg.train, cfg.model) for step in range(total))
+    return describe_groups(model, cfg.train, cfg.model, kappa_peak)
 
 
 def render_groups(rows: list[dict]) -> str:

@@ -6,6 +6,7 @@ Aurora) build these groups the same way.
 """
 from __future__ import annotations
 
+from megatron_kappa.config import TrainConfig
 from megatron_kappa.model.params import RESIDUAL_SCALARS, is_embedding_or_output, residual_scalar
 
 # resid_lambda, x0_lambda: model.residual_scalars' λ (the authors' scalar groups, 14c9b04
@@ -20,10 +21,10 @@ def adamw_kind(name: str) -> str:
     return residual_scalar(name) or "non_matrix"
 
 
-def adamw_groups(by_kind: dict, cfg) -> list[dict]:
+def adamw_groups(by_kind: dict, train: TrainConfig) -> list[dict]:
     """The embedding, output, non-matrix, residual-scalar and κ groups: no weight decay, learning
     rates set per step; λ_x0 with its own betas (train.x0_betas)."""
-    betas = {"x0_lambda": tuple(cfg.train.x0_betas)}
+    betas = {"x0_lambda": tuple(train.x0_betas)}
     return [dict(name=kind, kind=kind, params=by_kind[kind], weight_decay=0.0,
                  **({"betas": betas[kind]} if kind in betas else {}))
             for kind in (*ADAMW_KINDS, "kappa")

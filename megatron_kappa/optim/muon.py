@@ -13,7 +13,7 @@ state: sharded by parameter ownership, saved and restored with ZeRO's checkpoint
 The patch. DeepSpeed has no hook for another orthogonalisation (Aurora), splits a matrix only
 into equal row blocks (not GQA's Q, K, V), ignores the group's Newton–Schulz steps and Nesterov
 setting, and runs in half precision on a GPU. `install` replaces `muon_update` in the two modules
-that hold it (PATCHED) by `update_fn(cfg)`: fp32, Muon or Aurora, our matrix blocks, the
+that hold it (PATCHED) by `update_fn(train)`: fp32, Muon or Aurora, our matrix blocks, the
 configured steps. ZeRO imports the name from
 original_muon at each call, so replacing the module attribute is enough. It is applied only when
 train.optimizer is muon or aurora (build_optimizer) and undone for adamw;
@@ -38,7 +38,7 @@ import inspect
 
 import torch
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import ModelConfig, TrainConfig
 from megatron_kappa.model.params import is_embedding_or_output, is_kappa, is_router
 from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind
 from megatron_kappa.optim.matrix import RowBlocks, as_blocks, matrix_update
@@ -79,33 +79,33 @@ def matrix_blocks(name: str, param: torch.Tensor, config):
     return None
 
 
-def param_groups(model, cfg: Config) -> list[dict]:
+def param_groups(model, train: TrainConfig, m: ModelConfig) -> list[dict]:
     """The groups of MuonWithAuxAdam, every parameter tagged (`use_muon`, `muon_num_heads`):
     megatron's names do not follow DeepSpeed's "embed"/"lm_head" convention, so nothing is
     left to DeepSpeed's guess."""
     groups = {kind: [] for kind in ("matrix", "router", *ADAMW_KINDS, "kappa")}
-    routers = cfg.train.router_optimizer == "matrix"
+    routers = train.router_optimizer == "matrix"
     for name, p in model.named_parameters():
         p.use_muon = is_orthogonalised(name, p, routers)
         p.muon_num_heads = matrix_blocks(name, p, model.config) if p.use_muon else None
         kind = ("kappa" if is_kappa(name) else "matrix" if p.use_muon
                 else "router" if is_router(name) and p.dim() >= 2 else adamw_kind(name))
         groups[kind].append(p)
-    t, mu, wd = cfg.train, cfg.train.muon, peak_weight_decays(cfg)
-    adamw = dict(use_muon=False, lr=0.0, betas=tuple(t.betas), eps=t.adam_eps)  # lr: set per step (recipe)
+    mu, wd = train.muon, peak_weight_decays(train, m)
+    adamw = dict(use_muon=False, lr=0.0, betas=tuple(train.betas), eps=train.adam_eps)  # lr: set per step (recipe)
     return [dict(name="matrix", kind="matrix", params=groups["matrix"], use_muon=True, lr=0.0,
                  momentum=mu.momentum, weight_decay=wd["matrix"], ns_method="standard"),
             dict(name="router", kind="router", params=groups["router"], weight_decay=wd["router"], **adamw),
-            *[{**adamw, **g} for g in adamw_groups(groups, cfg)]]  # a group's own betas win
+            *[{**adamw, **g} for g in adamw_groups(groups, train)]]  # a group's own betas win
 
 
-def update_fn(cfg: Config, compute_dtype: torch.dtype = torch.float32):
+def update_fn(train: TrainConfig, compute_dtype: torch.dtype = torch.float32):
     """The replacement for DeepSpeed's muon_update (0.19.8 call signature): `beta` comes from the
     group's `momentum`; Nesterov, the Newton–Schulz steps and Aurora's settings from the config
     (DeepSpeed's ns_method is ignored). Non-finite gradients leave the momentum as it was and
     pass through, so that a loss scaler still sees the overflow (as DeepSpeed's does)."""
-    mu = cfg.train.muon
-    options = dict(method=cfg.train.optimizer, ns_steps=mu.ns_steps, scale_mode=mu.scale,
+    mu = train.muon
+    options = dict(method=train.optimizer, ns_steps=mu.ns_steps, scale_mode=mu.scale,
                    max_scale=mu.max_scale, rounds=mu.aurora_rounds, exponent=mu.aurora_exponent,
                    compute_dtype=compute_dtype)
 
@@ -159,11 +159,11 @@ def missing_upstream() -> list[str]:
     return missing
 
 
-def build_optimizer(groups: list[dict], cfg: Config):
+def build_optimizer(groups: list[dict], train: TrainConfig):
     """DeepSpeed's MuonWithAuxAdam over the groups, with torch's AdamW for the AdamW groups (the
     same AdamW the adamw setting uses), and the update function installed."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-    install(update_fn(cfg))
+    install(update_fn(train))
     return MuonWithAuxAdam(groups, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={})
 
 

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import ModelConfig, TrainConfig
 from megatron_kappa.model.params import is_embedding_or_output, is_kappa
 from megatron_kappa.optim import muon, schedule
 from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind
 
 
-def param_groups(model, cfg: Config) -> list[dict]:
-    if cfg.train.optimizer != "adamw":
-        return muon.param_groups(model, cfg)
+def param_groups(model, train: TrainConfig, m: ModelConfig) -> list[dict]:
+    """The groups of `model` (the torch module; `m` its config, for the weight decay's depth scaling)."""
+    if train.optimizer != "adamw":
+        return muon.param_groups(model, train, m)
     by_kind = {kind: [] for kind in ("matrix", *ADAMW_KINDS, "kappa")}
     for name, p in model.named_parameters():
         if is_kappa(name):
@@ -35,39 +36,38 @@ def param_groups(model, cfg: Config) -> list[dict]:
             by_kind["matrix"].append(p)
         else:
             by_kind[adamw_kind(name)].append(p)
-    wd = schedule.peak_weight_decays(cfg)["matrix"]
+    wd = schedule.peak_weight_decays(train, m)["matrix"]
     return [dict(name="matrix", kind="matrix", params=by_kind["matrix"], weight_decay=wd),
-            *adamw_groups(by_kind, cfg)]
+            *adamw_groups(by_kind, train)]
 
 
-def build_optimizer(param_groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+def build_optimizer(param_groups: list[dict], train: TrainConfig) -> torch.optim.Optimizer:
     """torch's AdamW over the groups, or MuonWithAuxAdam for muon/aurora (DeepSpeed's ZeRO shards
     either one's state); learning rates are set per step by the recipe."""
-    if cfg.train.optimizer != "adamw":
-        return muon.build_optimizer(param_groups, cfg)
+    if train.optimizer != "adamw":
+        return muon.build_optimizer(param_groups, train)
     muon.uninstall()  # a process that ran muon/aurora before gets DeepSpeed's own Muon back
-    return torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                             eps=cfg.train.adam_eps)
+    return torch.optim.AdamW(param_groups, lr=train.lr, betas=tuple(train.betas), eps=train.adam_eps)
 
 
-def describe_groups(model, cfg: Config, kappa_peak: float) -> list[dict]:
+def describe_groups(model, train: TrainConfig, m: ModelConfig, kappa_peak: float) -> list[dict]:
     """Each parameter group as `python -m megatron_kappa.optim` lists it: which
     tensors (names with layer numbers collapsed to *), the optimizer, the peak learning rate and
     the weight decay at step 0 (the schedules in megatron_kappa.optim.schedule scale both)."""
     import re
     names = {id(p): name for name, p in model.named_parameters()}
-    peaks = {**schedule.peak_lrs(cfg), "kappa": kappa_peak}
+    peaks = {**schedule.peak_lrs(train, m), "kappa": kappa_peak}
     rows = []
-    for g in param_groups(model, cfg):
+    for g in param_groups(model, train, m):
         if not g["params"]:
             continue
         patterns = sorted({re.sub(r"\.\d+\.", ".*.", names[id(p)]) for p in g["params"]})
-        row = dict(group=g["name"], optimizer=cfg.train.optimizer if g.get("use_muon") else "adamw",
+        row = dict(group=g["name"], optimizer=train.optimizer if g.get("use_muon") else "adamw",
                    tensors=len(g["params"]), params=sum(p.numel() for p in g["params"]),
                    lr=peaks[g["kind"]], weight_decay=g["weight_decay"], names=patterns)
         if g.get("use_muon"):
             row["momentum"] = g["momentum"]
         else:
-            row.update(betas=list(g.get("betas", cfg.train.betas)), eps=cfg.train.adam_eps)
+            row.update(betas=list(g.get("betas", train.betas)), eps=train.adam_eps)
         rows.append(row)
     return rows

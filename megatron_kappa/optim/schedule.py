@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import KappaConfig, ModelConfig, TrainConfig
 from megatron_kappa.kappa import inputs as kappa_inputs
 
 REFERENCE_BATCH_TOKENS = 2 ** 19  # base_train.py: reference_batch_size
@@ -50,64 +50,61 @@ def wsd_multiplier(step: int, total: int, warmup: int, decay_fraction: float, mi
     return progress + (1 - progress) * min_ratio
 
 
-def lr_multiplier(step: int, total: int, cfg: Config) -> float:
-    t = cfg.train
-    if t.lr_decay_style == "wsd":
-        return wsd_multiplier(step, total, t.warmup, t.lr_wsd_decay_fraction, t.min_lr_ratio)
-    return cosine_multiplier(step, total, t.warmup, t.min_lr_ratio)
+def lr_multiplier(step: int, total: int, train: TrainConfig) -> float:
+    if train.lr_decay_style == "wsd":
+        return wsd_multiplier(step, total, train.warmup, train.lr_wsd_decay_fraction, train.min_lr_ratio)
+    return cosine_multiplier(step, total, train.warmup, train.min_lr_ratio)
 
 
-def wd_multiplier(step: int, total: int, cfg: Config) -> float:
+def wd_multiplier(step: int, total: int, train: TrainConfig) -> float:
     """constant: 1; linear: 1 - step/total (the authors' get_weight_decay, 0 only past the end)."""
-    return 1.0 - step / total if cfg.train.wd_decay_style == "linear" else 1.0
+    return 1.0 - step / total if train.wd_decay_style == "linear" else 1.0
 
 
-def batch_tokens_scale(cfg: Config) -> float:
+def batch_tokens_scale(train: TrainConfig, model: ModelConfig) -> float:
     """√(tokens per step / 2¹⁹): the authors' batch_lr_scale."""
-    return math.sqrt(cfg.train.global_batch * cfg.model.seq_length / REFERENCE_BATCH_TOKENS)
+    return math.sqrt(train.global_batch * model.seq_length / REFERENCE_BATCH_TOKENS)
 
 
-def batch_scale(cfg: Config) -> float:
-    return batch_tokens_scale(cfg) if cfg.train.batch_lr_scaling else 1.0
+def batch_scale(train: TrainConfig, model: ModelConfig) -> float:
+    return batch_tokens_scale(train, model) if train.batch_lr_scaling else 1.0
 
 
-def width_scale(cfg: Config) -> float:
-    return (cfg.model.hidden_size / REFERENCE_WIDTH) ** -0.5 if cfg.train.adamw_width_scaling else 1.0
+def width_scale(train: TrainConfig, model: ModelConfig) -> float:
+    return (model.hidden_size / REFERENCE_WIDTH) ** -0.5 if train.adamw_width_scaling else 1.0
 
 
-def depth_scale(cfg: Config) -> float:
-    return (REFERENCE_DEPTH / cfg.model.num_layers) ** 2 if cfg.train.wd_depth_scaling else 1.0
+def depth_scale(train: TrainConfig, model: ModelConfig) -> float:
+    return (REFERENCE_DEPTH / model.num_layers) ** 2 if train.wd_depth_scaling else 1.0
 
 
-def peak_lrs(cfg: Config) -> dict:
+def peak_lrs(train: TrainConfig, model: ModelConfig) -> dict:
     """The peak learning rate of every kind but kappa."""
-    t = cfg.train
-    batch, width = batch_scale(cfg), width_scale(cfg)
-    adamw = t.lr_non_matrix
-    return {"matrix": (t.lr if t.optimizer == "adamw" else t.muon.lr) * batch,
-            "router": t.lr * batch,
-            "embedding": (adamw if t.lr_embedding is None else t.lr_embedding) * width * batch,
-            "output": (adamw if t.lr_output is None else t.lr_output) * width * batch,
+    batch, width = batch_scale(train, model), width_scale(train, model)
+    adamw = train.lr_non_matrix
+    return {"matrix": (train.lr if train.optimizer == "adamw" else train.muon.lr) * batch,
+            "router": train.lr * batch,
+            "embedding": (adamw if train.lr_embedding is None else train.lr_embedding) * width * batch,
+            "output": (adamw if train.lr_output is None else train.lr_output) * width * batch,
             "non_matrix": adamw * width * batch,
             # model.residual_scalars' λ: no width scaling (the authors' scalar_lr)
-            "resid_lambda": t.lr_resid_scalar * batch, "x0_lambda": t.lr_x0_scalar * batch}
+            "resid_lambda": train.lr_resid_scalar * batch, "x0_lambda": train.lr_x0_scalar * batch}
 
 
-def peak_weight_decays(cfg: Config) -> dict:
+def peak_weight_decays(train: TrainConfig, model: ModelConfig) -> dict:
     """The weight decay of every kind at step 0 (before wd_multiplier)."""
-    t = cfg.train
-    depth = depth_scale(cfg)
-    return {"matrix": (t.weight_decay if t.optimizer == "adamw" else t.muon.weight_decay) * depth,
-            "router": t.weight_decay * depth,
+    depth = depth_scale(train, model)
+    return {"matrix": (train.weight_decay if train.optimizer == "adamw" else train.muon.weight_decay) * depth,
+            "router": train.weight_decay * depth,
             "embedding": 0.0, "output": 0.0, "non_matrix": 0.0, "resid_lambda": 0.0, "x0_lambda": 0.0,
             "kappa": 0.0}
 
 
-def main_values(step: int, total: int, cfg: Config) -> tuple[dict, dict]:
+def main_values(step: int, total: int, train: TrainConfig, model: ModelConfig) -> tuple[dict, dict]:
     """(learning rate, weight decay) of every kind but kappa's learning rate, at `step`."""
-    lr_m, wd_m = lr_multiplier(step, total, cfg), wd_multiplier(step, total, cfg)
-    lrs = {kind: peak * lr_m for kind, peak in peak_lrs(cfg).items()}
-    wds = {kind: wd * wd_m for kind, wd in peak_weight_decays(cfg).items()}
+    lr_m, wd_m = lr_multiplier(step, total, train), wd_multiplier(step, total, train)
+    lrs = {kind: peak * lr_m for kind, peak in peak_lrs(train, model).items()}
+    wds = {kind: wd * wd_m for kind, wd in peak_weight_decays(train, model).items()}
     return lrs, wds
 
 
@@ -132,18 +129,17 @@ AUTHORS_FREEZE = (200, 0.05)
 PAPER_FREEZE = (0, 0.1)
 
 
-def kappa_start(total: int, cfg: Config) -> int:
+def kappa_start(total: int, kappa: KappaConfig) -> int:
     """First step at which α and b train, under model.kappa.schedule (null keys: its values)."""
-    k = cfg.model.kappa
-    min_steps, fraction = AUTHORS_FREEZE if k.schedule == "authors" else PAPER_FREEZE
-    fraction = fraction if k.freeze_fraction is None else k.freeze_fraction
-    min_steps = min_steps if k.freeze_min_steps is None else k.freeze_min_steps
-    if k.schedule == "authors":  # the authors round the fraction up
+    min_steps, fraction = AUTHORS_FREEZE if kappa.schedule == "authors" else PAPER_FREEZE
+    fraction = fraction if kappa.freeze_fraction is None else kappa.freeze_fraction
+    min_steps = min_steps if kappa.freeze_min_steps is None else kappa.freeze_min_steps
+    if kappa.schedule == "authors":  # the authors round the fraction up
         return max(min_steps, math.ceil(total * fraction))
     return unfreeze_step(total, fraction, min_steps)
 
 
-def kappa_lr(step: int, total: int, cfg: Config) -> float:
+def kappa_lr(step: int, total: int, train: TrainConfig, model: ModelConfig) -> float:
     """κ's learning rate at `step`: 0 while frozen, then by model.kappa.schedule.
 
     paper: linear warmup to `lr` over `warmup` steps; linear decay to `lr_end` at the last step
@@ -154,22 +150,24 @@ def kappa_lr(step: int, total: int, cfg: Config) -> float:
     lr and lr_end are the input variant's when null (megatron_kappa.kappa.inputs); with
     model.kappa.batch_lr_scaling both schedules are × √(tokens per step / 2¹⁹).
     """
-    k = cfg.model.kappa
+    k = model.kappa
     v = kappa_inputs.resolve(k)
-    start = kappa_start(total, cfg)
+    start = kappa_start(total, k)
     if step < start:
         return 0.0
-    return _kappa_lr(step, total, start, v.lr, v.lr_end, cfg) * (batch_tokens_scale(cfg) if k.batch_lr_scaling else 1.0)
+    scale = batch_tokens_scale(train, model) if k.batch_lr_scaling else 1.0
+    return _kappa_lr(step, total, start, v.lr, v.lr_end, train, model) * scale
 
 
-def _kappa_lr(step: int, total: int, start: int, lr: float, lr_end: float, cfg: Config) -> float:
-    k = cfg.model.kappa
+def _kappa_lr(step: int, total: int, start: int, lr: float, lr_end: float, train: TrainConfig,
+              model: ModelConfig) -> float:
+    k = model.kappa
     if k.schedule == "authors":
         if lr == 0:
             return 0.0
-        width = (cfg.model.hidden_size / REFERENCE_WIDTH) ** -0.5
+        width = (model.hidden_size / REFERENCE_WIDTH) ** -0.5
         ramp = authors_kappa_ramp(step, total, start, k.warmup, lr_end / lr)
-        return lr * width * lr_multiplier(step, total, cfg) * ramp
+        return lr * width * lr_multiplier(step, total, train) * ramp
     i = step - start
     if i < k.warmup:
         return lr * (i + 1) / k.warmup
@@ -198,11 +196,11 @@ def authors_kappa_ramp(step: int, total: int, start: int, warmup: int, end_scale
     return 1.0 + (end_scale - 1.0) * progress
 
 
-def set_learning_rates(optimizer, step: int, total: int, cfg: Config) -> dict:
+def set_learning_rates(optimizer, step: int, total: int, train: TrainConfig, model: ModelConfig) -> dict:
     """Every group's learning rate and weight decay at `step` (megatron_kappa.optim.schedule;
     κ: kappa_lr). Returns the learning rates by kind."""
-    lrs, wds = main_values(step, total, cfg)
-    lrs["kappa"] = kappa_lr(step, total, cfg)
+    lrs, wds = main_values(step, total, train, model)
+    lrs["kappa"] = kappa_lr(step, total, train, model)
     for group in optimizer.param_groups:
         group["lr"] = lrs[group["kind"]]
         group["weight_decay"] = wds[group["kind"]]

@@ -29,6 +29,7 @@ from megatron_kappa.checkpoint import resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, to_dict
+from megatron_kappa.data import coverage
 from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.model import fp8
@@ -203,8 +204,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     peak = throughput.peak_tflops(cfg, device)
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg)
-    engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg), cfg, grad_accum,
-                                             lambda groups: optim.build_optimizer(groups, cfg))
+    engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, grad_accum,
+                                             lambda groups: optim.build_optimizer(groups, cfg.train))
     muon.check_zero_layout(optimizer)
     if start:
         written, now = ckpts.meta(start)["layout"], layout_record(cfg.parallel, world)
@@ -219,6 +220,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     if cropped_report(train_ds):  # data.packing: bestfit discards tokens: say how many
         log(f"data: bestfit packing (14c9b04), every row of {cfg.model.seq_length + 1} tokens starts at BOS: "
             f"train {cropped_report(train_ds)}; valid {cropped_report(valid_ds)}")
+    if (reads := coverage.passes(train_ds)) > 1:  # a corpus smaller than the run: its documents repeat
+        log(f"warning: data: the run reads its training documents {reads:.2f} times (data.paths holds fewer "
+            "tokens than steps × global_batch × seq_length; docs/data_prep.md names a sample of the size)")
     position_ids = torch.arange(cfg.model.seq_length, device=device).expand(cfg.train.micro_batch, -1)
 
     # --- the loop
@@ -246,7 +250,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         set_kappa_U(model, kappa_U)
         if cfg.model.moe.aux_loss_warmup_steps:  # the authors' aux-loss anneal
             recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg.model.moe))
-        lrs = schedule.set_learning_rates(optimizer, step, steps, cfg)
+        lrs = schedule.set_learning_rates(optimizer, step, steps, cfg.train, cfg.model)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
         if after_step is not None:
             after_step(model, cfg)

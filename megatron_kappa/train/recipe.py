@@ -24,7 +24,7 @@ def kappa_U(step: int, total: int, cfg: Config) -> float:
     v = kappa_inputs.resolve(cfg.model.kappa)
     if v.u_warmup <= 0 or v.U == 1.0:
         return v.U
-    delay = kappa_start(total, cfg)
+    delay = kappa_start(total, cfg.model.kappa)
     if step < delay:
         return 1.0
     ramp = math.ceil(max(total, 0) * min(v.u_warmup, 1.0))
@@ -97,7 +97,7 @@ class KappaFreeze:
     """
 
     def __init__(self, model, total: int, cfg: Config):
-        self.start = kappa_start(total, cfg)
+        self.start = kappa_start(total, cfg.model.kappa)
         self.drop_state = cfg.model.kappa.freeze_optimizer_state == "drop"
         self.frozen = True
         self.params = [p for n, p in model.named_parameters() if is_kappa(n)]

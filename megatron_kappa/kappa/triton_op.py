@@ -252,7 +252,7 @@ def _empty(shape, dtype, device):
 _record = None  # launch_variants() sets this to collect launches instead of running them
 
 
-def _run(kernel, grid, args, constexprs, num_warps, cfg, maxnreg=None):
+def _run(kernel, grid, args, constexprs, num_warps, params, maxnreg=None):
     if _record is not None:
         _record(kernel, args, constexprs, num_warps, maxnreg)
         return
@@ -260,7 +260,7 @@ def _run(kernel, grid, args, constexprs, num_warps, cfg, maxnreg=None):
     try:
         kernel[grid](*args, **constexprs, num_warps=num_warps, **limits)
     except Exception as err:  # noqa: BLE001 - any failure here means: this machine cannot run it
-        raise KappaKernelError(failure_message(err, args[0].device, cfg["backend"])) from err
+        raise KappaKernelError(failure_message(err, args[0].device, params["backend"])) from err
 
 
 def _needs(needs_input_grad, has_a, has_b):
@@ -268,42 +268,42 @@ def _needs(needs_input_grad, has_a, has_b):
     return needs_input_grad[2] and has_a, needs_input_grad[3] and has_a, needs_input_grad[4] and has_b
 
 
-def _launch(cfg, gate, up, logit, alpha, bias, offsets, h=None, dh=None, d_gate=None, d_up=None,
+def _launch(params, gate, up, logit, alpha, bias, offsets, h=None, dh=None, d_gate=None, d_up=None,
             dlogit_part=None, da_part=None, db_part=None):
     n, f = gate.shape
     e = 1 if offsets is None else offsets.shape[0] - 1
     backward = dh is not None
-    grid = (triton.cdiv(n, cfg["chunk_rows"]), triton.cdiv(f, cfg["block_f"]))
+    grid = (triton.cdiv(n, params["chunk_rows"]), triton.cdiv(f, params["block_f"]))
     args = (gate, up, logit, *(_ptr(t, gate) for t in (alpha, bias, offsets, dh, h, d_gate, d_up,
                                                          dlogit_part, da_part, db_part)),
-            n, f, e, gate.stride(0), up.stride(0), dh.stride(0) if backward else 0, cfg["chunk_rows"],
-            cfg["log_u"], cfg["scale"], cfg["gain"])
+            n, f, e, gate.stride(0), up.stride(0), dh.stride(0) if backward else 0, params["chunk_rows"],
+            params["log_u"], params["scale"], params["gain"])
     constexprs = dict(
         HAS_A=alpha is not None, HAS_B=bias is not None, GROUPED=offsets is not None,
         BACKWARD=backward, NEED_DLOGIT=dlogit_part is not None, NEED_DA=da_part is not None,
-        NEED_DB=db_part is not None, BLOCK_N=cfg["block_n"], BLOCK_F=cfg["block_f"], BLOCK_E=_BLOCK_E)
-    _run(_kappa_swiglu_kernel, grid, args, constexprs, NUM_WARPS, cfg, MAX_REGISTERS)
+        NEED_DB=db_part is not None, BLOCK_N=params["block_n"], BLOCK_F=params["block_f"], BLOCK_E=_BLOCK_E)
+    _run(_kappa_swiglu_kernel, grid, args, constexprs, NUM_WARPS, params, MAX_REGISTERS)
 
 
 class _KappaSwiGLUTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, logit, alpha, bias, offsets, cfg):
+    def forward(ctx, gate, up, logit, alpha, bias, offsets, params):
         # The logit is read in fp32 whatever its dtype (one kernel variant per I/O dtype).
         ctx.logit_dtype = logit.dtype
         gate, up, logit = _rows(gate), _rows(up), logit.contiguous().float()
         alpha = None if alpha is None else alpha.contiguous()
         bias = None if bias is None else bias.contiguous()
         ctx.save_for_backward(gate, up, logit, alpha, bias, offsets)
-        ctx.cfg = cfg
+        ctx.params = params
         h = _empty(gate.shape, gate.dtype, gate.device)
         if gate.numel():  # an empty grid is not launched
-            _launch(cfg, gate, up, logit, alpha, bias, offsets, h=h)
+            _launch(params, gate, up, logit, alpha, bias, offsets, h=h)
         return h
 
     @staticmethod
     def backward(ctx, dh):
         gate, up, logit, alpha, bias, offsets = ctx.saved_tensors
-        cfg = ctx.cfg
+        params = ctx.params
         need = ctx.needs_input_grad
         n, f = gate.shape
         e = 1 if offsets is None else offsets.shape[0] - 1
@@ -316,23 +316,23 @@ class _KappaSwiGLUTriton(torch.autograd.Function):
             d_logit = zeros(logit, need_dlogit)
             return (d_gate, d_up, None if d_logit is None else d_logit.to(ctx.logit_dtype),
                     zeros(alpha, need_da), zeros(bias, need_db), None, None)
-        chunk_rows, f_blocks = cfg["chunk_rows"], triton.cdiv(f, cfg["block_f"])
+        chunk_rows, f_blocks = params["chunk_rows"], triton.cdiv(f, params["block_f"])
         slots = triton.cdiv(n, chunk_rows) + (e - 1 if offsets is not None else 0)
         fp32 = dict(dtype=torch.float32, device=gate.device)
         dlogit_part = _empty((f_blocks, n), **fp32) if need_dlogit else None
         da_part = torch.empty(slots, f, **fp32) if need_da else None
         db_part = torch.empty(slots, f, **fp32) if need_db else None
-        _launch(cfg, gate, up, logit, alpha, bias, offsets, dh=_rows(dh), d_gate=d_gate, d_up=d_up,
+        _launch(params, gate, up, logit, alpha, bias, offsets, dh=_rows(dh), d_gate=d_gate, d_up=d_up,
                 dlogit_part=dlogit_part, da_part=da_part, db_part=db_part)
-        d_logit = dlogit_part.sum(0).mul_(cfg["scale"]).to(ctx.logit_dtype) if need_dlogit else None
+        d_logit = dlogit_part.sum(0).mul_(params["scale"]).to(ctx.logit_dtype) if need_dlogit else None
         d_alpha = torch.empty_like(alpha) if need_da else None
         d_bias = torch.empty_like(bias) if need_db else None
         if need_da or need_db:
             args = (*(_ptr(t, gate) for t in (da_part, db_part, offsets, d_alpha, d_bias)),
-                    n, f, chunk_rows, cfg["scale"])
+                    n, f, chunk_rows, params["scale"])
             constexprs = dict(GROUPED=offsets is not None, NEED_DA=need_da, NEED_DB=need_db,
-                              BLOCK_C=_REDUCE_BLOCK_C, BLOCK_F=cfg["block_f"])
-            _run(_reduce_param_grads_kernel, (e, f_blocks), args, constexprs, _REDUCE_NUM_WARPS, cfg)
+                              BLOCK_C=_REDUCE_BLOCK_C, BLOCK_F=params["block_f"])
+            _run(_reduce_param_grads_kernel, (e, f_blocks), args, constexprs, _REDUCE_NUM_WARPS, params)
         return (d_gate if need[0] else None, d_up if need[1] else None, d_logit, d_alpha, d_bias,
                 None, None)
 
@@ -371,15 +371,16 @@ def kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
     if len(set(dtypes.values())) > 1 or gate.dtype not in DTYPES:
         raise ValueError(f"kappa_swiglu_triton: gate, up, alpha, bias must share one dtype of "
                          f"{[str(d) for d in DTYPES]}, got {dtypes}")
-    cfg = dict(log_u=math.log(U), scale=float(logit_scale), gain=float(tanh_gain),
-               block_n=block_n, block_f=block_f, backend=backend,
-               chunk_rows=chunk_rows or default_chunk_rows(n, f, block_n, block_f))
+    # the kernels' launch parameters (not a megatron_kappa Config)
+    params = dict(log_u=math.log(U), scale=float(logit_scale), gain=float(tanh_gain),
+                  block_n=block_n, block_f=block_f, backend=backend,
+                  chunk_rows=chunk_rows or default_chunk_rows(n, f, block_n, block_f))
     offsets = None
     if tokens_per_expert is not None:
         # Exclusive cumsum on the device: [0, c0, c0 + c1, ...]; never read on the host.
         ends = tokens_per_expert.to(device=gate.device).cumsum(0, dtype=torch.int32)
         offsets = torch.nn.functional.pad(ends, (1, 0))
-    return _KappaSwiGLUTriton.apply(gate, up, logit, alpha, bias, offsets, cfg)
+    return _KappaSwiGLUTriton.apply(gate, up, logit, alpha, bias, offsets, params)
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",

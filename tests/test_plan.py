@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 import plan as planner
-from plan import search, speed
 from megatron_kappa.config import ConfigError, load_config
-from plan import GIB, Layout
-from plan.routing import routed_rows_per_rank
+from plan import GIB, Layout, search, speed
 from plan.planned import Planned
+from plan.routing import routed_rows_per_rank
 from test_mla import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]

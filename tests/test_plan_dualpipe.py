@@ -141,7 +141,8 @@ def test_step_terms_by_hand():
     assert got.terms["bubble"] == pytest.approx((4 / 2 - 1) * busy / micro * 2 / 3)
     assert got.seconds == pytest.approx(sum(got.terms.values()))
     # 2 messages of the mirror's all-reduce beside ZeRO's 2 of each of the two stages' 2 groups
-    late = speed.step_time(cfg, layout, rates=speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=1000), gpus_per_node=8, stage_params=params, dualpipe=True)
+    late = speed.step_time(cfg, layout, rates=speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=1000),
+                           gpus_per_node=8, stage_params=params, dualpipe=True)
     assert late.terms["data"] - got.terms["data"] == pytest.approx(1e-3 * (2 + 2 * 2 * 2))
     # the control: 1F1B's bubble on the same layout is (p − 1) chunks of its slowest stage
     one = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params)
@@ -182,7 +183,9 @@ def test_search_tries_dualpipe_beside_1f1b():
     one, two = (planner.plan(cfg, layout, gpu_mem_gib=80, planned=p).most_loaded.total_bytes for p in (Planned(), DUAL))
     assert two > one
     small = (one + two) / 2 / 2 ** 30 / planner.HEADROOM  # GiB: 1F1B fits, DualPipe does not
-    assert not planner.plan(cfg, layout, gpu_mem_gib=small, planned=DUAL).fits and planner.plan(cfg, layout, gpu_mem_gib=small).fits
+    assert not planner.plan(cfg, layout, gpu_mem_gib=small, planned=DUAL).fits
+    assert planner.plan(cfg, layout, gpu_mem_gib=small).fits
     label = planner.plan(cfg, layout, gpu_mem_gib=80).label
-    row = next(r for r in search(cfg, 8, gpu_mem_gib=small, gpus_per_node=8, top=None, rates=rates, planned=DUAL) if r.label == label)
+    row = next(r for r in search(cfg, 8, gpu_mem_gib=small, gpus_per_node=8, top=None, rates=rates,
+                                 planned=DUAL) if r.label == label)
     assert "DualPipe" not in row.planned_only

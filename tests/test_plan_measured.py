@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 
 from plan import Layout, model_shape, speed
-from plan.published import (LONG_CONTEXT, MEASURED, TUNED, check_run, config_of,
-                                           measured_seconds, megatron_model_flops)
+from plan.published import LONG_CONTEXT, MEASURED, TUNED, check_run, config_of, measured_seconds, megatron_model_flops
 from plan.speed import Rates
 
 # ModelZoo best_practice/qwen3/readme.md:14, :15, :19, :18 give both a step time and megatron's model TFLOP/s per GPU

@@ -46,7 +46,8 @@ def test_context_parallel_ring_traffic_by_hand():
     got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params)
     tokens = 8 * TOKENS / (4 * 2)
     assert got.terms["context"] == 3 * 1 * 4 * tokens * (2 * HEADS_D) * 2 / 450e9
-    ms = speed.step_time(cfg, layout, rates=speed.Rates(latency_us=1000), gpus_per_node=8, stage_params=params).terms["context"]
+    ms = speed.step_time(cfg, layout, rates=speed.Rates(latency_us=1000), gpus_per_node=8,
+                         stage_params=params).terms["context"]
     assert ms - got.terms["context"] == pytest.approx(1e-3 * 3 * 1 * 4 * 2)  # 2 micro-batches per step
     plain = speed.step_time(cfg, Layout(8), rates=rates, gpus_per_node=8, stage_params=params)
     assert plain.terms["context"] == 0 and plain.terms["data"] == got.terms["data"]  # both over 8
@@ -66,7 +67,8 @@ def test_virtual_stages_in_flight_bubble_and_traffic():
     cfg = tiny("train.global_batch=16", "model.num_layers=8")
     assert act(cfg, two, 0) / act(cfg, one, 0) == pytest.approx(in_flight(4, 0, 16, 2) / 4)
     params = [planner.stage_params(cfg, one, s) for s in range(4)]
-    a, b = (speed.step_time(cfg, lay, rates=speed.Rates(), gpus_per_node=8, stage_params=params).terms for lay in (one, two))
+    a, b = (speed.step_time(cfg, lay, rates=speed.Rates(), gpus_per_node=8,
+                            stage_params=params).terms for lay in (one, two))
     assert b["pipeline"] == 2 * a["pipeline"]  # every chunk boundary crossed
     for t, v in ((a, 1), (b, 2)):
         busy = t["compute"] + t["memory"] + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
@@ -161,7 +163,8 @@ def test_every_published_run_fits_with_its_published_settings():
     most = max(planner.model_shape(cfg, kimi.layout).stage_counts())
     speeds = {}
     for v in (v for v in range(2, most + 1) if most % v == 0):
-        got = planner.plan(cfg, dataclasses.replace(kimi.layout, vpp=v), gpu_mem_gib=80, gpus_per_node=8, rates=kimi.rates, planned=kimi.planned)
+        got = planner.plan(cfg, dataclasses.replace(kimi.layout, vpp=v), gpu_mem_gib=80, gpus_per_node=8,
+                           rates=kimi.rates, planned=kimi.planned)
         if got.fits:
             speeds[v] = got.speed.tokens_per_s
     assert len(speeds) > 1 and max(speeds, key=speeds.get) == chosen.vpp
@@ -263,7 +266,8 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
         plain = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params)
         t = plain.terms
         assert plain.seconds == pytest.approx(sum(t.values()))  # nothing hidden: the control
-        got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params, overlap=("expert", "pipeline", "data"))
+        got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params,
+                              overlap=("expert", "pipeline", "data"))
         # stage 1 (2 MoE layers, the loss) is the slowest either way
         # the GEMMs' time: compute and the memory-bound experts' excess (the same 2 MoE layers on
         # either stage: test_plan_speed.test_memory_bound_experts_by_hand)

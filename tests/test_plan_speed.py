@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import plan as planner
-from plan import search
 from megatron_kappa.config import load_config
-from plan import Layout, speed
+from plan import Layout, search, speed
 from test_mla import MLA  # the tiny MLA settings
 
 # per-expert matmuls (torch's counter has no formula for grouped_mm), 2 sequences of 64 tokens
@@ -179,7 +178,8 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
     assert got[1] - got[0] == pytest.approx(2 * rows_bytes * micro_tokens / tokens * in_flight)
     capped = load_config("configs/tiny.yaml", ["model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
                                                "model.moe.capacity_factor=1.25"])
-    assert speed.step_time(capped, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params, imbalance=1.5).terms == \
+    assert speed.step_time(capped, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params,
+                           imbalance=1.5).terms == \
         speed.step_time(capped, layout, rates=speed.Rates(), gpus_per_node=8, stage_params=params).terms
 
 
@@ -280,14 +280,17 @@ def test_memory_bound_experts_by_hand():
     # the experts recomputed (selective "moe"): a fourth pass; EP4 gives each expert twice the rows
     again = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
                                                                recompute_modules=("moe",)))
-    assert speed.step_time(again, layout, rates=rates, gpus_per_node=4, stage_params=params).terms["memory"] == pytest.approx(want * 4 / 3)
+    assert speed.step_time(again, layout, rates=rates, gpus_per_node=4,
+                           stage_params=params).terms["memory"] == pytest.approx(want * 4 / 3)
     # full recompute of the stage's first layer only (model.recompute_layers 1): 4 + 3 passes
     first = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full", recompute_layers=1))
-    assert speed.step_time(first, layout, rates=rates, gpus_per_node=4, stage_params=params).terms["memory"] == pytest.approx(want * 7 / 6)
+    assert speed.step_time(first, layout, rates=rates, gpus_per_node=4,
+                           stage_params=params).terms["memory"] == pytest.approx(want * 7 / 6)
     assert speed.expert_gemm_rows(cfg, Layout(16, tp=2, pp=2, ep=4, etp=1)) == 2048
     # controls: at 10 TB/s these GEMMs are compute-bound (no memory term), and the FLOPs-only
     # compute term is the same either way
-    fast = speed.step_time(cfg, layout, rates=dataclasses.replace(rates, hbm_tbs=10.0), gpus_per_node=4, stage_params=params).terms
+    fast = speed.step_time(cfg, layout, rates=dataclasses.replace(rates, hbm_tbs=10.0), gpus_per_node=4,
+                           stage_params=params).terms
     assert fast["memory"] == 0 and fast["compute"] == t["compute"]
 
 
@@ -297,9 +300,11 @@ def test_search_trades_micro_batch_for_memory_bound_experts():
     less often) and the largest EP first (more rows per expert); the control, an HBM that bounds
     nothing, keeps micro-batch 1 and puts plain DP first (the FLOPs alike, the all-to-all not free)."""
     cfg = load_config("configs/tiny.yaml", ["train.global_batch=64", "model.moe.capacity_factor=null"])
-    slow = search.search(cfg, 4, gpu_mem_gib=80, gpus_per_node=4, top=None, rates=speed.Rates(hbm_tbs=0.05, latency_us=0))
+    slow = search.search(cfg, 4, gpu_mem_gib=80, gpus_per_node=4, top=None,
+                         rates=speed.Rates(hbm_tbs=0.05, latency_us=0))
     assert all(r.micro_batch == 8 for r in slow[:5]) and slow[0].layout.ep == 4
-    free = search.search(cfg, 4, gpu_mem_gib=80, gpus_per_node=4, top=None, rates=speed.Rates(hbm_tbs=1e6, latency_us=0))
+    free = search.search(cfg, 4, gpu_mem_gib=80, gpus_per_node=4, top=None,
+                         rates=speed.Rates(hbm_tbs=1e6, latency_us=0))
     assert all(r.micro_batch == 1 for r in free[:5]) and free[0].layout.ep == 1
     assert all(r.speed.terms["memory"] == 0 for r in free)
 
@@ -316,7 +321,8 @@ def test_attention_rate_and_fixed_layer_time_by_hand():
     base = dict(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
     params = [planner.stage_params(cfg, layout, st) for st in range(2)]
     plain = speed.step_time(cfg, layout, rates=speed.Rates(**base), gpus_per_node=4, stage_params=params)
-    got = speed.step_time(cfg, layout, rates=speed.Rates(**base, attention_tflops=25, layer_ms=2.0), gpus_per_node=4, stage_params=params)
+    got = speed.step_time(cfg, layout, rates=speed.Rates(**base, attention_tflops=25, layer_ms=2.0), gpus_per_node=4,
+                          stage_params=params)
     scores = 3 * 2 * (2 * tokens * s * (64 + 64) / 2 / 2)  # 3 passes, 2 layers: QKᵀ and AV (64 wide each), half, / TP
     assert speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none", scores_only=True) == scores
     t, p = got.terms, plain.terms
@@ -342,13 +348,15 @@ def test_fp8_speedup_scales_the_gemms_not_a_separate_attention_rate():
     for precision in ("fp8", "bf16"):
         cfg = load_config("configs/tiny.yaml", [*sets, f"precision={precision}"])
         params = [planner.stage_params(cfg, layout, st) for st in range(2)]
-        compute = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k), gpus_per_node=4, stage_params=params).terms["compute"]
+        compute = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k), gpus_per_node=4,
+                                      stage_params=params).terms["compute"]
                    for k in (2.0, 1.25)}
         assert compute[1.25] == pytest.approx(compute[2.0] * (2 / 1.25 if precision == "fp8" else 1))
     scores = speed.stage_flops(cfg := load_config("configs/tiny.yaml", [*sets, "precision=fp8"]),
                                planner.model_shape(cfg, layout), 1, 32 * 1024 / 4, 2, "none", scores_only=True)
     params = [planner.stage_params(cfg, layout, st) for st in range(2)]
-    split = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k, attention_tflops=50), gpus_per_node=4, stage_params=params)
+    split = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k, attention_tflops=50),
+                                gpus_per_node=4, stage_params=params)
              .terms["compute"] for k in (2.0, 1.25)}
     gemms = {k: split[k] - scores / 50e12 for k in split}  # the rest scales, the scores do not
     assert gemms[1.25] == pytest.approx(gemms[2.0] * 2 / 1.25)

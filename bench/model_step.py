@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     print(f"{args.config} {' '.join(args.set)} | device {device} | micro-batch {args.micro_batch} × "
           f"{base.model.seq_length} | threads {torch.get_num_threads()}")
     if "fp8" in (args.precisions or [base.precision]):
-        print(fp8.describe(cfgs[variants[-1]] if args.precisions else base, device))
+        print(fp8.describe((cfgs[variants[-1]] if args.precisions else base).model.fp8, device))
     print(f"{'experts':<11} {'activation':<10} {'precision':<9} {'ms':>9} {against:>14} {'κ/plain':>8} "
           f"{'ops':>7} {'peak GiB':>9} {'peak ratio':>10}")
     out = []

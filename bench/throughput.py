@@ -106,9 +106,9 @@ def measure(cfgs: dict, device, micro_batch: int, steps: int) -> dict:
     rows = {}
     for name, (cfg, model, step, peak) in built.items():
         seconds, tokens = ms[name] / 1e3, micro_batch * cfg.model.seq_length
-        flops = throughput.flops_per_token(cfg, count(model, cfg))
+        flops = throughput.flops_per_token(cfg.model, count(model, cfg))
         rows[name] = {"ms": ms[name], "tokens_per_s": tokens / seconds,
-                      **throughput.throughput(tokens / seconds, flops, 1, throughput.peak_tflops(cfg, device)),
+                      **throughput.throughput(tokens / seconds, flops, 1, throughput.peak_tflops(cfg.log, device)),
                       "peak_gib": peak, "busy": busy_share(step, device)}
     del built
     if device.type == "cuda":

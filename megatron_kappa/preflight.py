@@ -150,7 +150,7 @@ def check_packing(cfg: Config):
         return
     if not cfg.data.tokenizer:
         raise ConfigError("config: data.packing: bestfit needs data.tokenizer (its BOS and EOD ids)")
-    if not documents_start_with_bos(cfg):
+    if not documents_start_with_bos(cfg.data):
         why = "data.bos is false" if cfg.data.bos is False else \
             "no data prep manifest.json beside data.paths says \"bos\": true (set data.bos: true if they do)"
         raise ConfigError(f"config: data.packing: bestfit needs documents that start with BOS; {why}; "

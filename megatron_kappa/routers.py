@@ -113,7 +113,7 @@ class Router:
     # (cfg, κ experts: bool) → the MoE layer's spec entry (class or partial): its dispatcher must
     # carry what `router` returns
     layer: Callable[[Any, bool], Any]
-    after_step: Optional[Callable[[Any, Any], None]] = None  # (model, cfg) after each optimizer step
+    after_step: Optional[Callable[[Any, Any], None]] = None  # (model, moe) after each optimizer step
     metrics: Optional[Callable[[Any, Any], dict]] = None  # (model, device) → metrics.jsonl keys, on logging steps
     active_experts: Callable[[Any], float] = _topk  # moe → mean experts per token (summary, N_eff)
     validate: Optional[Callable[[Any, Callable], None]] = None  # (moe, need(ok, key, msg)): its config rules

@@ -48,7 +48,7 @@ def run_case(case):
     tokens = tokens.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
     with torch.no_grad():
         model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     table = analysis.expert_table(ref.moe_layers(model)[0][1])
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, stats)

@@ -123,7 +123,7 @@ def kappa_penalty(model, cfg) -> dict:
         c.model.kappa.l2_reduction = reduction
         if ep is not None:
             c.parallel.ep, c.parallel.etp = ep, etp
-        local = recipe.kappa_l2(model, c, torch.device("cpu"))
+        local = recipe.kappa_l2(model, c.model.kappa, c.parallel, torch.device("cpu"))
         (local * recipe.l2_scale()).backward()
         reduce_data_parallel_grads(model)
         grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}

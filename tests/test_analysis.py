@@ -72,17 +72,17 @@ def test_alignment_of_known_geometry(world1):
         torch.testing.assert_close(table["cos"], expected, atol=1e-6, rtol=0)
         torch.testing.assert_close(table["proj"], 2.0 * expected, atol=1e-5, rtol=0)
     forward(model)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     for i, _ in layers:
         assert stats[f"align/layer{i}/mean"] == pytest.approx(0.5, abs=1e-6)
         assert stats[f"align/layer{i}/bottom5"] == pytest.approx(0.0, abs=1e-6)
         assert stats[f"align/layer{i}/top5"] == pytest.approx(1.0, abs=1e-6)
     # negative controls: all rows orthogonal → 0; all rows opposite → −1
     set_geometry(model, lambda e, j, u, v: orthogonal(u, v))
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     assert all(abs(stats[f"align/layer{i}/{k}"]) < 1e-6 for i, _ in layers for k in ("mean", "bottom5", "top5"))
     set_geometry(model, lambda e, j, u, v: -u)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     assert stats["align/layer1/mean"] == pytest.approx(-1.0, abs=1e-6)
 
 
@@ -117,7 +117,7 @@ def test_metrics_match_naive_loops(world1, variant):
     seen = ref.capture_routing(model)
     analysis.watch_routers(model)
     forward(model)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     state = full_state(model)
     expected = {}
     for index, _ in ref.moe_layers(model):
@@ -140,7 +140,7 @@ def test_load_and_dropped_tokens_follow_the_capacity_rule(world1):
     seen = ref.capture_routing(model)
     analysis.watch_routers(model)
     forward(model)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     state, topk = full_state(model), cfg.model.moe.topk
     for index, _ in ref.moe_layers(model):
         x, routed = seen[index]
@@ -161,7 +161,7 @@ def test_load_and_dropped_tokens_follow_the_capacity_rule(world1):
     cfg, model = model_for()
     analysis.watch_routers(model)
     forward(model)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"))
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"))
     assert not any(k.endswith("dropped_frac") for k in stats) and "load/layer1/cv" in stats
 
 
@@ -173,8 +173,8 @@ def test_sampling_bounds(world1):
     x, expert = analysis.routed_sample(layer, 8, torch.Generator().manual_seed(0))
     assert x.shape[0] == expert.shape[0] == 8 * cfg.model.moe.topk  # 8 tokens, each routed top-k times
     assert analysis._subsample(torch.arange(10_000.0), 1000, torch.Generator()).numel() == 1000
-    sampled = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=8, values=1000)
-    exact = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    sampled = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=8, values=1000)
+    exact = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     assert sampled.keys() == exact.keys()
     assert sampled["align/layer1/mean"] == exact["align/layer1/mean"]  # the weights are not sampled
     assert sampled["load/layer1/cv"] == exact["load/layer1/cv"]        # nor are the loads
@@ -205,7 +205,7 @@ def parallel_runs(world1, tmp_path_factory):
                                 f"model.moe.grouped_gemm={str(kw.get('grouped', True)).lower()}"])
         analysis.watch_routers(model)
         forward(model)
-        refs[name] = {"stats": analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None),
+        refs[name] = {"stats": analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None),
                       "table": analysis.expert_table(ref.moe_layers(model)[0][1])}
         plan.append({"name": name, **kw, "weights": full_state(model)})
     torch.save(plan, tmp / "plan.pt")

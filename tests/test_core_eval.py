@@ -287,7 +287,7 @@ def test_run_records_whether_its_shards_start_with_bos(tmp_path):
     (tmp_path / "bare").mkdir()
 
     def answer(*sets):
-        return documents_start_with_bos(load_config(None, list(sets)))
+        return documents_start_with_bos(load_config(None, list(sets)).data)
     assert answer(f"data.paths=[{tmp_path}/a/train_00000]") is True
     assert answer(f"data.paths=[0.5,{tmp_path}/a/train_00000,0.5,{tmp_path}/a/train_00001]") is True
     assert answer(f"data.paths=[{tmp_path}/b/train_00000]") is False

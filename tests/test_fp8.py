@@ -277,7 +277,7 @@ def test_preflight_fp8_needs_torchao_and_hopper(monkeypatch):
 
 
 def test_log_line_says_emulated():
-    line = fp8.describe(load_config("configs/tiny.yaml", ["precision=fp8", "model.fp8.attention=false"]), "cpu")
+    line = fp8.describe(load_config("configs/tiny.yaml", ["precision=fp8", "model.fp8.attention=false"]).model.fp8, "cpu")
     assert line == ("fp8: torchao rowwise for dense_mlp, experts; emulated on the CPU (same casts, fp32 "
                     "products: no FP8 speed-up)")
 

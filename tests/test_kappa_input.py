@@ -164,17 +164,17 @@ def test_U_ramp_follows_the_authors_get_kappa_slope_max_scale():
     cfg = kcfg("input=normalized", "schedule=authors")
     # total 10000: delay max(200, ceil(500)) = 500, ramp ceil(1500) = 1500, U = 4
     for step, want in ((0, 1.0), (499, 1.0), (500, 1.0), (875, 1.75), (1250, 2.5), (2000, 4.0), (9999, 4.0)):
-        assert recipe.kappa_U(step, 10000, cfg) == pytest.approx(want, abs=1e-12), step
+        assert recipe.kappa_U(step, 10000, cfg.model.kappa) == pytest.approx(want, abs=1e-12), step
     # total 1000: delay max(200, 50) = 200, ramp 150
-    assert recipe.kappa_U(275, 1000, cfg) == pytest.approx(2.5)
+    assert recipe.kappa_U(275, 1000, cfg.model.kappa) == pytest.approx(2.5)
     # schedule paper: the ramp starts at the paper's unfreeze (10 %), U = 3 for scaled
     paper = kcfg("input=scaled")
-    assert recipe.kappa_U(999, 10000, paper) == 1.0
-    assert recipe.kappa_U(1750, 10000, paper) == pytest.approx(2.0)
+    assert recipe.kappa_U(999, 10000, paper.model.kappa) == 1.0
+    assert recipe.kappa_U(1750, 10000, paper.model.kappa) == pytest.approx(2.0)
     # input logit (the paper): U constant; explicit keys override the variant's
-    assert all(recipe.kappa_U(s, 10000, kcfg()) == 3.0 for s in (0, 500, 9999))
-    assert recipe.kappa_U(0, 10000, kcfg("input=normalized", "u_warmup=0")) == 4.0
-    assert recipe.kappa_U(1250, 10000, kcfg("input=normalized", "schedule=authors", "U=3")) == pytest.approx(2.0)
+    assert all(recipe.kappa_U(s, 10000, kcfg().model.kappa) == 3.0 for s in (0, 500, 9999))
+    assert recipe.kappa_U(0, 10000, kcfg("input=normalized", "u_warmup=0").model.kappa) == 4.0
+    assert recipe.kappa_U(1250, 10000, kcfg("input=normalized", "schedule=authors", "U=3").model.kappa) == pytest.approx(2.0)
 
 
 def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
@@ -237,7 +237,9 @@ def test_variants_bring_their_kappa_learning_rates_and_l2_alpha(world1):
     model = build_model(load_config("configs/tiny.yaml", sets), "cpu")
     for p in model.parameters():
         torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(0))
-    penalty = lambda *s: recipe.kappa_l2(model, load_config("configs/tiny.yaml", [*sets, *s]), torch.device("cpu"))  # noqa: E731
+    def penalty(*s):
+        cfg = load_config("configs/tiny.yaml", [*sets, *s])
+        return recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, torch.device("cpu"))
     assert penalty("model.kappa.input=normalized").item() == pytest.approx(
         penalty("model.kappa.l2_alpha=0.01").item(), rel=1e-12)
     assert penalty("model.kappa.input=normalized").item() == pytest.approx(  # negative control: 2e-2

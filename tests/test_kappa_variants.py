@@ -104,7 +104,7 @@ def test_analysis_sees_what_kappa_sees(registry, world1, name):
     tokens = parity.global_batch()[0][:, :-1]
     with torch.no_grad():
         model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    stats = analysis.analysis_stats(model, cfg, torch.device("cpu"), tokens=None, values=None)
+    stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
     scale = kappa_settings(cfg).logit_scale
     for index, layer in ref.moe_layers(model):
         x, kappa_logits, routing_map = seen[index]

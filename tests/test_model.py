@@ -17,10 +17,10 @@ CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 def test_layouts():
     cfg = lambda layout, n, **kw: load_config(None, [f"model.layout={layout}", f"model.num_layers={n}"] +
                                               [f"{k}={v}" for k, v in kw.items()])
-    assert moe_layer_pattern(cfg("dense", 4)) == [0, 0, 0, 0]
-    assert moe_layer_pattern(cfg("moe", 5, **{"model.first_dense": 2})) == [0, 0, 1, 1, 1]
-    assert moe_layer_pattern(cfg("sandwich", 6)) == [0, 0, 1, 1, 0, 0]
-    assert moe_layer_pattern(cfg("sandwich", 7)) == [0, 0, 1, 1, 0, 0, 0]
+    assert moe_layer_pattern(cfg("dense", 4).model) == [0, 0, 0, 0]
+    assert moe_layer_pattern(cfg("moe", 5, **{"model.first_dense": 2}).model) == [0, 0, 1, 1, 1]
+    assert moe_layer_pattern(cfg("sandwich", 6).model) == [0, 0, 1, 1, 0, 0]
+    assert moe_layer_pattern(cfg("sandwich", 7).model) == [0, 0, 1, 1, 0, 0, 0]
 
 
 def test_model_layout_is_derived_once_for_every_reader():
@@ -77,7 +77,7 @@ def analytic_counts(cfg):
     d, L, V, E, F = m.hidden_size, m.num_layers, 2048 if m.vocab_size <= 2048 else m.vocab_size, \
         m.moe.num_experts, m.ffn_hidden_size or 4 * m.hidden_size
     head = d // m.num_attention_heads
-    moe_layers = sum(moe_layer_pattern(cfg))
+    moe_layers = sum(moe_layer_pattern(cfg.model))
     ve_layers = L // 2 if m.value_embeddings else 0  # every other layer, the last one included
     attn = L * (3 * d * d + d * d) + ve_layers * m.num_attention_heads * 32  # qkv, proj; value gates
     norms = (L * (2 * d + 2 * head) + d) * m.norm_gains  # input/pre-mlp norms, q/k norms, final norm
@@ -98,7 +98,7 @@ def test_summary_counts_match_architecture(world1, name):
     by, k, E = s["by_category"], cfg.model.moe.topk, cfg.model.moe.num_experts
     m = cfg.model
     assert s["active_params_per_token"] == round(sum(by.values()) - by["experts"] * (1 - k / E))
-    discount = (k / E) ** 0.5 if 5 * sum(moe_layer_pattern(cfg)) >= m.num_layers else 1.0
+    discount = (k / E) ** 0.5 if 5 * sum(moe_layer_pattern(cfg.model)) >= m.num_layers else 1.0
     assert s["expert_discount"] == (discount != 1.0) == (name != "sandwich28")
     neff = sum(by.values()) - by["embedding"] // 2 - by["value_embedding"] - by["scalars"] - by["experts"] * (1 - discount)
     assert s["n_eff"] == round(neff) and s["token_budget"] == int(5 * neff)

@@ -62,7 +62,7 @@ def _after_unfreeze(state: str):
     model, total = _Kappa(), 50
     opt = torch.optim.AdamW([{"params": [model.experts.kappa_alpha], "kind": "kappa"}], lr=0.0, betas=(0.8, 0.95),
                             eps=1e-10, weight_decay=0.0)
-    freeze = KappaFreeze(model, total, cfg)
+    freeze = KappaFreeze(model, total, cfg.model.kappa)
     start = freeze.start
     assert freeze.params == [model.experts.kappa_alpha]
     for step in range(start + 1):

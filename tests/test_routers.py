@@ -52,8 +52,8 @@ def softmax_t():
             return partial(TemperedRouter, temperature=TEMPERATURE)
         return partial(KappaTemperedRouter, temperature=TEMPERATURE, kappa=kappa)
 
-    def after_step(model, cfg):
-        seen["after_step"].append(cfg.model.moe.router)
+    def after_step(model, moe):
+        seen["after_step"].append(moe.router)
         seen["models"].append(model)
 
     softmax = routers.lookup("softmax")
@@ -94,10 +94,10 @@ def test_the_sigmoid_routers_after_step_moves_the_expert_bias(world1, tmp_path, 
     megatron_kappa.parallel.grads.update_expert_bias). Negative control: without the hook it stays."""
     sigmoid, models = routers.lookup("sigmoid"), []
 
-    def after_step(model, cfg):
+    def after_step(model, moe):
         models.append(model)
         if hook:
-            sigmoid.after_step(model, cfg)
+            sigmoid.after_step(model, moe)
     routers.register("sigmoid_probe", dataclasses.replace(sigmoid, after_step=after_step))
     try:
         from megatron_kappa.train.loop import run

@@ -19,17 +19,17 @@ def test_flops_per_token_of_tiny_by_hand(world1):
     by_hand = 6 * (attention + norms + dense_mlp + routers + experts_active + output_layer) \
         + 12 * layers * d * seq
     assert by_hand == 3_664_512
-    assert throughput.flops_per_token(cfg, summarize(cfg)) == by_hand
+    assert throughput.flops_per_token(cfg.model, summarize(cfg)) == by_hand
     # Negative control: another sequence length changes the count (the attention term).
     other = load_config("configs/tiny.yaml", ["model.seq_length=256"])
-    assert throughput.flops_per_token(other, summarize(other)) == by_hand + 12 * layers * d * 128
+    assert throughput.flops_per_token(other.model, summarize(other)) == by_hand + 12 * layers * d * 128
 
 
 def test_mfu_from_tokens_per_second():
     cfg = load_config("configs/tiny.yaml", ["log.peak_tflops=100"])
-    peak = throughput.peak_tflops(cfg, torch.device("cpu"))
+    peak = throughput.peak_tflops(cfg.log, torch.device("cpu"))
     assert peak == 100
     out = throughput.throughput(tokens_per_s=2e6, flops_token=3e8, world=4, peak=peak)
     assert out["tflops_per_gpu"] == pytest.approx(150.0)  # 2e6 × 3e8 / 4 / 1e12
     assert out["mfu"] == pytest.approx(1.5)
-    assert "mfu" not in throughput.throughput(1e3, 1e6, 1, throughput.peak_tflops(load_config(None), torch.device("cpu")))
+    assert "mfu" not in throughput.throughput(1e3, 1e6, 1, throughput.peak_tflops(load_config(None).log, torch.device("cpu")))

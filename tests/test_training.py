@@ -173,10 +173,10 @@ def test_kappa_l2_gradient(world1, reduction):
         for name, p in model.named_parameters():
             if "kappa_" in name:
                 p.copy_(torch.randn(p.shape))
-    loss = recipe.kappa_l2(model, cfg, torch.device("cpu"))
+    loss = recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, torch.device("cpu"))
     loss.backward()
     kappa = [(n, p) for n, p in model.named_parameters() if "kappa_" in n]
-    assert len(kappa) == 2 * sum(moe_layer_pattern(cfg))
+    assert len(kappa) == 2 * sum(moe_layer_pattern(cfg.model))
     count = lambda p: p.numel() if reduction == "mean" else 1  # noqa: E731
     for name, p in model.named_parameters():
         if name.endswith("kappa_alpha"):
@@ -189,9 +189,10 @@ def test_kappa_l2_gradient(world1, reduction):
                    for n, p in kappa)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     # the two reductions differ by the layer's entry count (the negative control of each other)
-    other = recipe.kappa_l2(model, load_config("configs/tiny.yaml", [
+    flipped = load_config("configs/tiny.yaml", [
         "model.kappa.l2_alpha=0.02", "model.kappa.l2_bias=0.01",
-        f"model.kappa.l2_reduction={'sum' if reduction == 'mean' else 'mean'}"]), torch.device("cpu"))
+        f"model.kappa.l2_reduction={'sum' if reduction == 'mean' else 'mean'}"])
+    other = recipe.kappa_l2(model, flipped.model.kappa, flipped.parallel, torch.device("cpu"))
     assert abs(other.item() - loss.item()) > 0.5 * min(other.item(), loss.item())
 
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import ConfigError, DataConfig
 
 
-def documents_start_with_bos(cfg: Config) -> bool:
+def documents_start_with_bos(data: DataConfig) -> bool:
     """`data.bos` when set; else the "bos" of the data prep manifest.json in each data path's
     folder (one without it predates BOS: false); false for mock data or shards without a
     manifest. Paths that disagree are refused."""
-    if cfg.data.bos is not None:
-        return cfg.data.bos
-    if cfg.data.mock:
+    if data.bos is not None:
+        return data.bos
+    if data.mock:
         return False
     answers = {}
-    for prefix in [p for p in [*cfg.data.paths, *cfg.data.valid_paths] if isinstance(p, str)]:
+    for prefix in [p for p in [*data.paths, *data.valid_paths] if isinstance(p, str)]:
         manifest = Path(prefix).parent / "manifest.json"
         if manifest.is_file():
             answers[str(manifest)] = bool(json.loads(manifest.read_text()).get("bos", False))

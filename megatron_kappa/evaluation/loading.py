@@ -106,7 +106,7 @@ def load_model(run_dir: str | Path, weights: str | Path | None = None):
     model.eval()  # also selects eval.capacity_factor (megatron_kappa.model.capacity)
     # Runs from before data.bos was recorded: the manifests beside their shards, else no BOS.
     from megatron_kappa.data.bos import documents_start_with_bos
-    cfg.data.bos = documents_start_with_bos(cfg)
+    cfg.data.bos = documents_start_with_bos(cfg.data)
     return model, cfg
 
 

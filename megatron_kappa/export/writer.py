@@ -137,7 +137,7 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
         if tok_file:
             from megatron_kappa.export.tokenizer import hf_tokenizer
             cfg.data.tokenizer = tok_file
-            hf_tokenizer(tok_file, add_bos=documents_start_with_bos(cfg)).save_pretrained(str(tmp))
+            hf_tokenizer(tok_file, add_bos=documents_start_with_bos(cfg.data)).save_pretrained(str(tmp))
         os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

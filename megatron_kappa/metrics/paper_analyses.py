@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron_kappa.config import ModelConfig, MoEConfig
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.experts import gate_weights
 from megatron_kappa.model.layout import layer_label
@@ -150,16 +151,17 @@ def _gather_values(local: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS,
+def analysis_stats(model, m: ModelConfig, device: torch.device, tokens: int | None = TOKENS,
                    values: int | None = VALUES) -> dict:
-    """Every metric listed in the module docstring, per MoE layer (collective: all ranks call it).
-    tokens / values = None: no sampling (the tests compare exact numbers across layouts)."""
+    """Every metric listed in the module docstring, per MoE layer of `model` (`m`: its config;
+    collective: all ranks call it). tokens / values = None: no sampling (the tests compare exact
+    numbers across layouts)."""
     out = {}
     group = stage_group()  # each pipeline stage reduces over its own ranks, for its layers
     world = dist.get_world_size(group)
     per_rank = None if values is None else max(1000, values // world)
     gen = torch.Generator().manual_seed(0)
-    variant = kappa_inputs.resolve(cfg.model.kappa)
+    variant = kappa_inputs.resolve(m.kappa)
     scale, transform = variant.logit_scale, variant.transform  # as κ uses them (input scaled: 0.15)
     for p, layer in labelled_moe_layers(model):
         table = expert_table(layer)
@@ -202,11 +204,11 @@ def analysis_stats(model, cfg, device: torch.device, tokens: int | None = TOKENS
             for row, key in ((2, "alpha_s_abs"), (3, "bias_routed_abs")):
                 if sums[row, 1] > 0:
                     out[f"kappa/{p}/{key}"] = (sums[row, 0] / sums[row, 1]).item()
-        out.update(load_stats(layer, cfg, device, p))
+        out.update(load_stats(layer, m.moe, device, p))
     return merge_stages(out)
 
 
-def load_stats(layer: MoELayer, cfg, device: torch.device, prefix: str) -> dict:
+def load_stats(layer: MoELayer, moe: MoEConfig, device: torch.device, prefix: str) -> dict:
     """Tokens per expert over every rank's last micro-batch (min, max, cv) and, with a capacity,
     the dropped fraction (collective)."""
     last = getattr(layer.router, "last_routing", None)
@@ -222,7 +224,7 @@ def load_stats(layer: MoELayer, cfg, device: torch.device, prefix: str) -> dict:
     out = {f"load/{prefix}/min": per_expert.min().item(), f"load/{prefix}/max": per_expert.max().item(),
            f"load/{prefix}/mean": mean,
            f"load/{prefix}/cv": per_expert.std(unbiased=False).item() / mean if mean else 0.0}
-    if cfg.model.moe.capacity_factor is not None:
-        wanted = cfg.model.moe.topk * tokens
+    if moe.capacity_factor is not None:
+        wanted = moe.topk * tokens
         out[f"load/{prefix}/dropped_frac"] = (wanted - per_expert.sum().item()) / wanted if wanted else 0.0
     return out

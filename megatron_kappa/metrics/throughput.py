@@ -12,25 +12,24 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import LogConfig, ModelConfig
 
 # Dense bf16 peak, TFLOP/s per GPU (vendor data sheets, without sparsity).
 PEAK_BF16_TFLOPS = {"GH200": 989.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "B200": 2250.0,
                     "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 
-def flops_per_token(cfg: Config, counts: dict) -> float:
+def flops_per_token(m: ModelConfig, counts: dict) -> float:
     """`counts` is megatron_kappa.summary.count of the model (the full model's numbers)."""
-    m = cfg.model
     input_embedding = counts["by_category"]["embedding"] / 2  # untied: input and output are equal in size
     heads_dim = m.num_attention_heads * (m.head_dim or m.hidden_size // m.num_attention_heads)
     return 6.0 * (counts["active_params_per_token"] - input_embedding) + \
         12.0 * m.num_layers * heads_dim * m.seq_length
 
 
-def peak_tflops(cfg: Config, device: torch.device) -> float | None:
-    if cfg.log.peak_tflops is not None:
-        return cfg.log.peak_tflops
+def peak_tflops(log: LogConfig, device: torch.device) -> float | None:
+    if log.peak_tflops is not None:
+        return log.peak_tflops
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

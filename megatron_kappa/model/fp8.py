@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.config.checks import fp8_capability_error
+from megatron_kappa.config.schema import FP8Config
 
 E4M3 = torch.float8_e4m3fn
 GROUP_ALIGN = 16  # torch._scaled_grouped_mm: each group's rows start at a multiple of 16
@@ -51,9 +52,8 @@ def settings(cfg: Config, device: torch.device | str, part: str) -> FP8Settings 
     return FP8Settings(recipe=cfg.model.fp8.recipe, emulate=device.type != "cuda")
 
 
-def describe(cfg: Config, device: torch.device | str) -> str:
-    """One log line: what runs in FP8, and whether it is emulated."""
-    f = cfg.model.fp8
+def describe(f: FP8Config, device: torch.device | str) -> str:
+    """One log line: what runs in FP8 (model.fp8), and whether it is emulated."""
     parts = [p for p in ("attention", "dense_mlp", "experts") if getattr(f, p)]
     how = "FP8 kernels" if torch.device(device).type == "cuda" else \
         "emulated on the CPU (same casts, fp32 products: no FP8 speed-up)"

@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, ModelConfig
 from megatron_kappa.config.stage_layout import decoder_counts
 
 
@@ -85,14 +85,13 @@ class ModelLayout:
 
 def model_layout(cfg: Config) -> ModelLayout:
     par = cfg.parallel
-    return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg)), num_experts=cfg.model.moe.num_experts,
+    return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg.model)), num_experts=cfg.model.moe.num_experts,
                        padded_vocab=padded_vocab_size(cfg), pp=par.pp, first_stage_layers=par.first_stage_layers,
                        last_stage_layers=par.last_stage_layers, stage_layout=par.layout, vpp=par.vpp)
 
 
-def moe_layer_pattern(cfg: Config) -> list[int]:
+def moe_layer_pattern(m: ModelConfig) -> list[int]:
     """1 for an MoE layer, 0 for a dense one, per layer."""
-    m = cfg.model
     if m.layout == "dense":
         return [0] * m.num_layers
     if m.layout == "moe":

@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_kappa.config import ModelConfig
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, has_value_embedding
 from megatron_kappa.model.loss import ChunkedLossGPTModel
 
@@ -81,10 +82,10 @@ def _param_device(config):
     return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
 
-def pipeline_seq_length(cfg) -> int:
+def pipeline_seq_length(model: ModelConfig) -> int:
     """The sequence length megatron's pipeline schedule sizes its p2p tensors by: doubled when
     x0 travels beside the hidden state."""
-    return cfg.model.seq_length * (2 if cfg.model.residual_scalars else 1)
+    return model.seq_length * (2 if model.residual_scalars else 1)
 
 
 class ScaledResidualLayer(TransformerLayer):

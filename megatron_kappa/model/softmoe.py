@@ -26,6 +26,7 @@ import torch
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_kappa.config import MoEConfig
 from megatron_kappa.model.lapsum import lapsum_topk
 from megatron_kappa.model.moe import KappaRouter
 
@@ -44,8 +45,7 @@ class SoftMoESettings:
     route_scale: float = 1.0
 
 
-def softmoe_settings(cfg) -> SoftMoESettings:
-    moe = cfg.model.moe
+def softmoe_settings(moe: MoEConfig) -> SoftMoESettings:
     sm = moe.softmoe
     return SoftMoESettings(budget=float(moe.active_experts), allocation=sm.allocation,
                            temperature=sm.temperature, threshold=sm.threshold, normalize=sm.normalize,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, TrainConfig
 from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.model.params import (is_embedding_or_output, is_expert, is_router, is_value_embedding,
                                          residual_scalar)
@@ -46,15 +46,15 @@ def _category(name: str) -> str:
     return "norm"
 
 
-def uses_discount(cfg: Config, layout: ModelLayout) -> bool:
+def uses_discount(train: TrainConfig, layout: ModelLayout) -> bool:
     """Whether N_eff counts the routed experts at sqrt(k / E): train.budget_discount, or when it is
     null the authors' rule: only with at least num_layers / 5 MoE layers (scripts/base_train.py, line 455)."""
     moe_layers = layout.num_moe_layers
     if not moe_layers:
         return False
-    if cfg.train.budget_discount is not None:
-        return cfg.train.budget_discount
-    return moe_layers >= cfg.model.num_layers / 5
+    if train.budget_discount is not None:
+        return train.budget_discount
+    return moe_layers >= len(layout.moe_layers) / 5  # the layout has one entry per layer: num_layers
 
 
 def n_eff(by: dict, input_embedding: int, ratio: float, discount: bool) -> float:
@@ -86,7 +86,7 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
     layout = model_layout(cfg)
     has_moe = layout.has_moe
     ratio = k / E if has_moe else 1.0
-    discount = uses_discount(cfg, layout)
+    discount = uses_discount(cfg.train, layout)
     neff = n_eff(by, input_embedding, ratio, discount)
     tokens = int(cfg.train.tokens_per_param * neff)  # the authors' int(ratio × params)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_length

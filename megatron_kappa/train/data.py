@@ -15,7 +15,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, DataConfig, ModelConfig, TrainConfig
 from megatron_kappa.data.bestfit import BestFitConfig, BestFitDataset
 from megatron_kappa.data.blend import parse_blend
 
@@ -28,16 +28,16 @@ class StubTokenizer:
         self.unique_identifiers = {"class": "StubTokenizer", "vocab_size": vocab_size}
 
 
-def tokenizer_for(cfg: Config):
-    if cfg.data.tokenizer:
+def tokenizer_for(data: DataConfig, model: ModelConfig):
+    if data.tokenizer:
         from megatron_kappa.tokenizer import Tokenizer
-        return Tokenizer(cfg.data.tokenizer)
-    return StubTokenizer(cfg.model.vocab_size)
+        return Tokenizer(data.tokenizer)
+    return StubTokenizer(model.vocab_size)
 
 
 def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
     """(train, valid) megatron-core datasets. Rank 0 writes the index caches, the rest read them."""
-    tok = tokenizer_for(cfg)
+    tok = tokenizer_for(cfg.data, cfg.model)
     common = dict(random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, tokenizer=tok,
                   reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                   create_attention_mask=False,
@@ -60,11 +60,10 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
     return train, valid
 
 
-def train_first_sample(step: int, micro: int, cfg: Config, dp_rank: int, dp_size: int) -> int:
+def train_first_sample(step: int, micro: int, train: TrainConfig, dp_rank: int, dp_size: int) -> int:
     """Index of the first sample of one DP rank's micro-batch: a pure function of the step, so a
     resumed run reads exactly what the interrupted one would have."""
-    t = cfg.train
-    return step * t.global_batch + dp_rank * (t.global_batch // dp_size) + micro * t.micro_batch
+    return step * train.global_batch + dp_rank * (train.global_batch // dp_size) + micro * train.micro_batch
 
 
 def batch_at(dataset, first: int, count: int, device: torch.device | str = "cpu") -> dict:

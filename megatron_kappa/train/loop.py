@@ -106,10 +106,10 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     l2_scale = recipe.l2_scale()
     losses = []
     for micro in range(grad_accumulation(cfg)):
-        first = train_first_sample(step, micro, cfg, dp_rank, dp)
+        first = train_first_sample(step, micro, cfg.train, dp_rank, dp)
         batch = batch_at(train_ds, first, cfg.train.micro_batch, device)
         loss = lm_loss(engine, batch, position_ids)
-        l2 = recipe.kappa_l2(model, cfg, device)
+        l2 = recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, device)
         engine.backward(loss + l2 * l2_scale)
         engine.step()
         losses.append(loss.detach())
@@ -129,7 +129,7 @@ def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
             **(mtp_loss(grad_accumulation(cfg), device) if cfg.model.mtp.num_layers else {}),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-            **kappa_stats(model, device), **paper_analyses.analysis_stats(model, cfg, device),
+            **kappa_stats(model, device), **paper_analyses.analysis_stats(model, cfg.model, device),
             **routers.lookup(cfg.model.moe.router).step_metrics(model, device)}  # SoftMoE's budgets
 
 
@@ -144,7 +144,7 @@ def run(cfg: Config, log=print) -> dict:
     """Train (or resume) the job described by `cfg`; returns the last metrics record."""
     if cfg.train.deterministic:
         use_deterministic_kernels()
-    cfg.data.bos = documents_start_with_bos(cfg)  # recorded in config.yaml: CORE follows it
+    cfg.data.bos = documents_start_with_bos(cfg.data)  # recorded in config.yaml: CORE follows it
     # --- model and parallel setup
     layout = model_layout(cfg)  # which layers are MoE, the stages' layers, the padded vocabulary
     device = init_distributed(cfg.parallel, cfg.train.seed, layout.experts)
@@ -193,17 +193,17 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     run_dir = Path(cfg.run.dir)
     model = build_model(cfg, device, layout=layout)
     if cfg.precision == "fp8":
-        log(fp8.describe(cfg, device))
+        log(fp8.describe(cfg.model.fp8, device))
     paper_analyses.watch_routers(model)  # the analyses read each router's last input on logging steps
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
     if cfg.train.init_weights and not start:
         load_full_state_dict(model, torch.load(cfg.train.init_weights, map_location=device, weights_only=True))
     steps = total_steps(cfg, model)
-    flops_token = throughput.flops_per_token(cfg, full_count(model, cfg))
-    peak = throughput.peak_tflops(cfg, device)
+    flops_token = throughput.flops_per_token(cfg.model, full_count(model, cfg))
+    peak = throughput.peak_tflops(cfg.log, device)
     install_tensor_parallel_grad_hooks(model)
-    freeze = recipe.KappaFreeze(model, steps, cfg)
+    freeze = recipe.KappaFreeze(model, steps, cfg.model.kappa)
     engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, grad_accum,
                                              lambda groups: optim.build_optimizer(groups, cfg.train))
     muon.check_zero_layout(optimizer)
@@ -246,14 +246,14 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     record, window_start, window_steps = {}, time.perf_counter(), 0
     for step in range(start, steps):
         freeze.begin_step(step, optimizer)
-        kappa_U = recipe.kappa_U(step, steps, cfg)  # the authors' U ramp (constant by default)
+        kappa_U = recipe.kappa_U(step, steps, cfg.model.kappa)  # the authors' U ramp (constant by default)
         set_kappa_U(model, kappa_U)
         if cfg.model.moe.aux_loss_warmup_steps:  # the authors' aux-loss anneal
             recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg.model.moe))
         lrs = schedule.set_learning_rates(optimizer, step, steps, cfg.train, cfg.model)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
         if after_step is not None:
-            after_step(model, cfg)
+            after_step(model, cfg.model.moe)
         done = step + 1
         window_steps += 1
         logging = done % cfg.log.interval == 0 or done == steps

@@ -48,7 +48,7 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
 
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=len(batches),
-        seq_length=pipeline_seq_length(cfg), micro_batch_size=cfg.train.micro_batch, forward_only=forward_only)
+        seq_length=pipeline_seq_length(cfg.model), micro_batch_size=cfg.train.micro_batch, forward_only=forward_only)
     device = position_ids.device
     loss = torch.zeros((), device=device)
     if ps.is_pipeline_last_stage():
@@ -66,12 +66,12 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     """One optimizer step; returns (the step's loss averaged over data-parallel ranks, this rank's
     κ L2 penalty), as device tensors."""
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = [batch_at(train_ds, train_first_sample(step, micro, cfg, dp_rank, dp), cfg.train.micro_batch, device)
+    batches = [batch_at(train_ds, train_first_sample(step, micro, cfg.train, dp_rank, dp), cfg.train.micro_batch, device)
                for micro in range(micro_batches)]
     loss = run_schedule(engine.module, batches, cfg, position_ids, forward_only=False)
     for chunk in chunks_of(model):  # MTP's embedding copy on the last stage steps with the first's
         embedding_copy.all_reduce_grads(chunk)
-    l2 = recipe.kappa_l2(model, cfg, device)
+    l2 = recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, device)
     if l2.requires_grad:  # this stage holds α, b
         (l2 * recipe.l2_scale()).backward()
     engine.step()

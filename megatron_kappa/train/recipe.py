@@ -12,19 +12,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_kappa.config import Config, MoEConfig
+from megatron_kappa.config import KappaConfig, MoEConfig, ParallelConfig
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.params import is_kappa
 from megatron_kappa.optim.schedule import kappa_start
 
 
-def kappa_U(step: int, total: int, cfg: Config) -> float:
+def kappa_U(step: int, total: int, kappa: KappaConfig) -> float:
     """U at `step`. With u_warmup > 0 (the authors' variants), the authors' get_kappa_slope_max_scale:
     1 until α, b unfreeze, then linearly to U over ceil(u_warmup · total) steps, then U."""
-    v = kappa_inputs.resolve(cfg.model.kappa)
+    v = kappa_inputs.resolve(kappa)
     if v.u_warmup <= 0 or v.U == 1.0:
         return v.U
-    delay = kappa_start(total, cfg.model.kappa)
+    delay = kappa_start(total, kappa)
     if step < delay:
         return 1.0
     ramp = math.ceil(max(total, 0) * min(v.u_warmup, 1.0))
@@ -38,7 +38,7 @@ def l2_scale() -> float:
     return ps.get_data_parallel_world_size() / ps.get_expert_data_parallel_world_size()
 
 
-def kappa_l2(model, cfg: Config, device: torch.device) -> torch.Tensor:
+def kappa_l2(model, kappa: KappaConfig, parallel: ParallelConfig, device: torch.device) -> torch.Tensor:
     """This rank's share of the κ penalty (unscaled, see `l2_scale`), a scalar on `device`.
 
     l2_reduction "mean" (the authors' code, and the default): per MoE layer
@@ -47,13 +47,12 @@ def kappa_l2(model, cfg: Config, device: torch.device) -> torch.Tensor:
     "sum": λ_α Σα² + λ_b Σb² over every entry, as the paper's §3.4 is written; with E·F in the
     hundreds of thousands that is ~10⁵× stronger per entry and holds κ at 1 (docs/recipe.md).
     """
-    k = cfg.model.kappa
-    l2_alpha = kappa_inputs.resolve(k).l2_alpha  # the input variant's when null
-    shards = cfg.parallel.ep * cfg.parallel.expert_tp if k.l2_reduction == "mean" else None
+    l2_alpha = kappa_inputs.resolve(kappa).l2_alpha  # the input variant's when null
+    shards = parallel.ep * parallel.expert_tp if kappa.l2_reduction == "mean" else None
     total = torch.zeros((), device=device)
     for name, p in model.named_parameters():
         if is_kappa(name):
-            weight = l2_alpha if name.endswith("kappa_alpha") else k.l2_bias
+            weight = l2_alpha if name.endswith("kappa_alpha") else kappa.l2_bias
             squares = p.float().pow(2).sum()
             if shards is not None:
                 squares = squares / (p.numel() * shards)
@@ -96,9 +95,9 @@ class KappaFreeze:
     added) or keep (14c9b04: the step count goes on from the freeze's).
     """
 
-    def __init__(self, model, total: int, cfg: Config):
-        self.start = kappa_start(total, cfg.model.kappa)
-        self.drop_state = cfg.model.kappa.freeze_optimizer_state == "drop"
+    def __init__(self, model, total: int, kappa: KappaConfig):
+        self.start = kappa_start(total, kappa)
+        self.drop_state = kappa.freeze_optimizer_state == "drop"
         self.frozen = True
         self.params = [p for n, p in model.named_parameters() if is_kappa(n)]
         for p in self.params:

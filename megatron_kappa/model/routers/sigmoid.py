@@ -8,6 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
 from megatron_kappa import routers
+from megatron_kappa.config import MoEConfig
 from megatron_kappa.model.routers.softmax import topk_layer, topk_router
 
 
@@ -31,9 +32,9 @@ def update_expert_bias(model, rate: float):
         router.local_tokens_per_expert.zero_()
 
 
-def after_step(model, cfg):
+def after_step(model, moe: MoEConfig):
     """The global batch's token counts move each router's expert bias toward balance."""
-    update_expert_bias(model, cfg.model.moe.bias_update_rate)
+    update_expert_bias(model, moe.bias_update_rate)
 
 
 routers.implement("sigmoid", router=topk_router, layer=topk_layer, after_step=after_step)

@@ -29,8 +29,8 @@ from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 def softmoe_router(cfg: Config, kappa: KappaSettings | None):
     """The SoftMoE router, with the logit channel for κ experts."""
     if kappa is None:
-        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(cfg))
-    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(cfg), kappa=kappa)
+        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(cfg.model.moe))
+    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(cfg.model.moe), kappa=kappa)
 
 
 def softmoe_layer(cfg: Config, kappa: bool):

@@ -92,10 +92,10 @@ def run_steps(cfg, device, state, sim=None):
     if device == SIM:
         on_device(model)  # megatron leaves the router weight on the CPU until the first forward
     model.load_state_dict(state)
-    engine = PlainEngine(model, loop.grad_accumulation(cfg))
+    engine = PlainEngine(model, loop.grad_accumulation(cfg.train))
     train_ds, valid_ds = build_datasets(cfg, 100, 10)
     position_ids = torch.arange(cfg.model.seq_length, device=device).expand(cfg.train.micro_batch, -1)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / loop.grad_accumulation(cfg), device=device))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / loop.grad_accumulation(cfg.train), device=device))
     losses, step_syncs = [], []
     for step in range(STEPS):
         before = len(sim.syncs) if sim else 0
@@ -182,7 +182,7 @@ def test_sorted_dispatcher_step_has_no_host_sync(cfg, on_sim_then_cpu):
         groups.init_distributed(sorted_cfg.parallel, sorted_cfg.train.seed, 4, device=SIM)
         fresh_process_caches()
         model = on_device(build_model(sorted_cfg, SIM))
-        engine = PlainEngine(model, loop.grad_accumulation(sorted_cfg))
+        engine = PlainEngine(model, loop.grad_accumulation(sorted_cfg.train))
         train_ds, _ = build_datasets(sorted_cfg, 20, 4)
         position_ids = torch.arange(32, device=SIM).expand(2, -1)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5, device=SIM))
@@ -197,6 +197,6 @@ def test_sorted_dispatcher_step_has_no_host_sync(cfg, on_sim_then_cpu):
     with SimulatedDevice() as sim:
         fresh_process_caches()
         model = on_device(build_model(alltoall, SIM))
-        engine = PlainEngine(model, loop.grad_accumulation(alltoall))
+        engine = PlainEngine(model, loop.grad_accumulation(alltoall.train))
         loop.train_step(engine, model, alltoall, train_ds, 1, SIM, position_ids)
         assert any(s.kind == "copy to host" for s in sim.syncs)

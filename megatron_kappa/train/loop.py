@@ -28,7 +28,7 @@ from megatron_kappa import routers
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
-from megatron_kappa.config import Config, ConfigError, to_dict
+from megatron_kappa.config import Config, ConfigError, TrainConfig, to_dict
 from megatron_kappa.data import coverage
 from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
@@ -90,9 +90,9 @@ def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tenso
     return dp_mean(loss)
 
 
-def grad_accumulation(cfg: Config) -> int:
+def grad_accumulation(train: TrainConfig) -> int:
     """Micro-batches per optimizer step on each rank (divisibility: checked by the preflight)."""
-    return cfg.train.global_batch // (cfg.train.micro_batch * ps.get_data_parallel_world_size())
+    return train.global_batch // (train.micro_batch * ps.get_data_parallel_world_size())
 
 
 def train_step(engine, model, cfg: Config, train_ds, step: int, device, position_ids):
@@ -101,11 +101,11 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     the last κ L2 penalty, as device tensors: nothing here waits for the device. With pipeline
     stages: megatron_kappa.train.pipeline."""
     if cfg.parallel.pp > 1:
-        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg))
+        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg.train))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     l2_scale = recipe.l2_scale()
     losses = []
-    for micro in range(grad_accumulation(cfg)):
+    for micro in range(grad_accumulation(cfg.train)):
         first = train_first_sample(step, micro, cfg.train, dp_rank, dp)
         batch = batch_at(train_ds, first, cfg.train.micro_batch, device)
         loss = lm_loss(engine, batch, position_ids)
@@ -125,8 +125,8 @@ def discard_step_metrics():
 
 def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
     """What a logging step records beyond the loss (collectives; numbers read on the host)."""
-    return {**router_losses(model.config, grad_accumulation(cfg), device),
-            **(mtp_loss(grad_accumulation(cfg), device) if cfg.model.mtp.num_layers else {}),
+    return {**router_losses(model.config, grad_accumulation(cfg.train), device),
+            **(mtp_loss(grad_accumulation(cfg.train), device) if cfg.model.mtp.num_layers else {}),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
             **kappa_stats(model, device), **paper_analyses.analysis_stats(model, cfg.model, device),
@@ -189,7 +189,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     """The run after its checks and with its run.dir held: model, optimizer, data, the loop, from
     step `start` (the checkpoint run() found, or 0)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg)
+    dp, grad_accum = ps.get_data_parallel_world_size(), grad_accumulation(cfg.train)
     run_dir = Path(cfg.run.dir)
     model = build_model(cfg, device, layout=layout)
     if cfg.precision == "fp8":

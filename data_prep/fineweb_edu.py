@@ -1,6 +1,6 @@
 """FineWeb-Edu (or any text corpus in its shape) → SentencePiece → Megatron indexed binary shards.
 
-    python data_prep/fineweb_edu.py --input HuggingFaceFW/fineweb-edu --name sample-10BT \\
+    python data_prep/fineweb_edu.py --input HuggingFaceFW/fineweb-edu --name sample-100BT \\
         --output data/fwe --train-tokenizer --vocab-size 32768 --workers 16
     python data_prep/fineweb_edu.py --input data_prep/sample --output runs/fwe \\
         --tokenizer runs/fwe_tok/tokenizer.model --min-int-score 3 --language en
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = ap.add_argument_group("input")
     src.add_argument("--input", nargs="+", required=True,
                      help="hub dataset (owner/name), or parquet/jsonl files, globs or folders")
-    src.add_argument("--name", help="hub dataset config, e.g. sample-10BT")
+    src.add_argument("--name", help="hub dataset config, e.g. sample-100BT (every paper config's budget; docs/data_prep.md)")
     src.add_argument("--split", default="train", help="hub dataset split")
     src.add_argument("--text-column", default="text")
     src.add_argument("--min-int-score", type=int, help="keep documents with int_score >= this")

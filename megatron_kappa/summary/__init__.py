@@ -108,6 +108,7 @@ def count(model, cfg: Config, numel=lambda name, p: p.numel(), combine=None) -> 
         "mtp_params": sum(mtp.values()),
         "mtp_active_params": int(round(sum(mtp.values()) - mtp["experts"] + mtp["experts"] * ratio)),
         "capacity": capacity_line(cfg) if has_moe else None,
+        "packing": cfg.data.packing,
     }
 
 
@@ -196,6 +197,9 @@ def _fmt(n: float) -> str:
     return str(n)
 
 
+BESTFIT_CROP = 0.35  # the share of the documents' tokens best-fit rows of 2,048 crop (issue 52; 14c9b04)
+
+
 def render(s: dict) -> str:
     layout = " ".join("M" if x == "moe" else "d" for x in s["layout"])
     return "\n".join([
@@ -204,6 +208,9 @@ def render(s: dict) -> str:
         f"N_eff (Appendix 8)      {_fmt(s['n_eff'])}  (all but the input embedding, as the authors count)",
         f"token budget 5 × N_eff  {_fmt(s['token_budget'])} tokens = {s['steps_for_budget']:,} steps of {s['tokens_per_step']:,}"
         f"  (experts at {'√(k/E)' if s['expert_discount'] else 'full count'})",
+        *([f"corpus read             about {_fmt(s['token_budget'] / (1 - BESTFIT_CROP))} tokens of documents (best-fit "
+           f"rows crop about {BESTFIT_CROP:.0%} of them in the authors' runs; the trainer logs the share)"]
+          if s.get("packing") == "bestfit" else []),
         *([f"authors' auto batch     {s['auto_batch_tokens']:,} tokens = {s['auto_global_batch']} sequences"]
           if "auto_batch_tokens" in s else []),
         f"layers (d dense, M MoE) {layout}",

@@ -1,0 +1,80 @@
+"""The trainer's count of passes over the training documents (megatron_kappa.data.coverage),
+against the shards' own token count read independently from the .idx file (numpy, not megatron)."""
+import struct
+
+import numpy as np
+import pytest
+
+from megatron_kappa.config import load_config
+from megatron_kappa.data.coverage import passes
+from megatron_kappa.train.data import build_datasets
+
+
+def idx_tokens(prefix: str) -> int:
+    """Every document's length summed, straight from a Megatron .idx file (format: magic 9 bytes,
+    version <Q, dtype code <B, sequence count <Q, document count <Q, then the int32 lengths)."""
+    with open(prefix + ".idx", "rb") as f:
+        assert f.read(9) == b"MMIDIDX\x00\x00"
+        f.read(8 + 1)
+        count = struct.unpack("<Q", f.read(8))[0]
+        f.read(8)
+        return int(np.frombuffer(f.read(4 * count), dtype=np.int32).sum())
+
+
+def config(shards, run_dir, packing):
+    return load_config("configs/tiny.yaml", [
+        "data.mock=false", f"data.paths=[{shards['train'][0]}]", f"data.valid_paths=[{shards['valid'][0]}]",
+        f"data.tokenizer={shards['tokenizer']}", f"data.packing={packing}", f"run.dir={run_dir}"])
+
+
+@pytest.mark.parametrize("packing", ["concat", "bestfit"])
+def test_passes_over_the_documents(sample_shards, tmp_path, packing):
+    cfg = config(sample_shards, tmp_path / packing, packing)
+    held = idx_tokens(sample_shards["train"][0])
+    seq = cfg.model.seq_length
+    few, many = held // (4 * seq), 3 * held // seq  # a quarter of the documents' tokens; three times them
+    little = passes(build_datasets(cfg, few, 4)[0])
+    lots = passes(build_datasets(config(sample_shards, tmp_path / (packing + "2"), packing), many, 4)[0])
+    if packing == "concat":  # seq_length tokens a sample
+        assert little == pytest.approx((few * seq + 1) / held) and little < 1
+        assert lots == pytest.approx((many * seq + 1) / held) and lots > 2.9
+    else:  # whole documents, their cropped tokens too: more than the rows hold (a count of the
+        # rows alone, which forgets the cropping, is the negative control)
+        assert (few * (seq + 1)) / held < little < 1
+        assert lots > many * (seq + 1) / held > 2.9
+
+
+def test_mock_data_does_not_repeat(tmp_path):
+    """megatron's mock dataset stands for a corpus far larger than any test run."""
+    cfg = load_config("configs/tiny.yaml", [f"run.dir={tmp_path}"])
+    assert 0 < passes(build_datasets(cfg, 16, 4)[0]) < 1e-3
+
+
+@pytest.mark.slow
+def test_the_trainer_warns_once_when_the_documents_repeat(sample_shards, tmp_path):
+    """Trained on the small validation shard with rows that need about twice its tokens, the run
+    says so in one line at start (and, a negative control, not on the larger training shard)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    held = idx_tokens(sample_shards["valid"][0])
+    seq, rows = 256, 16
+    steps = -(-2 * held // (seq * rows))  # twice the shard's tokens
+
+    def run(train, name):
+        done = subprocess.run(
+            [sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", "data.mock=false",
+             f"data.paths=[{train}]", f"data.valid_paths=[{sample_shards['valid'][0]}]",
+             f"data.tokenizer={sample_shards['tokenizer']}", f"run.dir={tmp_path / name}", f"model.seq_length={seq}",
+             f"train.global_batch={rows}", f"train.steps={steps}", "train.micro_batch=4", "eval.valid_every=0",
+             "log.interval=100", "log.tensorboard=false", "checkpoint.interval=1000"],
+            cwd=root, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [ln for ln in (done.stdout + done.stderr).splitlines() if "reads its training documents" in ln]
+
+    warned = run(sample_shards["valid"][0], "small")
+    assert len(warned) == 1, warned
+    times = float(warned[0].split("documents ")[1].split(" times")[0])
+    assert 1.9 <= times <= 3.0, warned  # twice the tokens, rounded up to whole steps
+    assert run(sample_shards["train"][0], "large") == []

@@ -10,8 +10,9 @@ Modules:
                    place:
   loading.py       Reading a config: YAML (with `extends:`), `--set key=value` overrides, type
                    checks
-  presets.py       Keys that set other keys: `model.block` (a preset of the block keys) and
-                   `model.aspect_ratio` (the width from the depth)
+  presets.py       Keys that set other keys: `model.block` (a preset of the block keys),
+                   `model.aspect_ratio` (the width from the depth) and a null `model.moe.aux_loss`
+                   (14c9b04's weight for the arm)
   ranges.py        The range check of every numeric config key, each key's range read from its
                    schema field (megatron_kappa.config.facts): run when a config is validated
                    (before the cross-field checks of megatron_kappa.config.checks) and shown in the

@@ -2,9 +2,10 @@
 
 Modules:
   data.py        Training data through megatron-core's datasets: GPTDataset over indexed shards
-                 (weighted blends, train/valid split) or MockGPTDataset, a deterministic batch order
-                 that resumes from a step number alone, and the move of each batch to the device
-                 (pinned, non-blocking)
+                 (weighted blends, train/valid split), the authors' best-fit rows (data.packing:
+                 bestfit, megatron_kappa.data.bestfit) or MockGPTDataset, a deterministic batch
+                 order that resumes from a step number alone, and the move of each batch to the
+                 device (pinned, non-blocking)
   loop.py        The training job: config → model/parallel setup → data → train loop →
                  checkpoints/metrics → eval
   pipeline.py    The training step with pipeline stages (`parallel.pp > 1`): megatron-core's 1F1B

@@ -1,37 +1,44 @@
 """megatron_kappa: κ-SwiGLU Mixture-of-Experts pre-training on megatron-core and DeepSpeed.
 
 Modules:
-  checkpoint/   Checkpoints of a run: `listing` says which exist (no torch), `store` saves and loads
-                them
-  cli_types.py  argparse types for the command lines' numbers: a bad value is argparse's one error
-                line, before any work (planner, evaluation)
-  config/       The run configuration: YAML validated against one dataclass schema
-  data/         Data formats shared by data preparation, the preflight, training and evaluation
-  evaluation/   Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss / bits
-                per byte
-  export/       A trained run as a Hugging Face model folder, for transformers, serving tools and
-                lm-eval
-  kappa/        κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the router
-                logit
-  metrics/      What a run reports: metrics.jsonl and TensorBoard, κ and router statistics, the
-                paper's analyses per MoE layer and the throughput (a router's own metrics, SoftMoE's
-                budgets, come from its registry entry)
-  model/        The model: config → megatron-core TransformerConfig and layer specs → GPTModel
-  optim/        The optimizers: the parameter groups, AdamW or Muon/Aurora under DeepSpeed's ZeRO,
-                and every group's learning-rate and weight-decay schedule (`python -m
-                megatron_kappa.optim --config X` lists the groups)
-  parallel/     Parallelism: how the model is spread over processes and how its gradients meet again
-  paths.py      Whether a folder can be made where a command line or a config says (one check for
-                run.dir, the study's --dir and the export's --output, before any work)
-  preflight.py  Every check of a run's inputs that can run before process groups and the model exist
-  quiet.py      The library messages known to be harmless here, kept out of every command's output
-  routers.py    The router kinds (`model.moe.router`), each one entry of one registry (`ROUTERS`;
-                `register` adds one at run time)
-  summary/      Model summary without allocating weights: parameters, active parameters, N_eff,
-                token budget
-  tokenizer.py  The project's tokenizer: a SentencePiece model with the special tokens defined once
-  train/        Training: the loop and what it needs step by step (data, pipeline stages, the κ
-                recipe, stop signals)
+  attention_kinds.py  The attention kinds, each one entry of one registry (`KINDS`; `register` adds
+                      one at run time)
+  checkpoint/         Checkpoints of a run: `listing` says which exist (no torch), `store` saves and
+                      loads them
+  cli_types.py        argparse types for the command lines' numbers: a bad value is argparse's one
+                      error line, before any work (planner, evaluation)
+  config/             The run configuration: YAML validated against one dataclass schema
+  data/               Data formats shared by data preparation, the preflight, training and
+                      evaluation
+  evaluation/         Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss
+                      / bits per byte
+  export/             A trained run as a Hugging Face model folder, for transformers, serving tools
+                      and lm-eval
+  kappa/              κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the
+                      router logit
+  metrics/            What a run reports: metrics.jsonl and TensorBoard, κ and router statistics,
+                      the paper's analyses per MoE layer and the throughput (a router's own metrics,
+                      SoftMoE's budgets, come from its registry entry)
+  model/              The model: config → megatron-core TransformerConfig and layer specs → GPTModel
+  optim/              The optimizers: the parameter groups, AdamW or Muon/Aurora under DeepSpeed's
+                      ZeRO, and every group's learning-rate and weight-decay schedule (`python -m
+                      megatron_kappa.optim --config X` lists the groups)
+  parallel/           Parallelism: how the model is spread over processes and how its gradients meet
+                      again
+  paths.py            Whether a folder can be made where a command line or a config says (one check
+                      for run.dir, the study's --dir and the export's --output, before any work)
+  preflight.py        Every check of a run's inputs that can run before process groups and the model
+                      exist
+  quiet.py            The library messages known to be harmless here, kept out of every command's
+                      output
+  routers.py          The router kinds (`model.moe.router`), each one entry of one registry
+                      (`ROUTERS`; `register` adds one at run time)
+  summary/            Model summary without allocating weights: parameters, active parameters,
+                      N_eff, token budget
+  tokenizer.py        The project's tokenizer: a SentencePiece model with the special tokens defined
+                      once
+  train/              Training: the loop and what it needs step by step (data, pipeline stages, the
+                      κ recipe, stop signals)
 """
 
 __version__ = "0.1.0"

@@ -28,7 +28,7 @@ from megatron_kappa.parallel.launch_env import exit_process
 def run_case(case):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from megatron_kappa.model import mla
+    from megatron_kappa.model.attention_kinds import mla
     fixed = mla.SequenceParallelMLA._qkv_down_projection
     if case.get("negative") == "mla_stock_tp":  # megatron's own down-projection path (k_pe's gradient partial)
         mla.SequenceParallelMLA._qkv_down_projection = MLASelfAttention._qkv_down_projection

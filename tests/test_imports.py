@@ -21,7 +21,8 @@ PACKAGE = ROOT / "megatron_kappa"
 STAGES = [
     ("megatron_kappa.quiet", "megatron_kappa.cli_types", "megatron_kappa.paths"),  # the first import; argparse types; folder checks
     ("megatron_kappa.kappa",),
-    ("megatron_kappa.config", "megatron_kappa.routers"),  # the router kinds: torch-free, read by the config
+    # the router and attention kinds: torch-free, read by the config
+    ("megatron_kappa.config", "megatron_kappa.routers", "megatron_kappa.attention_kinds"),
     ("megatron_kappa.model",),
     ("megatron_kappa.parallel",),
     ("megatron_kappa.summary",),

@@ -63,7 +63,7 @@ def cases():
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-fp8", "tp2ep2_etp2", fp8, None))
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-fp8-NEG-fp8_sp_grad", "tp2ep2_etp2", fp8, "fp8_sp_grad"))
     # multi-head latent attention: the latents split over TP and sequence; the negative control is
-    # megatron's own MLASelfAttention, whose key RoPE gradient is partial under TP (model/mla.py)
+    # megatron's own MLASelfAttention, whose key RoPE gradient is partial under TP (model/attention_kinds/mla.py)
     from test_mla import MLA
     mla = dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=tuple(MLA))
     for layout in ("tp2", "tp2ep2_etp2"):
@@ -134,7 +134,7 @@ def test_fp8_parallel_layout_close_to_single_process(runs):
 
 @pytest.mark.slow
 def test_megatrons_own_mla_breaks_tp_parity_in_the_down_projection(runs):
-    """Negative control of model/mla.py: megatron's MLASelfAttention under TP2 leaves the one-process
+    """Negative control of model/attention_kinds/mla.py: megatron's MLASelfAttention under TP2 leaves the one-process
     gradient of the key/value down projection (its RoPE rows; measured 0.6 % of the tensor's scale,
     58 × the parity tolerance), and no other tensor's by as much."""
     ref, got = runs["tp2-kappa-softmax-alltoall-mla-NEG-mla_stock_tp"]

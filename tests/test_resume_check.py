@@ -8,13 +8,14 @@ import typing
 
 import pytest
 
-from megatron_kappa import preflight, routers
+from megatron_kappa import attention_kinds, preflight, routers
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, load_config, to_dict
 from megatron_kappa.config.schema import flat_keys
 from megatron_kappa.model.build import build_model
 from megatron_kappa.optim.optimizer import param_groups
+from test_attention_kinds import TOY, toy_kind  # an attention kind with a q/k/v bias: another model
 
 BASES = {"tiny": [], "softmoe": ["model.moe.router=softmoe"], "nanochat": ["model.block=nanochat"],
          "aurora": ["train.optimizer=aurora"]}
@@ -24,7 +25,15 @@ STATE_ONLY = {"zero.stage", "model.aspect_ratio"}
 
 
 # keys whose values are names in a registry (strings in the schema)
-REGISTRIES = {"model.moe.router": list(routers.ROUTERS), "model.kappa.input": list(kappa_inputs.VARIANTS)}
+REGISTRIES = {"model.moe.router": list(routers.ROUTERS), "model.kappa.input": list(kappa_inputs.VARIANTS),
+              "model.attention_kind": [*attention_kinds.KINDS, TOY]}
+
+
+@pytest.fixture
+def toy_attention():
+    attention_kinds.register(TOY, toy_kind())
+    yield
+    attention_kinds.unregister(TOY)
 
 
 def leaves(cls, prefix=""):
@@ -66,7 +75,7 @@ def signature(cfg):
     return params, groups
 
 
-def test_every_key_that_changes_the_model_or_optimizer_groups_is_refused(world1):
+def test_every_key_that_changes_the_model_or_optimizer_groups_is_refused(world1, toy_attention):
     changed = set()
     for base, sets in BASES.items():
         cfg = load_config("configs/tiny.yaml", sets)

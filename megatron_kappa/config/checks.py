@@ -5,7 +5,7 @@ megatron_kappa.preflight; both run before any process group or model exists.
 """
 from __future__ import annotations
 
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ranges, stage_layout
 from megatron_kappa.config import recompute as selective
 from megatron_kappa.config.schema import Config, ConfigError, TrainConfig
@@ -56,8 +56,7 @@ def validate(cfg: Config):
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={par.tp}")
     groups = m.num_query_groups or m.num_attention_heads
     need(groups % par.tp == 0, "parallel.tp", f"query groups {groups} not divisible by tp={par.tp}")
-    if m.mla.enabled:
-        _validate_mla(cfg, need)
+    attention_kinds.check(m, par, need)  # the kind named, and its own rules (MLA: model.mla)
     if m.mtp.num_layers:
         for key in ("value_embeddings", "residual_scalars", "embedding_norm"):
             need(not getattr(m, key), f"model.{key}",
@@ -167,28 +166,6 @@ def _validate_groups(moe, router, need):
          f"the {moe.router} router balances with model.moe.aux_loss")
 
 
-def _validate_mla(cfg: Config, need):
-    """model.mla: what megatron-core's MLASelfAttention and our SDPA core attention support."""
-    m, par, a = cfg.model, cfg.parallel, cfg.model.mla
-    need(m.num_query_groups is None, "model.num_query_groups",
-         "must be null with model.mla.enabled (MLA has one latent for all heads, no query groups)")
-    need(m.attention == "sdpa", "model.attention",
-         f"must be sdpa with model.mla.enabled (MLA's core attention takes separate key and value widths, which "
-         f"megatron's local attention does not), got {m.attention}")
-    need(not m.value_embeddings, "model.value_embeddings",
-         "must be false with model.mla.enabled (the value embedding is added to grouped-query attention's values)")
-    need(a.q_lora_rank is None or a.q_lora_rank % par.tp == 0, "model.mla.q_lora_rank",
-         f"must be null or divisible by tp={par.tp} (its down projection is split over TP), got {a.q_lora_rank}")
-    need((a.kv_lora_rank + a.qk_pos_emb_head_dim) % par.tp == 0, "model.mla.kv_lora_rank",
-         f"kv_lora_rank + qk_pos_emb_head_dim = {a.kv_lora_rank + a.qk_pos_emb_head_dim} must be divisible by "
-         f"tp={par.tp} (the key/value down projection is split over TP)")
-    need(a.q_lora_rank is not None or not m.qk_layernorm, "model.mla.q_lora_rank",
-         "null (no query latent) needs model.qk_layernorm: false: megatron-core 0.19 then norms the query "
-         "inside Transformer Engine's fused norm+linear, which the CPU path does not have")
-    need(a.qk_pos_emb_head_dim % 2 == 0, "model.mla.qk_pos_emb_head_dim",
-         f"must be even (RoPE rotates pairs), got {a.qk_pos_emb_head_dim}")
-
-
 FP8_ALIGN = 16  # FP8 GEMMs (torch._scaled_mm, _scaled_grouped_mm) want every width a multiple of 16
 
 
@@ -196,27 +173,15 @@ def fp8_gemm_widths(cfg: Config) -> dict[str, int]:
     """The width of each GEMM dimension that runs in FP8 on one rank, by the key that sets it."""
     m, par, f = cfg.model, cfg.parallel, cfg.model.fp8
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
     widths = {"model.hidden_size": m.hidden_size,
               # the weight-gradient GEMMs reduce over the tokens of a micro-batch
               "model.seq_length × train.micro_batch": m.seq_length * cfg.train.micro_batch}
-    if f.attention and m.mla.enabled:
-        a = m.mla
-        heads = m.num_attention_heads // par.tp
-        widths["model.num_attention_heads × (mla.qk_head_dim + mla.qk_pos_emb_head_dim) / tp"] = \
-            heads * (a.qk_head_dim + a.qk_pos_emb_head_dim)
-        widths["model.num_attention_heads × (mla.qk_head_dim + mla.v_head_dim) / tp"] = \
-            heads * (a.qk_head_dim + a.v_head_dim)
-        widths["model.num_attention_heads × mla.v_head_dim / tp"] = heads * a.v_head_dim
-        widths["(mla.kv_lora_rank + mla.qk_pos_emb_head_dim) / tp"] = (a.kv_lora_rank + a.qk_pos_emb_head_dim) // par.tp
-        widths["mla.kv_lora_rank"] = a.kv_lora_rank
-        if a.q_lora_rank:
-            widths["mla.q_lora_rank"] = a.q_lora_rank
-            widths["mla.q_lora_rank / tp"] = a.q_lora_rank // par.tp
-    elif f.attention:
-        widths["model.num_attention_heads × head_dim / tp"] = m.num_attention_heads * head_dim // par.tp
-        widths["model.num_query_groups × head_dim / tp"] = groups * head_dim // par.tp
+    if f.attention:  # the attention kind's projections (megatron_kappa.attention_kinds)
+        kind = attention_kinds.of(m)
+        if kind.fp8_widths is None:
+            raise ConfigError(f"config: model.fp8.attention: the {attention_kinds.name_of(m)} attention kind names no "
+                              "FP8 GEMM widths (its registry entry's fp8_widths)")
+        widths.update(kind.fp8_widths(m, par.tp))
     if f.dense_mlp:
         widths["model.ffn_hidden_size / tp"] = ffn // par.tp
     if f.experts and m.layout != "dense":

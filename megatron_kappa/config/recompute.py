@@ -4,7 +4,9 @@ Each entry says what megatron recomputes, what model it needs, and which of the 
 matmul parts (plan.speed.layer_flops) backward does again. The config check, the
 model build (`selected`, handed to megatron's TransformerConfig), the planner's FLOPs and its
 activation estimate (plan.activations, which tests each name against this table)
-all read it. megatron's `layernorm` module is not here: it needs Transformer Engine.
+all read it. megatron's `layernorm` module is not here: it needs Transformer Engine. The modules
+that exist only with one attention kind (MLA's mla_up_proj) are that kind's, in its registry entry
+(megatron_kappa.attention_kinds: `recompute`), and need that kind.
 
 Torch-free: the config check reads it.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+from megatron_kappa import attention_kinds
 
 
 @dataclass(frozen=True)
@@ -21,10 +25,16 @@ class Module:
     needs: Callable = lambda m: None  # ModelConfig → why the module cannot run with it, or None
 
 
+def _kind_module(name: str, kind: str, what: str, flops: tuple[str, ...]) -> Module:
+    """A module of attention kind `kind`'s, which needs that kind."""
+    return Module(what, flops, lambda m: None if attention_kinds.name_of(m) == kind else
+                  f"{name} needs {attention_kinds.key_of(kind)}")
+
+
 MODULES = {
     "core_attn": Module("the attention core", ("scores",)),
-    "mla_up_proj": Module("MLA's up-projections", ("mla_up",),
-                          lambda m: None if m.mla.enabled else "mla_up_proj needs model.mla"),
+    **{name: _kind_module(name, kind, what, flops)
+       for name, (kind, what, flops) in attention_kinds.recompute_modules().items()},
     # elementwise: no matmul done again
     "moe_act": Module("the experts' activation", (),
                       lambda m: None if m.moe.grouped_gemm else

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import recompute as selective
 from megatron_kappa.config.facts import (AT_LEAST_ONE, BEYOND_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION,
                                          POSITIVE, PROBABILITY)
@@ -198,7 +198,8 @@ class MoEConfig:
 @dataclass
 class MLAConfig:
     """model.mla: multi-head latent attention (DeepSeek-V2/V3), megatron-core's MLASelfAttention."""
-    enabled: bool = _f(False, "multi-head latent attention instead of (grouped-query) attention: queries and keys/values "
+    enabled: bool = _f(False, "multi-head latent attention instead of (grouped-query) attention, megatron's "
+                              "multi_latent_attention flag (model.attention_kind mla): queries and keys/values "
                               "projected through low-rank latents, a RoPE part of the key shared by all heads "
                               "(model.num_query_groups and model.head_dim are not used; model.qk_layernorm norms "
                               "the two latents, as DeepSeek-V3)")
@@ -294,6 +295,12 @@ class ModelConfig:
         "sdpa", "core attention: torch's scaled_dot_product_attention (flash/cuDNN/memory-efficient "
                 "kernels), megatron's local DotProductAttention (materialises the scores; for "
                 "comparison), or Transformer Engine's (GPU, where TE imports)")
+    # attention_kind: a name in megatron_kappa.attention_kinds.KINDS, which may grow at run time
+    # (`register`), so it is checked when the config is validated (config/checks.py), not here
+    attention_kind: Optional[str] = _f(
+        None, f"the attention kind (megatron_kappa.attention_kinds): {attention_kinds.help_text()}; null: mla when "
+              "model.mla.enabled, else gqa. Not model.attention, the core-attention kernel inside either kind",
+        allowed="null or a kind's name (megatron_kappa.attention_kinds)", state=True)
     mla: MLAConfig = _section(MLAConfig, state=True)
     mtp: MTPConfig = _section(MTPConfig)
     moe: MoEConfig = _section(MoEConfig)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ModelConfig
 from megatron_kappa.model.layout import ModelLayout
 
@@ -50,6 +50,12 @@ def router_refusal(adapter, model: ModelConfig, need):
     moe = model.moe
     need(routers.lookup(moe.router).hf_score in adapter.scores,
          f"model.moe.router is {moe.router} ({adapter.router_note})")
+
+
+def attention_refusal(adapter, model: ModelConfig, need):
+    """The model's attention kind, unless the class runs it (megatron_kappa.attention_kinds)."""
+    need(attention_kinds.name_of(model) in adapter.attention,
+         f"{attention_kinds.described(model)} ({adapter.attention_note})")
 
 
 def rope(model: ModelConfig) -> dict:
@@ -111,24 +117,18 @@ def qkv(model: ModelConfig) -> Rule:
                 required=True)
 
 
-# MLA: DeepSeek-V3's name ← megatron's (relative to self_attention.); the same tensors, same layouts
-MLA_NAMES = {"q_proj.weight": "linear_q_proj.weight", "q_a_proj.weight": "linear_q_down_proj.weight",
-             "q_a_layernorm.weight": "q_layernorm.weight", "q_b_proj.weight": "linear_q_up_proj.weight",
-             "kv_a_proj_with_mqa.weight": "linear_kv_down_proj.weight",
-             "kv_a_layernorm.weight": "kv_layernorm.weight", "kv_b_proj.weight": "linear_kv_up_proj.weight"}
-
-
 def hub_layer_rules(model: ModelConfig, layout: ModelLayout, i: int) -> list[Rule]:
     """Layer i in the hub's layout (Qwen3-MoE's and DeepSeek-V3's names, per-expert tensors):
     megatron names relative to decoder.layers.<i>., Hugging Face names in full, in the order the
     export writes them."""
     p = f"model.layers.{i}."
-    if model.mla.enabled:  # megatron's MLA projections under DeepSeek-V3's names (the same layouts)
-        rules = [rename("self_attention." + mg, p + "self_attn." + hf) for hf, mg in MLA_NAMES.items()]
-    else:
+    kind = attention_kinds.of(model)  # its tensors' names (MLA: DeepSeek-V3's, the same layouts)
+    rules = []
+    if kind.hf_split_qkv:
         attention = qkv(model)
-        rules = [Rule(attention.megatron, tuple(p + n for n in attention.hf), attention.split, attention.join,
-                      required=True)]
+        rules.append(Rule(attention.megatron, tuple(p + n for n in attention.hf), attention.split, attention.join,
+                          required=True))
+    rules += [rename("self_attention." + mg, p + "self_attn." + hf) for hf, mg in kind.hf_names.items()]
     rules.append(rename("self_attention.linear_proj.weight", p + "self_attn.o_proj.weight", required=True))
     optional = {"input_layernorm.weight": "input_layernorm.weight",
                 "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
@@ -136,7 +136,7 @@ def hub_layer_rules(model: ModelConfig, layout: ModelLayout, i: int) -> list[Rul
                 "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
                 "self_attn.value_gate.weight": "self_attention.value_gate",
                 "resid_lambda": "resid_lambda", "x0_lambda": "x0_lambda"}
-    if model.mla.enabled:  # q_layernorm is the query latent's norm there (MLA_NAMES)
+    if not kind.hf_qk_norms:  # MLA: q_layernorm is the query latent's norm (its hf_names)
         del optional["self_attn.q_norm.weight"], optional["self_attn.k_norm.weight"]
     rules += [rename(mg, p + hf) for hf, mg in optional.items()]
     rules.append(vocab_rows("self_attention.value_embedding", p + "self_attn.value_embedding.weight", model.vocab_size))
@@ -170,6 +170,8 @@ class StateDictAdapter:
     native: bool = True  # transformers' own class (auto tries these first); else code shipped beside the weights
     code_files: tuple[str, ...] = ()  # files of megatron_kappa/export copied beside the weights
     scores: tuple[str, ...] = ()  # the router score functions its class runs (megatron_kappa.routers: hf_score)
+    attention: tuple[str, ...] = ("gqa",)  # the attention kinds its class runs (megatron_kappa.attention_kinds)
+    attention_note: str = ""  # what attention it has, for the refusal of another
     router_note: str = ""  # how its router scores, for the refusal of another
     # (hub fragment, this class's fragment) in the order they apply to a name; undone in reverse
     renames: tuple[tuple[str, str], ...] = ()

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ConfigError, ModelConfig
 from megatron_kappa.export import targets
 from megatron_kappa.model.layout import ModelLayout
@@ -33,6 +33,9 @@ def target_for(model: ModelConfig, layout: ModelLayout, requested: str = "auto")
     router = routers.lookup(model.moe.router)
     if router.hf_score is None and layout.has_moe:  # no exported model routes like it
         raise ConfigError(f"model.moe.router: {model.moe.router}: {router.export_refusal}")
+    kind = attention_kinds.of(model)
+    if not kind.exported:  # no exported model names its tensors
+        raise ConfigError(f"{attention_kinds.KEY}: {attention_kinds.name_of(model)}: {kind.export_refusal}")
     if requested != "auto":
         why = targets.lookup(requested).refusals(model, layout)
         if why:

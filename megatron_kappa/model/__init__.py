@@ -2,6 +2,9 @@
 
 Modules:
   attention.py         Core attention through `torch.nn.functional.scaled_dot_product_attention`
+  attention_kinds/     The built-in attention kinds' pieces that need torch, one module per kind,
+                       each handing its own to the attention registry
+                       (megatron_kappa.attention_kinds.implement) when imported
   build.py             Config → megatron-core TransformerConfig + layer specs → GPTModel
   capacity.py          Expert capacity in training and in evaluation, as the authors run it
   embedding_copy.py    The last pipeline stage's copy of the input embedding (model.mtp with
@@ -20,9 +23,6 @@ Modules:
   layout.py            The model's shape decisions that need no torch: which layers are MoE, the
                        padded vocabulary, and where a pipeline stage's layers sit in the full model
   loss.py              The language-model loss, without the [tokens, vocab] logits in fp32 at once
-  mla.py               Multi-head latent attention (model.mla): megatron-core's MLASelfAttention
-                       with the key's RoPE part gathered so that its gradient is whole under tensor
-                       parallelism
   moe.py               κ-SwiGLU inside megatron-core's MoE layer, by subclassing (no forks)
   nanochat.py          The parts of the authors' nanochat block that megatron-core's GPT block
                        lacks, as subclasses its specs build (askerlee/kappa-swiglu 14c9b04

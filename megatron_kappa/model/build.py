@@ -20,15 +20,15 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+import megatron_kappa.model.attention_kinds  # noqa: F401  (hands the built-in kinds' pieces to the registry)
 import megatron_kappa.model.routers  # noqa: F401  (hands the built-in routers' classes to the registry)
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import Config, ModelConfig
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.attention import SDPAttention
-from megatron_kappa.model.mla import SequenceParallelMLA
 from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
 from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
@@ -62,7 +62,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     kwargs = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, kv_channels=m.head_dim, ffn_hidden_size=ffn,
+        ffn_hidden_size=ffn,
         normalization="RMSNorm", qk_layernorm=m.qk_layernorm, layernorm_epsilon=m.norm_eps, add_bias_linear=False,
         gated_linear_unit=True, activation_func=F.silu, init_method_std=m.init_std,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -107,13 +107,10 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         kwargs.update(routers.lookup(moe.router).megatron(cfg))
     if m.mtp.num_layers:  # multi-token prediction: the block on the last stage, its loss × λ into the objective
         kwargs.update(mtp_num_layers=m.mtp.num_layers, mtp_loss_scaling_factor=m.mtp.loss_weight)
-    if m.mla.enabled:  # megatron's multi-latent attention; plain RoPE on its positional part (no YaRN)
-        a = m.mla
-        kwargs.update(multi_latent_attention=True, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
-                      qk_head_dim=a.qk_head_dim, qk_pos_emb_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
-                      rope_type="rope", rotary_base=m.rotary_base, kv_channels=None, num_query_groups=None)
-        return MLATransformerConfig(**kwargs)
-    return TransformerConfig(**kwargs)
+    # the attention kind's own (megatron_kappa.attention_kinds): its heads' settings, its config class
+    kind = attention_kinds.of(m)
+    kwargs.update(kind.megatron(m))
+    return (kind.transformer_config or TransformerConfig)(**kwargs)
 
 
 def core_attention(m: ModelConfig):
@@ -167,14 +164,11 @@ def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, layout: ModelLayou
     core = core_attention(cfg.model)
     if core is not None:
         qk["core_attention"] = core
-    linears = dict(linear_qkv="column", linear_proj="row")
-    if m.mla.enabled:  # the down projections' FP8 is set on the built modules (model/mla.py)
-        attn = dataclasses.replace(attn, module=SequenceParallelMLA,
-                                   params={**attn.params, "down_fp8": fp8.settings(cfg, device, "attention")})
-        linears = dict(linear_q_proj="column", linear_q_up_proj="column", linear_kv_up_proj="column",
-                       linear_proj="row")
+    kind = attention_kinds.of(m)  # its self-attention class (MLA: model/attention_kinds/mla.py) and linears
+    if kind.attention is not None:
+        attn = kind.attention(cfg, device, attn)
     attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
-                           **linears)
+                           **kind.fp8_linears)
     sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
                               self_attention=dataclasses.replace(attn, submodules=attn_sub))
     if dense:  # megatron's local spec: partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
@@ -230,8 +224,9 @@ def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
     (the model's BlockInputs)."""
     layout = layout or model_layout(cfg)
     inputs = inputs or nanochat.BlockInputs()
-    spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm,
-                   normalization="RMSNorm", multi_latent_attention=cfg.model.mla.enabled)
+    # the attention kind's stock layer (MLA: megatron's MLASelfAttention and its submodules)
+    local = {"multi_latent_attention": False, **attention_kinds.of(cfg.model).local_spec}
+    spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm", **local)
     dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True, layout=layout, inputs=inputs)
     moe = None
     if layout.has_moe:

@@ -4,20 +4,23 @@ width, dense first layers, no κ."""
 from __future__ import annotations
 
 from megatron_kappa.config import ModelConfig
-from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope, router_refusal
+from megatron_kappa import attention_kinds
+from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, native_refusals, rope,
+                                           router_refusal)
 from megatron_kappa.model.layout import ModelLayout
 
 
 class DeepseekV3(StateDictAdapter):
     name, architecture, model_type = "deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3"
     scores, router_note = ("sigmoid",), "its router is sigmoid with a balance bias"
+    attention, attention_note = ("mla",), "DeepSeek-V3 has multi-head latent attention"
 
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         moe = model.moe
         why = []
         need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
         native_refusals(model, need)
-        need(model.mla.enabled, "model.mla.enabled is false (DeepSeek-V3 has multi-head latent attention)")
+        attention_refusal(self, model, need)
         need(model.qk_layernorm, "model.qk_layernorm is false (DeepSeek-V3 norms its latents)")
         # transformers builds the latent norms with RMSNorm's default epsilon, not rms_norm_eps
         need(model.norm_eps == 1e-6, f"model.norm_eps is {model.norm_eps} (its latent norms use 1e-6, as published)")
@@ -30,12 +33,11 @@ class DeepseekV3(StateDictAdapter):
         return why
 
     def own_config(self, model: ModelConfig, layout: ModelLayout, kappa) -> dict:
-        moe, a = model.moe, model.mla
+        moe, mla = model.moe, attention_kinds.of(model).hf_config(model)  # its latents' widths
         dense, expert = ffn_sizes(model)
         return dict(intermediate_size=dense, moe_intermediate_size=expert, n_routed_experts=moe.num_experts,
                     n_shared_experts=moe.shared_ffn_hidden_size // expert, routed_scaling_factor=moe.route_scale,
                     n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1, norm_topk_prob=moe.topk > 1,
-                    first_k_dense_replace=model.first_dense, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
-                    qk_nope_head_dim=a.qk_head_dim, qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
-                    head_dim=a.qk_pos_emb_head_dim, rope_interleave=True, rope_parameters=rope(model),
+                    first_k_dense_replace=model.first_dense, **mla,
+                    head_dim=mla["qk_rope_head_dim"], rope_interleave=True, rope_parameters=rope(model),
                     num_key_value_heads=model.num_attention_heads, attention_bias=False, num_nextn_predict_layers=0)

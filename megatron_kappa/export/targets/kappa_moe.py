@@ -3,11 +3,9 @@
 or sigmoid routers, shared experts, any layout, the nanochat block, MLA)."""
 from __future__ import annotations
 
-import dataclasses
-
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ConfigError, ModelConfig
-from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, router_refusal
+from megatron_kappa.export.adapter import StateDictAdapter, attention_refusal, ffn_sizes, router_refusal
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import ModelLayout, has_value_embedding
 
@@ -19,9 +17,12 @@ class KappaMoe(StateDictAdapter):
     native, code_files = False, (CODE,)
     scores = ("softmax", "sigmoid")  # modeling_kappa_moe.py's router_score
     router_note = "modeling_kappa_moe.py scores by softmax or sigmoid"
+    attention = ("gqa", "mla")  # modeling_kappa_moe.py's Attention and LatentAttention
+    attention_note = "modeling_kappa_moe.py runs grouped-query or latent attention"
 
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         why = []
+        attention_refusal(self, model, lambda ok, msg: None if ok else why.append(msg))
         if layout.has_moe:
             router_refusal(self, model, lambda ok, msg: None if ok else why.append(msg))
         return why
@@ -45,7 +46,7 @@ class KappaMoe(StateDictAdapter):
                     value_embedding_layers=[i for i in range(model.num_layers)
                                             if model.value_embeddings and has_value_embedding(i + 1, model.num_layers)],
                     logit_softcap=model.logit_softcap, rope_theta=float(model.rotary_base),
-                    mla=dataclasses.asdict(model.mla) if model.mla.enabled else None)
+                    **attention_kinds.of(model).modeling(model))  # its keys there (mla: its widths, or None)
 
 
 def kappa_input_kind(name: str) -> str:

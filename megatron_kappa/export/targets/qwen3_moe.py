@@ -3,20 +3,22 @@ q/k norms with gains, no nanochat parts; dense layers are its `mlp_only_layers`.
 from __future__ import annotations
 
 from megatron_kappa.config import ModelConfig
-from megatron_kappa.export.adapter import StateDictAdapter, ffn_sizes, native_refusals, rope, router_refusal
+from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, native_refusals, rope,
+                                           router_refusal)
 from megatron_kappa.model.layout import ModelLayout
 
 
 class Qwen3Moe(StateDictAdapter):
     name, architecture, model_type = "qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"
     scores, router_note = ("softmax",), "its router is a softmax top-k"
+    attention_note = "it has no latent attention; --target deepseek_v3"
 
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         moe = model.moe
         why = []
         need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
         native_refusals(model, need)
-        need(not model.mla.enabled, "model.mla.enabled is true (it has no latent attention; --target deepseek_v3)")
+        attention_refusal(self, model, need)
         router_refusal(self, model, need)
         need(moe.route_scale == 1.0, f"model.moe.route_scale is {moe.route_scale} (expected 1)")
         need(moe.num_groups is None, "model.moe.num_groups is set (it has no group-limited routing)")

@@ -1,5 +1,6 @@
-"""Multi-head latent attention (model.mla): megatron-core's MLASelfAttention with the key's RoPE
-part gathered so that its gradient is whole under tensor parallelism.
+"""The mla kind's pieces (megatron_kappa.attention_kinds' `mla` entry, model.mla): megatron-core's
+MLASelfAttention with the key's RoPE part gathered so that its gradient is whole under tensor
+parallelism, and its MLATransformerConfig.
 
 In megatron's local spec the key/value down projection is a ColumnParallelLinear: each TP rank
 computes a slice of [c_kv; k_pe] for every token, megatron gathers the slices over TP and, with
@@ -18,20 +19,26 @@ built modules become FP8ColumnParallelLinear instead, a subclass that changes on
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                     scatter_to_sequence_parallel_region)
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from megatron_kappa import attention_kinds
+from megatron_kappa.config import Config
+from megatron_kappa.model import fp8
 
 
 class SequenceParallelMLA(MLASelfAttention):
     def __init__(self, *args, down_fp8=None, **kwargs):
         super().__init__(*args, **kwargs)
         if down_fp8 is not None:
-            from megatron_kappa.model.fp8 import FP8ColumnParallelLinear
             for name in ("linear_q_down_proj", "linear_kv_down_proj"):
                 module = getattr(self, name, None)
                 if module is not None:
-                    module.__class__, module.fp8 = FP8ColumnParallelLinear, down_fp8
+                    module.__class__, module.fp8 = fp8.FP8ColumnParallelLinear, down_fp8
 
     def _qkv_down_projection(self, hidden_states):
         q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
@@ -41,3 +48,13 @@ class SequenceParallelMLA(MLASelfAttention):
                 raise ValueError("model.mla: tensor parallelism without sequence parallelism is not supported")
             kv_combined = scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(kv_combined))
         return q_compressed, kv_combined
+
+
+def attention(cfg: Config, device, spec):
+    """The self-attention spec: megatron's local MLA spec's, built as SequenceParallelMLA (the down
+    projections' FP8 is set on the built modules)."""
+    return dataclasses.replace(spec, module=SequenceParallelMLA,
+                               params={**spec.params, "down_fp8": fp8.settings(cfg, device, "attention")})
+
+
+attention_kinds.implement("mla", transformer_config=MLATransformerConfig, attention=attention)

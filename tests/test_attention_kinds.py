@@ -1,0 +1,141 @@
+"""The attention registry (megatron_kappa.attention_kinds): a kind added at run time by one
+register(...) trains through the unchanged training loop and is refused by the export and the
+planner in one line; configs name their kind as before (model.mla.enabled) or by name
+(model.attention_kind); the registry stays torch-free and is the only reader of MLA's keys."""
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from megatron.core.transformer.attention import SelfAttention
+
+from megatron_kappa import attention_kinds
+from megatron_kappa.checkpoint import resume
+from megatron_kappa.config import ConfigError, facts, load_config, to_dict
+from megatron_kappa.config.schema import Config
+from bare_python import run_bare
+from test_mla import MLA  # the tiny MLA settings
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = "toy_mha"
+STEPS, MICRO_BATCHES, LAYERS = 2, 2, 4  # configs/tiny.yaml: 4 layers
+TRAIN = [f"train.steps={STEPS}", "log.interval=1", "data.mock=true", "model.seq_length=32",
+         "train.micro_batch=2", f"train.global_batch={2 * MICRO_BATCHES}", "eval.valid_every=0",
+         "checkpoint.interval=2", "log.tensorboard=false"]
+
+
+class CountingAttention(SelfAttention):
+    """megatron's SelfAttention, counting its forwards."""
+    forwards = 0
+
+    def forward(self, *args, **kwargs):
+        CountingAttention.forwards += 1
+        return super().forward(*args, **kwargs)
+
+
+def _toy_rules(model, par, need):
+    need(model.num_query_groups is None, "model.num_query_groups", f"must be null with {TOY} (multi-head)")
+    need(not model.value_embeddings, "model.value_embeddings", f"must be false with {TOY}")
+
+
+def toy_kind() -> attention_kinds.Kind:
+    """A plain multi-head attention with a bias on q, k and v (as Qwen2's): its megatron settings,
+    its rules and its self-attention class; nothing for the planner or the export."""
+    return attention_kinds.Kind(
+        help=f"{TOY}: multi-head attention with a q/k/v bias",
+        megatron=lambda model: dict(num_query_groups=None, kv_channels=model.head_dim, add_qkv_bias=True),
+        attention=lambda cfg, device, spec: dataclasses.replace(spec, module=CountingAttention),
+        validate=_toy_rules)
+
+
+@pytest.fixture
+def toy():
+    attention_kinds.register(TOY, toy_kind())
+    yield TOY
+    attention_kinds.unregister(TOY)
+
+
+def test_a_toy_kind_is_one_registration_that_trains_and_the_export_refuses(world1, tmp_path, capsys, toy):
+    """The toy kind validates, builds (its class and its q/k/v bias in every layer) and trains 2
+    steps through the unchanged loop; the export refuses its run in one line naming
+    model.attention_kind (its entry names no Hugging Face tensors). Negative control: the default
+    kind's run exports."""
+    from megatron_kappa.export.__main__ import main as export
+    from megatron_kappa.train.loop import run
+    runs = {}
+    for name in (toy, "gqa"):
+        runs[name] = tmp_path / name
+        cfg = load_config("configs/tiny.yaml", TRAIN + [f"run.dir={runs[name]}", f"model.attention_kind={name}"])
+        CountingAttention.forwards = 0
+        run(cfg, log=lambda *a: None)
+        assert CountingAttention.forwards == (STEPS * MICRO_BATCHES * LAYERS if name == toy else 0)
+    capsys.readouterr()
+    assert export(["--checkpoint", str(runs[toy]), "--output", str(tmp_path / "hf"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: model.attention_kind: {toy}: no exported model computes this attention kind (its registry entry "
+        "names no Hugging Face tensors, hf_names); export a run of gqa or mla\n")
+    assert not (tmp_path / "hf").exists()
+    assert export(["--checkpoint", str(runs["gqa"]), "--output", str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert "kappa_moe from step 2" in capsys.readouterr().out
+
+
+def test_the_toy_kinds_settings_reach_the_model(world1, toy):
+    """megatron's settings of the kind (add_qkv_bias) shape the built model; gqa's do not."""
+    from megatron_kappa.model.build import build_model
+    biases = {}
+    for name in (toy, "gqa"):
+        model = build_model(load_config("configs/tiny.yaml", [f"model.attention_kind={name}"]), meta=True)
+        biases[name] = sum(n.endswith("linear_qkv.bias") for n, _ in model.named_parameters())
+    assert biases == {toy: LAYERS, "gqa": 0}
+
+
+def test_a_config_names_its_kind_by_the_mla_switch_or_by_name():
+    """model.mla.enabled keeps its meaning (no new key needed); an explicit name agrees with it or
+    is refused in one line; an unknown name is refused naming the registered ones."""
+    assert attention_kinds.name_of(load_config("configs/tiny.yaml", []).model) == "gqa"
+    assert attention_kinds.name_of(load_config("configs/tiny.yaml", MLA).model) == "mla"
+    assert attention_kinds.name_of(load_config("configs/frontier/deepseek_v3.yaml").model) == "mla"
+    assert attention_kinds.name_of(load_config("configs/tiny.yaml", [*MLA, "model.attention_kind=mla"]).model) == "mla"
+    with pytest.raises(ConfigError, match=r"^config: model.mla.enabled: is true, but model.attention_kind is gqa "
+                                          r"\(model.mla.enabled turns mla on: set one of them\)$"):
+        load_config("configs/tiny.yaml", [*MLA, "model.attention_kind=gqa"])
+    with pytest.raises(ConfigError, match=r"^config: model.mla.enabled: is false, but model.attention_kind is mla"):
+        load_config("configs/tiny.yaml", ["model.attention_kind=mla"])
+    with pytest.raises(ConfigError, match=r"model.attention_kind: expected one of \['gqa', 'mla'\], got 'nope'"):
+        load_config("configs/tiny.yaml", ["model.attention_kind=nope"])
+
+
+def test_what_a_resume_may_not_change_covers_every_kinds_section():
+    """The kind's name and each kind's own section are refused on resume (the schema's `state`);
+    a checkpoint's config from before model.attention_kind existed resumes unchanged."""
+    state = facts.marked(Config, "state")
+    assert "model.attention_kind" in state
+    for name, kind in attention_kinds.KINDS.items():
+        assert kind.section is None or f"model.{kind.section}" in state, name
+    now = to_dict(load_config("configs/tiny.yaml", MLA))
+    old = {**now, "model": {k: v for k, v in now["model"].items() if k != "attention_kind"}}  # written before the key
+    assert resume.changes(old, now)[0] == []
+    assert "model.mla.enabled" in resume.changes(old, to_dict(load_config("configs/tiny.yaml", [])))[0]  # control
+
+
+def test_the_recompute_module_of_a_kind_needs_it():
+    with pytest.raises(ConfigError, match="mla_up_proj needs model.mla"):
+        load_config("configs/tiny.yaml", ["model.recompute=selective", "model.recompute_modules=[mla_up_proj]"])
+    load_config("configs/tiny.yaml", [*MLA, "model.recompute=selective", "model.recompute_modules=[mla_up_proj]"])
+
+
+def test_the_registry_and_the_config_import_no_torch():
+    code = ("import sys; from megatron_kappa import attention_kinds; from megatron_kappa.config import load_config; "
+            f"cfg = load_config(None, {MLA!r} + ['model.qk_layernorm=false']); "
+            "print('TORCH', 'torch' in sys.modules, attention_kinds.name_of(cfg.model))")
+    done = run_bare(code)
+    assert "TORCH False mla" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_piece_called_before_its_module_is_imported_says_so():
+    early = attention_kinds.Given("nowhere", "attention")
+    with pytest.raises(RuntimeError, match="model.attention_kind: nowhere: its attention comes from "
+                                           "model/attention_kinds/nowhere.py, which is not imported yet"):
+        early(None, None, None)
+    with pytest.raises(ValueError, match="gqa: attention is not a piece its entry leaves to its module"):
+        attention_kinds.implement("gqa", attention=print)

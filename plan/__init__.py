@@ -51,7 +51,7 @@ from plan import speed
 from plan.activations import activation_bytes
 from plan.estimate import HEADROOM, Plan, StagePlan, plan, plan_stage
 from plan.layout import Layout, check, layout_of, model_shape, with_layout
-from plan.params import (EXPERT_KINDS, KINDS, attention_params, largest_tensors, layer_params, mla_matrices,
+from plan.params import (EXPERT_KINDS, KINDS, attention_matrices, attention_params, largest_tensors, layer_params,
                          stage_params)
 from plan.planned import Planned
 from plan.render import render, render_search
@@ -59,7 +59,7 @@ from plan.state import REDUCE_BUCKET_ELEMENTS, bucket_bytes, gradient_bytes, opt
 from plan.units import GIB, value_bytes
 
 __all__ = ["EXPERT_KINDS", "GIB", "HEADROOM", "KINDS", "Layout", "Plan", "Planned", "REDUCE_BUCKET_ELEMENTS",
-           "activation_bytes", "attention_params", "bucket_bytes", "check", "gradient_bytes",
-           "largest_tensors", "layer_params", "layout_of", "mla_matrices", "model_shape", "optimizer_groups",
+           "activation_bytes", "attention_matrices", "attention_params", "bucket_bytes", "check", "gradient_bytes",
+           "largest_tensors", "layer_params", "layout_of", "model_shape", "optimizer_groups",
            "plan", "plan_stage", "render", "render_search", "speed", "StagePlan", "stage_params", "state_bytes",
            "value_bytes", "with_layout"]

@@ -41,6 +41,7 @@ activation offload leaves two chunks on the GPU.
 """
 from __future__ import annotations
 
+from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
 from plan.layout import model_shape
@@ -64,29 +65,19 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     the schedule's in-flight count (plan.dualpipe gives its own)."""
     m, moe, t = cfg.model, cfg.model.moe, layout.tp
     h, tokens = m.hidden_size, cfg.model.seq_length * micro_batch / layout.cp
-    head_dim = m.head_dim or h // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * h
     size = value_bytes(cfg.precision)
     per = model_shape(cfg, layout).stage_counts()[stage]
-    core = tokens * head_dim * m.num_attention_heads / t
-    attention = tokens * (3 * h + head_dim * (m.num_attention_heads + 2 * groups)) / t + core
+    # the attention kind's (megatron_kappa.attention_kinds): the layer's attention tensors with its
+    # core's output, the core's output alone, MLA's q, k and v (`up`, the up-projections' outputs)
+    # and GQA's key and value heads as local attention repeats them
+    kept = attention_kinds.of(m).activations(m, tokens, t)
+    attention, core, up = kept["attention"], kept["core"], kept["up"]
     scores = 0.0  # local attention's probabilities (and GQA's repeated heads), in values of `size` bytes
     if m.attention == "local":
         probability_bytes = 4 + (2 if size == 2 else 0)  # softmax in fp32, then cast back for AV
         scores = tokens * m.seq_length * m.num_attention_heads / t * probability_bytes / size
-        if not m.mla.enabled:
-            scores += tokens * 2 * (m.num_attention_heads - groups) * head_dim / t
-    if m.mla.enabled:  # the latents, then q, k (nope + rope per head) and v; the core's output is v-wide
-        a = m.mla
-        core = tokens * a.v_head_dim * m.num_attention_heads / t
-        qk = a.qk_head_dim + a.qk_pos_emb_head_dim
-        latents = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_pos_emb_head_dim
-        attention = tokens * (3 * h + latents + m.num_attention_heads * (2 * qk + a.v_head_dim)) / t + core
-    up = 0.0  # MLA's q, k and v (the up-projections' outputs)
-    if m.mla.enabled:
-        up = tokens * m.num_attention_heads * (2 * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim)
-                                               + m.mla.v_head_dim) / t
+        scores += kept["repeated"]
     norm_out = tokens * h / t  # a norm's output: the qkv input, the fc1 or router input
     rows = routed_rows_per_rank(cfg, layout, tokens, imbalance)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_kappa import routers
+from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.config.checks import validate
 from megatron_kappa.model.layout import ModelLayout, model_layout
@@ -74,6 +74,9 @@ def check(cfg: Config, layout: Layout):
     moe, shape = cfg.model.moe, model_layout(cfg)
     if not routers.lookup(moe.router).planned and shape.has_moe:
         raise ConfigError(f"plan: model.moe.router: {moe.router} is not modelled by the planner")
+    if not attention_kinds.of(cfg.model).planned:  # a kind registered without the planner's counts
+        raise ConfigError(f"plan: {attention_kinds.KEY}: {attention_kinds.name_of(cfg.model)} is not modelled by "
+                          "the planner")
     if layout.world % (layout.tp * layout.pp * layout.cp):  # the factors say it all: no layout label
         raise ConfigError(f"plan: world size {layout.world} is not divisible by tp × pp × cp = "
                           f"{layout.tp} × {layout.pp} × {layout.cp}")

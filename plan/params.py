@@ -3,6 +3,7 @@ megatron-core shards them (tests/test_plan.py checks the counts against meta-dev
 rank of a grid of layouts)."""
 from __future__ import annotations
 
+from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, has_value_embedding
 from plan.layout import Layout, model_shape
@@ -13,32 +14,16 @@ KINDS = ("embedding", "output", "value_embedding", "attention", "dense_mlp", "sh
 EXPERT_KINDS = ("experts", "kappa")  # reduced over the expert-data-parallel group
 
 
-def mla_matrices(cfg: Config, t: int) -> dict[str, int]:
-    """MLA's projections on one rank of TP t (each split over TP by its output, linear_proj by its
-    input): elements by megatron's module name."""
-    m, a = cfg.model, cfg.model.mla
-    h, n = m.hidden_size, m.num_attention_heads
-    q = n * (a.qk_head_dim + a.qk_pos_emb_head_dim)
-    out = {"linear_q_down_proj": a.q_lora_rank * h // t, "linear_q_up_proj": q * a.q_lora_rank // t} \
-        if a.q_lora_rank else {"linear_q_proj": q * h // t}
-    out["linear_kv_down_proj"] = (a.kv_lora_rank + a.qk_pos_emb_head_dim) * h // t
-    out["linear_kv_up_proj"] = n * (a.qk_head_dim + a.v_head_dim) * a.kv_lora_rank // t
-    out["linear_proj"] = h * n * a.v_head_dim // t
-    return out
+def attention_matrices(cfg: Config, t: int) -> dict[str, int]:
+    """The attention kind's projections on one rank of TP t (megatron_kappa.attention_kinds):
+    elements by megatron's module name."""
+    return attention_kinds.of(cfg.model).matrices(cfg.model, t)
 
 
 def attention_params(cfg: Config, t: int) -> tuple[int, int]:
-    """(attention matrices, q/k norm gains) of one layer on one rank of TP t."""
+    """(attention matrices, q/k norm gains: MLA's latent norms) of one layer on one rank of TP t."""
     m = cfg.model
-    if m.mla.enabled:  # the latents' norms: the query's (with a query latent) and the key/value one
-        gains = ((m.mla.q_lora_rank or 0) + m.mla.kv_lora_rank) if m.qk_layernorm else 0
-        return sum(mla_matrices(cfg, t).values()), gains * m.norm_gains
-    h = m.hidden_size
-    head_dim = m.head_dim or h // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
-    matrices = h * head_dim * (m.num_attention_heads + 2 * groups) // t  # linear_qkv
-    matrices += h * head_dim * m.num_attention_heads // t  # linear_proj
-    return matrices, (2 * head_dim if m.qk_layernorm else 0) * m.norm_gains
+    return sum(attention_matrices(cfg, t).values()), attention_kinds.of(m).norm_gains(m) * m.norm_gains
 
 
 def layer_params(cfg: Config, layout: Layout, is_moe: bool, index: int = 0) -> dict[str, int]:
@@ -105,8 +90,7 @@ def largest_tensors(cfg: Config, layout: Layout) -> dict[str, int]:
     local_experts = moe.num_experts // layout.ep if moe.num_experts else 0
     vocab = model_shape(cfg, layout).padded_vocab // t * h
     return {"embedding": vocab, "output": vocab, "value_embedding": model_shape(cfg, layout).padded_vocab * groups * head_dim // t,
-            "attention": max(mla_matrices(cfg, t).values()) if m.mla.enabled else
-            h * head_dim * (m.num_attention_heads + 2 * groups) // t,  # linear_qkv
+            "attention": max(attention_matrices(cfg, t).values()),  # linear_qkv (GQA)
             "dense_mlp": 2 * h * ffn // t,  # linear_fc1 [gate; up]
             "shared_experts": 2 * h * (moe.shared_ffn_hidden_size or 0) // t,
             "router": (moe.num_experts or 0) * h,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_kappa import attention_kinds
 from megatron_kappa.config import ConfigError, load_config
 from plan.estimate import Plan, plan
 from plan.layout import Layout, model_shape
@@ -148,8 +149,9 @@ def megatron_model_flops(cfg) -> float:
     to 128 × TP; no router, norms or recompute. GQA and multi-head attention, no MTP."""
     from megatron_kappa.model.layout import model_layout, padded_vocab_size
     m = cfg.model
-    if m.mla.enabled or m.mtp.num_layers:
-        raise ValueError("model.mla / model.mtp: megatron_model_flops counts GQA attention without MTP only")
+    if attention_kinds.name_of(m) != "gqa" or m.mtp.num_layers:
+        raise ValueError(f"{attention_kinds.key_of(attention_kinds.name_of(m))} / model.mtp: megatron_model_flops "
+                         "counts GQA attention without MTP only")
     h, s, n = m.hidden_size, m.seq_length, m.num_attention_heads
     d = m.head_dim or h // n
     q, kv = n * d, (m.num_query_groups or n) * d

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
 from plan import dualpipe as dual
@@ -84,28 +85,19 @@ WIRE_BYTES = 2
 
 def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int, imbalance: float = 1.0) -> dict[str, float]:
     """Forward matmul FLOPs of one layer on one rank for `tokens` tokens of its data-parallel
-    replica (TP ranks share them), by part: "attention" (the projections; "mla_up" of them MLA's
+    replica (TP ranks share them), by part: "attention" (the projections, by the attention kind:
+    megatron_kappa.attention_kinds; its recomputable share of them besides, "mla_up" for MLA's
     up-projections), "scores" (the attention cores' QKᵀ and AV, causal: half of s²), "mlp" (a dense
     layer's), "router", "experts", "shared"; "matmul" is every part but the scores. Routed experts
     on the busiest rank (routed_rows): the stage's routed rows spread over its ranks, whatever EP
     and ETP are, at `imbalance` x the average."""
     m, moe = cfg.model, cfg.model.moe
-    h, s, n = m.hidden_size, m.seq_length, m.num_attention_heads
-    out = dict.fromkeys(("attention", "mla_up", "scores", "mlp", "router", "experts", "shared"), 0.0)
-    if m.mla.enabled:
-        a = m.mla
-        qk, v = a.qk_head_dim + a.qk_pos_emb_head_dim, a.v_head_dim
-        q_up = a.q_lora_rank * n * qk if a.q_lora_rank else 0
-        q = h * a.q_lora_rank + q_up if a.q_lora_rank else h * n * qk
-        kv_up = a.kv_lora_rank * n * (a.qk_head_dim + v)
-        per_token = q + h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + kv_up + n * v * h
-        out["mla_up"] = 2 * tokens * (q_up + kv_up) / tp
-        score_width = n * (qk + v)
-    else:
-        d = m.head_dim or h // n
-        groups = m.num_query_groups or n
-        per_token = h * d * (n + 2 * groups) + n * d * h
-        score_width = 2 * n * d
+    h, s = m.hidden_size, m.seq_length
+    out = dict.fromkeys(("attention", *attention_kinds.flop_parts(), "scores", "mlp", "router", "experts", "shared"),
+                        0.0)
+    per_token, score_width, parts = attention_kinds.of(m).flops(m)  # projections, the cores' width, sub-parts
+    for part, elements in parts.items():
+        out[part] = 2 * tokens * elements / tp
     out["attention"] = 2 * tokens * per_token / tp
     out["scores"] = 2 * tokens * s * score_width / tp * 0.5  # QKᵀ and AV over the causal half
     ffn = m.ffn_hidden_size or 4 * h
@@ -202,7 +194,8 @@ def expert_passes(cfg: Config, shape, stage: int) -> float:
     layer whose experts recompute (full recompute of that layer, or the selective "moe" module),
     as stage_flops counts their FLOPs (stage_layers)."""
     m = cfg.model
-    one_pass = dict.fromkeys(("attention", "mla_up", "scores", "mlp", "router", "shared"), 0.0)
+    one_pass = dict.fromkeys(("attention", *attention_kinds.flop_parts(), "scores", "mlp", "router", "shared"),
+                             0.0)
     one_pass.update(experts=1.0, matmul=1.0)  # a layer_flops of the experts' one forward alone
     passes = sum(3 + again(one_pass) for is_moe, again in stage_layers(cfg, shape, stage, m.recompute) if is_moe)
     if stage == shape.pp - 1 and shape.moe_layers[-1]:
@@ -216,13 +209,9 @@ def _span(group: int, stride: int, gpus_per_node: int) -> bool:
 
 
 def kv_width(cfg: Config, tp: int) -> float:
-    """Elements of K and V per token on one TP rank (what ring attention passes round)."""
-    m = cfg.model
-    if m.mla.enabled:  # megatron's MLA rings the up-projected K (nope + rope) and V
-        a = m.mla
-        return m.num_attention_heads * (a.qk_head_dim + a.qk_pos_emb_head_dim + a.v_head_dim) / tp
-    d = m.head_dim or m.hidden_size // m.num_attention_heads
-    return 2 * (m.num_query_groups or m.num_attention_heads) * d / tp
+    """Elements of K and V per token on one TP rank (what ring attention passes round; MLA: the
+    up-projected K, nope + rope, and V)."""
+    return attention_kinds.of(cfg.model).kv_elements(cfg.model) / tp
 
 
 # hidden behind the stage's compute; ZeRO's traffic ("data") has its own rule (_exposed_data)
@@ -259,7 +248,8 @@ def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[flo
     instead) all-gathers its input and reduce-scatters its output forward, and backward
     reduce-scatters the input's gradient, all-gathers the output's gradient and all-gathers the
     input again for the weight gradient (megatron's linear layers keep only their sequence
-    share): 5. MLA (megatron's MLASelfAttention, model/mla.py's down projection) adds 3 for each of
+    share): 5. MLA (megatron's MLASelfAttention, model/attention_kinds/mla.py's down projection;
+    the attention kind's `tp_gathers`) adds 3 for each of
     its narrow gathers, forward, gradient and again for the weight gradient: the q latent (with
     q_lora_rank) gathered over the heads and over the sequence, [c_kv; k_pe] over the heads, k_pe
     and c_kv over the sequence (counted against megatron's calls with a q latent; without one,
@@ -274,10 +264,8 @@ def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[flo
     layers = shape.stage_moe_layers(stage)
     blocks = sum(1 + ((not is_moe) or shared) for is_moe in layers)
     volume = count = 5 * blocks + 2 * (stage == 0)  # each of tokens x h
-    if m.mla.enabled:
-        a = m.mla
-        narrow = [a.kv_lora_rank + a.qk_pos_emb_head_dim, a.qk_pos_emb_head_dim, a.kv_lora_rank]
-        narrow += [a.q_lora_rank] * 2 if a.q_lora_rank else []
+    narrow = attention_kinds.of(m).tp_gathers(m)
+    if narrow:
         volume += 3 * len(layers) * sum(narrow) / m.hidden_size
         count += 3 * len(layers) * len(narrow)
     if stage == shape.pp - 1:

@@ -89,6 +89,14 @@ def test_the_toy_kinds_settings_reach_the_model(world1, toy):
     assert biases == {toy: LAYERS, "gqa": 0}
 
 
+def test_the_planner_refuses_a_kind_it_does_not_model(toy):
+    import plan
+    cfg = load_config("configs/tiny.yaml", [f"model.attention_kind={toy}"])
+    with pytest.raises(ConfigError, match=f"^plan: model.attention_kind: {toy} is not modelled by the planner$"):
+        plan.plan(cfg, plan.Layout(1))
+    plan.plan(load_config("configs/tiny.yaml", []), plan.Layout(1))  # control: the default kind
+
+
 def test_a_config_names_its_kind_by_the_mla_switch_or_by_name():
     """model.mla.enabled keeps its meaning (no new key needed); an explicit name agrees with it or
     is refused in one line; an unknown name is refused naming the registered ones."""
@@ -139,3 +147,20 @@ def test_a_piece_called_before_its_module_is_imported_says_so():
         early(None, None, None)
     with pytest.raises(ValueError, match="gqa: attention is not a piece its entry leaves to its module"):
         attention_kinds.implement("gqa", attention=print)
+
+
+# what reads MLA's switch or section (issue 51's grep)
+MLA_READS = re.compile(r"mla.enabled|m\.mla|\.mla\.")
+OWNERS = {"megatron_kappa/attention_kinds.py", "megatron_kappa/model/attention_kinds/mla.py",
+          "megatron_kappa/config/schema.py"}
+
+
+def mla_readers(files) -> set[str]:
+    return {str(p.relative_to(ROOT)) for p in files if MLA_READS.search(p.read_text())}
+
+
+def test_only_the_registry_its_mla_module_and_the_schema_read_mla():
+    files = [*(ROOT / "megatron_kappa").rglob("*.py"), *(ROOT / "plan").rglob("*.py")]
+    assert mla_readers(files) <= OWNERS, sorted(mla_readers(files) - OWNERS)
+    # negative control: a line that reads the switch is found
+    assert MLA_READS.search("    if m.mla.enabled:") and MLA_READS.search("cfg.model.mla.kv_lora_rank")

@@ -19,7 +19,6 @@ A figure whose metrics the run did not log (e.g. κ in a SwiGLU run) is skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -32,6 +31,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from megatron_kappa.metrics.log import read_records  # noqa: E402
+
 _LAYER_KEY = re.compile(r"^(?P<family>[a-z_]+)/layer(?P<layer>\d+)/(?P<stat>.+)$")
 _BANDS = (("top5", "95 %", "-"), ("mean", "mean", ":"), ("bottom5", "5 %", "--"))
 
@@ -40,7 +41,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (expected a training run directory)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)[0]  # a record a crash left half-written is not plotted
 
 
 def layers_of(records: list[dict], family: str) -> list[int]:

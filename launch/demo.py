@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 from analysis.plots import make_plots
 from megatron_kappa.cli_types import positive_int
+from megatron_kappa.metrics.log import read_records
 from megatron_kappa.parallel.launch_env import free_port
 
 BUNDLE = ROOT / "tests" / "core_bundle"
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         "--json", out / "core.json"])
 
     stage("4/4 summary")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_records(run_dir / "metrics.jsonl")
     plots = make_plots(run_dir)  # overview.png: the loss curve beside κ's spread; one PNG per figure
     valid, core = json.loads((out / "valid.json").read_text()), json.loads((out / "core.json").read_text())
     last = records[-1]

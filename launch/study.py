@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from analysis.study_table import markdown, write_table
 from megatron_kappa.cli_types import positive_int
+from megatron_kappa.metrics.log import read_records
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.paths import folder_problem
 
@@ -268,7 +269,7 @@ def run_locally(run: Run, inputs: dict, args):
 
 
 def write_result(run: Run, inputs: dict) -> dict:
-    records = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records, _ = read_records(run.dir / "metrics.jsonl")
     valid = json.loads(run.valid.read_text())
     core = json.loads(run.core.read_text()) if inputs["bundle"] else {}
     speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]

@@ -15,6 +15,24 @@ def _warn(what: str, error: BaseException):
     print(f"warning: {what}: {first}; training goes on without it", file=sys.stderr, flush=True)
 
 
+def read_records(path: str | Path) -> tuple[list[dict], list[int]]:
+    """metrics.jsonl's records, and the line numbers (1-based) of lines that are not a whole JSON
+    record: what a crash (a kill, a full disk) left half-written. Blank lines are skipped."""
+    records, torn = [], []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            torn.append(number)
+    return records, torn
+
+
 class MetricsLog:
     """Writes on global rank 0 only; other ranks hold a no-op instance. A failed write is one
     warning line: metrics.jsonl keeps trying at each record, TensorBoard is dropped for the run."""
@@ -24,6 +42,7 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = None
         self.failing = False
+        self.torn_tail = None  # whether the file ends inside a record (None: not looked yet)
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             try:
@@ -32,21 +51,40 @@ class MetricsLog:
                 _warn(f"TensorBoard: {Path(run_dir) / 'tb'}", e)
 
     def truncate_after(self, step: int):
-        """On resume: drop lines a killed run logged past its last checkpoint."""
+        """On resume: drop lines a killed run logged past its last checkpoint, and any record a
+        crash left half-written (one line says which)."""
         if not self.enabled or not self.path.is_file():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        records, torn = read_records(self.path)
+        if torn:
+            print(f"warning: metrics: {self.path}: dropped {len(torn)} torn record{'s' * (len(torn) > 1)} "
+                  f"(line {', '.join(map(str, torn))}), half-written when a run stopped", file=sys.stderr, flush=True)
+        keep = [json.dumps(r) for r in records if r.get("step", 0) <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
+        self.torn_tail = False
 
     def write(self, record: dict):
+        """One record as one line, in one write() to the end of the file: a crash can leave only
+        this record half-written, never an earlier one, and the next record starts a new line."""
         if not self.enabled:
             return
+        data = (json.dumps(record) + "\n").encode()
         try:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                if self.torn_tail is None:  # first write of this process: does the file end mid-record?
+                    size = os.fstat(fd).st_size
+                    self.torn_tail = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+                if self.torn_tail:
+                    data = b"\n" + data
+                written = os.write(fd, data)
+                self.torn_tail = written < len(data)
+                if self.torn_tail:
+                    raise OSError(f"short write ({written} of {len(data)} bytes): no space left on the device?")
+            finally:
+                os.close(fd)
             self.failing = False
         except OSError as e:
             if not self.failing:  # once per failing spell, not once per step

@@ -3,7 +3,8 @@
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
-"x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p", "log": false, "report_offload": false}; each
+"x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p" | "mtp_stage_skips", "log": false,
+"report_offload": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines; "report_offload": print "== cpu_offload <flag>", DeepSpeed's
 own flag for its ZeRO-Offload path, from the optimizer the engine built).
@@ -48,6 +49,13 @@ def main(plan_path):
                 if self.inputs.x0 is not None and not self.pre_process:
                     self.inputs.x0 = self.inputs.x0.detach()
             nanochat.NanochatGPTModel.set_input_tensor = detached
+        mtp_loss = loop.mtp_loss
+        if case.get("negative") == "mtp_stage_skips":
+            # negative control: a stage without MTP depths skips the MTP loss's collectives (the hang)
+            def skipping(micro_batches, device, mtp_loss=mtp_loss):
+                from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+                return {} if MTPLossLoggingHelper.tracker.get("loss_values") is None else mtp_loss(micro_batches, device)
+            loop.mtp_loss = skipping
         from megatron_kappa.model import embedding_copy
         sync = embedding_copy.all_reduce_grads
         if case.get("negative") == "embedding_copy_unsynced":
@@ -76,6 +84,7 @@ def main(plan_path):
                 return built
             engine.initialize = reported
         loop.run(cfg, log=log)
+        loop.mtp_loss = mtp_loss
         engine.initialize = initialize
         build.transformer_config = tconfig
         embedding_copy.all_reduce_grads = sync

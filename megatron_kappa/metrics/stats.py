@@ -82,11 +82,13 @@ def router_losses(config, micro_batches: int, device: torch.device) -> dict:
 
 def mtp_loss(micro_batches: int, device: torch.device) -> dict:
     """The multi-token-prediction loss (model.mtp; unweighted, mean over its depths and micro-batches,
-    DP-averaged) from megatron's MTP tracker, which it then clears; {} without MTP."""
+    DP-averaged) from megatron's MTP tracker, which it then clears. Called on every rank of a run
+    with MTP, also on the pipeline stages without its depths (their share is 0), so that every rank
+    enters the same collectives in the same order (a stage that skipped them left the others
+    waiting in the pipeline sum: a hang at the first logging step)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     values = MTPLossLoggingHelper.tracker.get("loss_values")
-    if values is None:
-        return {}
-    total = values.to(device).sum() / (values.numel() * micro_batches)
+    total = torch.zeros((), device=device) if values is None else \
+        values.to(device).sum() / (values.numel() * micro_batches)
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     return {"mtp_loss": dp_mean(pipeline_sum(total)).item()}

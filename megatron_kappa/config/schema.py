@@ -419,6 +419,14 @@ class TrainConfig:
     adam_eps: float = _f(1e-8, "AdamW epsilon of every AdamW group (authors: 1e-10)", range=NON_NEGATIVE)
     grad_clip: Optional[float] = _f(None, "global gradient-norm clip (0: off; null: 1.0 for adamw, off for "
                                           "muon/aurora, which refuse a nonzero clip)", range=NON_NEGATIVE)
+    grad_accum_dtype: Literal["fp32", "bf16"] = _f(
+        "fp32", "precision bf16/fp8: dtype in which the micro-batches' gradients are summed and reduced over "
+                "data-parallel ranks (fp32 precision: fp32 always). fp32, Megatron-LM's default: every optimizer "
+                "update sees an fp32 gradient (Muon/Aurora momentum in fp32 too), at the cost of an fp32 "
+                "gradient copy (4 instead of 2 bytes per parameter) and fp32 reductions (twice the gradient "
+                "traffic). bf16 saves that memory and traffic but rounds every addition to 8 bits of mantissa "
+                "(DeepSpeed: not safe with many accumulation steps) and Muon/Aurora keep a bf16 momentum "
+                "(megatron_kappa/parallel/grad_precision.py, docs/optimizer.md)")
     init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
                                           "random init; ignored when resuming from a checkpoint", derived=True)
     deterministic: bool = _f(False, "deterministic kernels (torch.use_deterministic_algorithms): "

@@ -7,7 +7,9 @@ silently averages different experts together (tests/test_training.py has that ne
   2. DeepSpeed's expert(-data)-parallel group tables are filled from megatron's groups;
   3. a parameter-free `deepspeed.moe.layer.MoE` marker in the model sets `has_moe_layers`;
   4. optimizer groups are split with `split_params_into_different_moe_groups_for_optimizer`.
-The optimizer itself is built by megatron_kappa.optim.optimizer.
+The optimizer itself is built by megatron_kappa.optim.optimizer; gradients of bf16 parameters
+are accumulated and reduced in fp32 unless train.grad_accum_dtype says bf16
+(megatron_kappa.parallel.grad_precision).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import Config
 from megatron_kappa.model.params import is_expert
-from megatron_kappa.parallel import stage_norm
+from megatron_kappa.parallel import grad_precision, stage_norm
 
 
 class MegatronMPU:
@@ -113,6 +115,7 @@ def ds_config(cfg: Config, grad_accum: int) -> dict:
         "managed_gradient_accumulation": cfg.parallel.pp == 1,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        **grad_precision.ds_entries(cfg.precision, cfg.train.grad_accum_dtype),
     }
 
 
@@ -125,9 +128,13 @@ def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int,
     if wire_experts(model):
         param_groups = split_params_into_different_moe_groups_for_optimizer(param_groups)
     optimizer = build_optimizer([g for g in param_groups if g["params"]])
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(cfg, grad_accum),
-        dist_init_required=False)
+    fp32_grads = grad_precision.fp32_accumulation(cfg.precision, cfg.train.grad_accum_dtype)
+    with grad_precision.zero_routing(fp32_grads):  # ZeRO-1 too keeps DeepSpeed's ZeRO optimizer
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(cfg, grad_accum),
+            dist_init_required=False)
+    if fp32_grads:
+        grad_precision.keep_fp32(optimizer)
     if cfg.parallel.pp > 1:  # stages hold different groups: the gradient norm keyed by group name
         stage_norm.install(optimizer)
     return engine, optimizer

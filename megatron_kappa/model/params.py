@@ -21,6 +21,11 @@ def is_kappa(name: str) -> bool:
     return name.endswith(KAPPA_SUFFIXES)
 
 
+def is_kappa_alpha(name: str) -> bool:
+    """κ's α (the slope of the router logit; the authors' `kappa_scale`)."""
+    return name.endswith(KAPPA_SUFFIXES[0])
+
+
 def is_router(name: str) -> bool:
     return ".mlp.router." in name or name.startswith("mlp.router.")
 

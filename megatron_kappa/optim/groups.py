@@ -6,12 +6,21 @@ Aurora) build these groups the same way.
 """
 from __future__ import annotations
 
-from megatron_kappa.config import TrainConfig
-from megatron_kappa.model.params import RESIDUAL_SCALARS, is_embedding_or_output, residual_scalar
+from megatron_kappa.config import KappaConfig, TrainConfig
+from megatron_kappa.model.params import (RESIDUAL_SCALARS, is_embedding_or_output, is_kappa, is_kappa_alpha,
+                                         residual_scalar)
 
 # resid_lambda, x0_lambda: model.residual_scalars' λ (the authors' scalar groups, 14c9b04
 # nanochat/gpt.py 2375-2380); the value embeddings are in "embedding" (gpt 2352-2353)
 ADAMW_KINDS = ("embedding", "output", "non_matrix", *RESIDUAL_SCALARS)
+
+
+def in_kappa_group(name: str, kappa: KappaConfig) -> bool:
+    """κ's own AdamW group: b, and α unless model.kappa.alpha_optimizer is matrix. With matrix, α
+    goes where 14c9b04 put it: every ≥2-D block tensor but κ's b joins the matrices (nanochat/gpt.py
+    2302-2303, 2311-2316), so the [E, F] α is trained with them at their lr, weight decay and
+    schedule, as one matrix (docs/optimizer.md)."""
+    return is_kappa(name) and not (kappa.alpha_optimizer == "matrix" and is_kappa_alpha(name))
 
 
 def adamw_kind(name: str) -> str:

@@ -30,6 +30,10 @@ DeepSpeed's and Megatron's "blockwise" modes do. A column-parallel QKV shard hol
 groups, so its Q, K and V rows are three matrices; a SwiGLU fc1 shard [gate_t; up_t] is two; a
 row-parallel shard [out, in/t] is one. With TP = ETP = 1 these are exactly the authors' matrices
 (separate q, k, v, gate, up, down); experts are whole on their EP rank, one matrix per expert.
+κ's α (model.kappa.alpha_optimizer matrix) is one [E, F] matrix per layer at 14c9b04, across the
+experts; a rank holds [E/EP, F/ETP] of it and orthogonalises that shard, so α's update is the
+authors' only at EP = ETP = 1 (gathering it would need a collective inside ZeRO's per-parameter
+loop; docs/optimizer.md says how far the blocks are from the whole).
 """
 from __future__ import annotations
 
@@ -38,9 +42,9 @@ import inspect
 
 import torch
 
-from megatron_kappa.config import ModelConfig, TrainConfig
-from megatron_kappa.model.params import is_embedding_or_output, is_kappa, is_router
-from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind
+from megatron_kappa.config import KappaConfig, ModelConfig, TrainConfig
+from megatron_kappa.model.params import is_embedding_or_output, is_router
+from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind, in_kappa_group
 from megatron_kappa.optim.matrix import RowBlocks, as_blocks, matrix_update
 from megatron_kappa.optim.schedule import peak_weight_decays
 
@@ -56,11 +60,13 @@ CALL_SITES = [("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._
 _originals: dict = {}
 
 
-def is_orthogonalised(name: str, p: torch.Tensor, routers: bool = False) -> bool:
-    """Attention, dense-MLP and expert weight matrices, and the routers if `routers`
-    (train.router_optimizer matrix, as the authors' code). AdamW keeps embeddings, the output
-    layer, norms, κ's α and b, and otherwise the routers (the paper's split)."""
-    return p.dim() >= 2 and not (is_embedding_or_output(name) or is_kappa(name)
+def is_orthogonalised(name: str, p: torch.Tensor, routers: bool, kappa: KappaConfig) -> bool:
+    """Attention, dense-MLP and expert weight matrices, the routers if `routers`
+    (train.router_optimizer matrix, as the authors' code), and κ's α with
+    model.kappa.alpha_optimizer matrix (14c9b04: one [E, F] matrix per layer; `matrix_blocks`
+    leaves it whole). AdamW keeps embeddings, the output layer, norms, κ's b (and α), and
+    otherwise the routers (the paper's split)."""
+    return p.dim() >= 2 and not (is_embedding_or_output(name) or in_kappa_group(name, kappa)
                                  or (is_router(name) and not routers))
 
 
@@ -86,9 +92,9 @@ def param_groups(model, train: TrainConfig, m: ModelConfig) -> list[dict]:
     groups = {kind: [] for kind in ("matrix", "router", *ADAMW_KINDS, "kappa")}
     routers = train.router_optimizer == "matrix"
     for name, p in model.named_parameters():
-        p.use_muon = is_orthogonalised(name, p, routers)
+        p.use_muon = is_orthogonalised(name, p, routers, m.kappa)
         p.muon_num_heads = matrix_blocks(name, p, model.config) if p.use_muon else None
-        kind = ("kappa" if is_kappa(name) else "matrix" if p.use_muon
+        kind = ("kappa" if in_kappa_group(name, m.kappa) else "matrix" if p.use_muon
                 else "router" if is_router(name) and p.dim() >= 2 else adamw_kind(name))
         groups[kind].append(p)
     mu, wd = train.muon, peak_weight_decays(train, m)

@@ -10,7 +10,8 @@ megatron_kappa.train.recipe schedules by; megatron_kappa.optim.schedule has each
   non_matrix  norms and other 1-D parameters (AdamW, train.lr_non_matrix)
   resid_lambda, x0_lambda  model.residual_scalars' λ (AdamW, train.lr_resid_scalar, train.lr_x0_scalar;
               λ_x0 with train.x0_betas)
-  kappa       κ's α and b (own schedule, L2 penalty in the loss, no weight decay)
+  kappa       κ's b, and α unless model.kappa.alpha_optimizer is matrix (then α is in matrix, as
+              14c9b04 has it: groups.in_kappa_group); own schedule, L2 penalty in the loss, no weight decay
 With muon or aurora the matrix group takes the orthogonalised update and everything else AdamW,
 in one DeepSpeed MuonWithAuxAdam (megatron_kappa.optim.muon).
 """
@@ -19,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from megatron_kappa.config import ModelConfig, TrainConfig
-from megatron_kappa.model.params import is_embedding_or_output, is_kappa
+from megatron_kappa.model.params import is_embedding_or_output
 from megatron_kappa.optim import muon, schedule
-from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind
+from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind, in_kappa_group
 
 
 def param_groups(model, train: TrainConfig, m: ModelConfig) -> list[dict]:
@@ -30,7 +31,7 @@ def param_groups(model, train: TrainConfig, m: ModelConfig) -> list[dict]:
         return muon.param_groups(model, train, m)
     by_kind = {kind: [] for kind in ("matrix", *ADAMW_KINDS, "kappa")}
     for name, p in model.named_parameters():
-        if is_kappa(name):
+        if in_kappa_group(name, m.kappa):
             by_kind["kappa"].append(p)
         elif p.dim() >= 2 and not is_embedding_or_output(name):
             by_kind["matrix"].append(p)

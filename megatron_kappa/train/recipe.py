@@ -93,6 +93,11 @@ class KappaFreeze:
     its steps. model.kappa.freeze_optimizer_state says what happens at the unfreeze step: drop
     (their optimizer state is dropped, so AdamW starts them fresh, step 1, as if they had just been
     added) or keep (14c9b04: the step count goes on from the freeze's).
+
+    α in the matrix group (model.kappa.alpha_optimizer matrix) has the matrices' learning rate
+    while frozen, but its zeroed gradient keeps its momentum at zero, the orthogonalised update of
+    a zero matrix is zero and decay leaves 0 at 0: α stays exactly 0, as at 14c9b04, where ln U = 0
+    until the unfreeze makes α's gradient exactly zero. Its momentum is not the κ group's to drop.
     """
 
     def __init__(self, model, total: int, kappa: KappaConfig):

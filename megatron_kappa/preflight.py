@@ -193,7 +193,7 @@ def check_resume(cfg: Config, world: int):
     """A checkpoint in run.dir must hold this model and optimizer (megatron_kappa.checkpoint.resume
     lists the keys); the layout may change unless it is of format 1."""
     ckpts = CheckpointDir(cfg.run.dir)
-    step = ckpts.latest()
+    step = ckpts.latest(content=False)  # sizes: the trainer reads the contents against their checksums
     if step is None:
         return
     meta = ckpts.meta(step)

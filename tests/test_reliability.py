@@ -144,7 +144,7 @@ def test_a_damaged_newest_checkpoint_is_skipped(world1, tmp_path, monkeypatch):
     assert len(warnings) == 1 and str(victim) in warnings[0] and "\n" not in warnings[0]
     assert load_model_for_eval(tmp_path)[1].model.hidden_size == 64  # evaluation takes step 1
     with monkeypatch.context() as m:  # negative control: the damaged one taken as it is
-        m.setattr(CheckpointDir, "verify", lambda self, step: None)
+        m.setattr(CheckpointDir, "verify", lambda self, step, content=True: None)
         with pytest.raises(Exception) as crash:
             loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3"]), log=lambda *a: None)
         assert not isinstance(crash.value, ConfigError)

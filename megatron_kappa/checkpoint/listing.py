@@ -6,9 +6,27 @@ import json
 import os
 import shutil
 import sys
+import zlib
 from pathlib import Path
 
 _WARNED: set = set()  # damaged-checkpoint warnings already printed by this process
+_SUMS: dict = {}  # (path, size, mtime_ns) → checksum, so that a process reads a file once
+CHUNK = 1 << 24
+
+
+def file_checksum(path: Path) -> str:
+    """CRC-32 of a file's bytes ("crc32:<8 hex digits>"): zlib's, which reads faster than the disk
+    writes (its cost beside a save: docs/benchmarks.md); it catches a flipped bit or a zeroed
+    block, which a size cannot (it is no defence against a deliberate change)."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _SUMS:
+        crc = 0
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        _SUMS[key] = f"crc32:{crc:08x}"
+    return _SUMS[key]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -36,10 +54,10 @@ class CheckpointDir:
         return sorted(int(d.name[5:]) for d in self.root.glob("step_*")
                       if d.name[5:].isdigit() and (d / "meta.json").is_file())
 
-    def verify(self, step: int) -> str | None:
+    def verify(self, step: int, content: bool = True) -> str | None:
         """None when the checkpoint's meta.json reads and every file it records is there at its
-        recorded size (checkpoints written before sizes were recorded: meta.json only); else what
-        is wrong, in a few words."""
+        recorded size and, with `content`, has its recorded checksum (checkpoints written before
+        checksums, or sizes, were recorded: what they recorded); else what is wrong, in a few words."""
         folder = self.folder(step)
         try:
             meta = self.meta(step)
@@ -51,13 +69,23 @@ class CheckpointDir:
                 return f"{path}: missing"
             if path.stat().st_size != size:
                 return f"{path}: {path.stat().st_size} bytes, {size} written"
+        if content:
+            for name, written in meta.get("checksums", {}).items():
+                path = folder / name
+                try:
+                    now = file_checksum(path)
+                except OSError as e:
+                    return f"{path}: unreadable ({type(e).__name__})"
+                if now != written:
+                    return f"{path}: checksum {now}, {written} written"
         return None
 
-    def latest(self, warn=None) -> int | None:
-        """The newest complete checkpoint that verifies; a damaged newer one is skipped with a
-        one-line warning naming it (on stderr, once per process, unless `warn` is given)."""
+    def latest(self, warn=None, content: bool = True) -> int | None:
+        """The newest complete checkpoint that verifies (its files' checksums too, with `content`:
+        each file is read once per process); a damaged newer one is skipped with a one-line
+        warning naming it (on stderr, once per process, unless `warn` is given)."""
         for step in reversed(self.complete()):
-            problem = self.verify(step)
+            problem = self.verify(step, content)
             if problem is None:
                 return step
             message = f"warning: checkpoint {self.folder(step)} is damaged ({problem}); using the one before it"
@@ -73,7 +101,7 @@ class CheckpointDir:
         rotation never keeps them in place of good ones); returns their steps. One writer only."""
         moved = []
         for step in self.complete():
-            if self.verify(step) is not None:
+            if self.verify(step, content=False) is not None:  # sizes: the trainer checks content at resume
                 target = self.root / "damaged" / f"step_{step}"
                 target.parent.mkdir(exist_ok=True)
                 shutil.rmtree(target, ignore_errors=True)

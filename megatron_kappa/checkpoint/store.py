@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_kappa.checkpoint import optimizer_state
-from megatron_kappa.checkpoint.listing import CheckpointDir, CheckpointSaveError, atomic_write_text
+from megatron_kappa.checkpoint.listing import CheckpointDir, CheckpointSaveError, atomic_write_text, file_checksum
 from megatron_kappa.parallel import sharding
 
 FORMAT = 2  # meta.json "format": 2 = parameter-shaped optimizer state (any layout); absent = 1
@@ -110,8 +110,9 @@ class Checkpoints(CheckpointDir):
         self._write(step, {**meta, "format": FORMAT}, rank_state)
 
     def _write(self, step: int, meta: dict, rank_state: dict):
-        """Write checkpoint `step`: every rank's files into checkpoints/.tmp/step_<N>, then rank 0
-        records every file's size in meta.json (what `verify` checks) and moves it in place. A
+        """Write checkpoint `step`: every rank's files into checkpoints/.tmp/step_<N>, each rank's
+        checksum of its own file, then rank 0 records every file's size and checksum in meta.json
+        (what `verify` checks) and moves it in place. A
         failure on any rank (no space, an I/O error) removes the partial files, leaves the previous
         checkpoint the latest and raises CheckpointSaveError (one line) on every rank."""
         rank = dist.get_rank()
@@ -132,13 +133,22 @@ class Checkpoints(CheckpointDir):
             shutil.rmtree(staging, ignore_errors=True)  # leftovers of a killed save
             staging.mkdir(parents=True)
 
+        sums = {}
+
         def write_own():
             torch.save(rank_state, staging / f"rank_{rank}.pt.tmp")
             os.replace(staging / f"rank_{rank}.pt.tmp", staging / f"rank_{rank}.pt")
+            sums[f"rank_{rank}.pt"] = file_checksum(staging / f"rank_{rank}.pt")  # read back from the page cache
+
+        def gather_sums():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, sums)
+            sums.update({k: v for part in every for k, v in part.items()})
 
         def publish():
             files = self.record_files(staging)
-            atomic_write_text(staging / "meta.json", json.dumps({**meta, "step": step, "files": files}, indent=1))
+            atomic_write_text(staging / "meta.json", json.dumps(
+                {**meta, "step": step, "files": files, "checksums": dict(sorted(sums.items()))}, indent=1))
             final = self.folder(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
@@ -147,12 +157,12 @@ class Checkpoints(CheckpointDir):
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(self.folder(old), ignore_errors=True)
 
-        for part in (lambda: rank0(prepare), lambda: stage(write_own), lambda: rank0(publish)):
+        for part in (lambda: rank0(prepare), lambda: stage(write_own), lambda: gather_sums(), lambda: rank0(publish)):
             failed = _gather_failures(part())
             if failed:
                 if rank == 0:
                     shutil.rmtree(staging, ignore_errors=True)
-                previous = self.latest(warn=lambda message: None)
+                previous = self.latest(warn=lambda message: None, content=False)
                 raise CheckpointSaveError(
                     f"checkpoint {self.folder(step)}: saving failed ({failed}); its partial files are removed, "
                     + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint exists yet"))

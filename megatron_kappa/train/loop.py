@@ -151,7 +151,11 @@ def run(cfg: Config, log=print) -> dict:
     rank = dist.get_rank()
     run_dir = Path(cfg.run.dir)
     listing = CheckpointDir(run_dir)
-    latest = listing.latest()
+    # rank 0 reads the checkpoint's files against their checksums (a damaged one is skipped in one
+    # line) and every rank resumes from its answer
+    latest = [listing.latest() if rank == 0 else None]
+    dist.broadcast_object_list(latest, src=0)
+    latest = latest[0]
     if latest is not None:  # a resume that changes the model or optimizer state: refused before any write
         meta, where = listing.meta(latest), str(listing.folder(latest))
         resume.check_layout(meta, layout_record(cfg.parallel, dist.get_world_size()), to_dict(cfg), where)
@@ -264,7 +268,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
             continue
         loss_value = step_loss.item()  # the step's one host sync, on logging/checkpoint steps
         if not math.isfinite(loss_value):
-            last = ckpts.latest()
+            last = ckpts.latest(content=False)
             raise TrainingDiverged(f"step {done}: loss is {loss_value}; stopped without saving"
                                    + (f", the last good checkpoint is {ckpts.folder(last)}" if last else ""))
         if logging:

@@ -18,6 +18,7 @@ import sys
 from megatron_kappa.checkpoint.listing import CheckpointSaveError
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.train import preemption  # signals only: no heavy imports
+from megatron_kappa.train.divergence import TrainingDiverged  # torch-free at import
 from megatron_kappa.parallel.launch_env import LaunchEnvError, exit_process, export_environment
 from megatron_kappa.preflight import preflight
 
@@ -52,6 +53,11 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         finished = True
         return 1
+    except TrainingDiverged as e:  # every rank read the same global numbers: all stop here
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        finished = True
+        return 3
     except preemption.Preempted as e:
         preemption.ignore_from_now()  # the checkpoint is written: die of nothing until the exit
         if rank == 0:

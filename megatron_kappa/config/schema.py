@@ -423,6 +423,10 @@ class TrainConfig:
     betas: list = _f([0.9, 0.95], "AdamW betas (every AdamW group, also under muon/aurora; authors: [0.8, 0.95])",
                      allowed='two numbers in [0, 1)')
     adam_eps: float = _f(1e-8, "AdamW epsilon of every AdamW group (authors: 1e-10)", range=NON_NEGATIVE)
+    nonfinite_steps: int = _f(1, "consecutive steps with a non-finite loss or gradient norm (or skipped by DeepSpeed "
+                                 "for one) that end the run, in one line and without a checkpoint of them "
+                                 "(Megatron-LM's --check-for-nan-in-loss-and-grad: the first; 0: never; read on "
+                                 "logging and checkpoint steps: megatron_kappa/train/divergence.py)", range=NON_NEGATIVE)
     grad_clip: Optional[float] = _f(None, "global gradient-norm clip (0: off; null: 1.0 for adamw, off for "
                                           "muon/aurora, which refuse a nonzero clip)", range=NON_NEGATIVE)
     grad_accum_dtype: Literal["fp32", "bf16"] = _f(

@@ -6,6 +6,9 @@ Modules:
                  bestfit, megatron_kappa.data.bestfit) or MockGPTDataset, a deterministic batch
                  order that resumes from a step number alone, and the move of each batch to the
                  device (pinned, non-blocking)
+  divergence.py  A run whose loss or gradients are no longer numbers stops, and says so in one line,
+                 without a checkpoint of the dead model (Megatron-LM's --check-for-nan-in-loss-and-
+                 grad is the model)
   loop.py        The training job: config → model/parallel setup → data → train loop →
                  checkpoints/metrics → eval
   pipeline.py    The training step with pipeline stages (`parallel.pp > 1`): megatron-core's 1F1B

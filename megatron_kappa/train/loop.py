@@ -47,13 +47,10 @@ from megatron_kappa.metrics import paper_analyses, throughput
 from megatron_kappa.metrics.log import MetricsLog
 from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
 from megatron_kappa.train import pipeline, recipe
+from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # noqa: F401 (TrainingDiverged: the loop's API)
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.preemption import Preempted, StopAgreement
 from megatron_kappa.train.run_lock import RunLock
-
-
-class TrainingDiverged(RuntimeError):
-    pass
 
 
 def full_count(model, cfg: Config) -> dict:
@@ -248,6 +245,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
     record, window_start, window_steps = {}, time.perf_counter(), 0
+    bad_steps = BadSteps(cfg.train.nonfinite_steps, device, engine.skipped_steps)
     for step in range(start, steps):
         freeze.begin_step(step, optimizer)
         kappa_U = recipe.kappa_U(step, steps, cfg.model.kappa)  # the authors' U ramp (constant by default)
@@ -256,6 +254,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
             recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg.model.moe))
         lrs = schedule.set_learning_rates(optimizer, step, steps, cfg.train, cfg.model)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
+        bad_steps.observe(step_loss, engine.get_global_grad_norm(), engine.skipped_steps)
         if after_step is not None:
             after_step(model, cfg.model.moe)
         done = step + 1
@@ -267,10 +266,17 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
             discard_step_metrics()  # router and MTP losses are reduced only on logged steps
             continue
         loss_value = step_loss.item()  # the step's one host sync, on logging/checkpoint steps
-        if not math.isfinite(loss_value):
+        bad_now, bad_worst = bad_steps.read()
+        if bad_steps.diverged(bad_worst):
             last = ckpts.latest(content=False)
-            raise TrainingDiverged(f"step {done}: loss is {loss_value}; stopped without saving"
+            what = (f"loss is {loss_value}" if not math.isfinite(loss_value) else
+                    f"non-finite gradients (or loss) in {bad_worst} step{'s' * (bad_worst > 1)} in a row")
+            raise TrainingDiverged(f"step {done}: {what} (train.nonfinite_steps {cfg.train.nonfinite_steps}); "
+                                   "stopped without saving"
                                    + (f", the last good checkpoint is {ckpts.folder(last)}" if last else ""))
+        if saving and bad_now and bad_steps.limit:  # under the limit, but a bad step's weights are not kept
+            log(f"warning: step {done}: not saved, its step had a non-finite loss or gradient norm")
+            saving = False
         if logging:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_steps * tokens_per_step / elapsed

@@ -403,3 +403,42 @@ def test_launchers_print_no_known_library_warnings(tmp_path):
         loud = subprocess.run([*launchers[name], str(script)], cwd=root, env={**base, "KAPPA_SHOW_WARNINGS": "1"},
                               capture_output=True, text=True, timeout=300)
         assert loud.returncode == 0 and notice in loud.stderr + loud.stdout, (name, loud.stderr[-2000:])
+
+
+@pytest.mark.parametrize("content", ["", '{"host": "a", "pi'], ids=["empty", "garbled"])
+def test_an_empty_or_garbled_lock_is_taken_over_after_a_few_seconds(tmp_path, content):
+    """A start that failed while writing its lock (a full disk, a kill) left it empty or half
+    written: past UNREADABLE_AFTER_S it is stale; younger, it may be a start writing it this
+    instant, so the next start waits that long instead of refusing for 90 s as 'pid None'."""
+    from megatron_kappa.train import run_lock
+    path = tmp_path / ".lock"
+    path.write_text(content)
+    then = time.time() - run_lock.UNREADABLE_AFTER_S - 1
+    os.utime(path, (then, then))
+    lock = RunLock(tmp_path)
+    lock.acquire()  # old: taken over at once
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+    path.write_text(content)  # fresh: waited for, then taken over (nobody wrote a record meanwhile)
+    start = time.time()
+    RunLock(tmp_path).acquire()
+    assert time.time() - start >= run_lock.UNREADABLE_AFTER_S - 0.5
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_none(tmp_path, monkeypatch):
+    """A full disk at start: one line naming the lock, and no empty lock left to refuse the rerun."""
+    import errno
+
+    from megatron_kappa.train import run_lock
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(run_lock.os, "write", full)
+    with pytest.raises(ConfigError, match=r"run.dir: cannot write the lock .*\.lock: No space left on device$"):
+        RunLock(tmp_path).acquire()
+    assert not (tmp_path / ".lock").exists()
+    monkeypatch.setattr(run_lock.os, "write", real_write)
+    RunLock(tmp_path).acquire()  # the rerun takes it
+    assert (tmp_path / ".lock").is_file()

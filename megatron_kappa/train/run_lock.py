@@ -5,7 +5,10 @@ holder's heartbeat, touched every HEARTBEAT_S by a thread of the holder (so a lo
 checkpoint does not let it lapse; a killed process or a lost node stops it). A lock is stale, and
 taken over, when its holder is a process of this host that no longer exists (a SIGKILL), when it
 belongs to this same Slurm job (a requeue), or when its heartbeat is older than `stale_after_s`
-(another host's process cannot be asked). A live holder's lock is refused in one line naming it.
+(another host's process cannot be asked), or when it holds no readable record and is older than a
+few seconds (a start that failed while writing it: a full disk, a kill). A live holder's lock is
+refused in one line naming it; a lock that cannot be written (a full disk) is one line too, and
+leaves no empty lock behind.
 The same process taking its own lock again (runs one after another in one interpreter) is no
 conflict.
 """
@@ -24,6 +27,9 @@ from megatron_kappa.train.preemption import proc_stat
 
 STALE_AFTER_S = 90.0  # no heartbeat for this long: the holder is gone
 HEARTBEAT_S = 15.0
+# A lock without a readable record is being written by a start that took it this instant, or was
+# left empty or garbled by one that failed to (a full disk, a kill): past this age, the latter.
+UNREADABLE_AFTER_S = 5.0
 
 
 def _start_time(pid: int) -> str | None:
@@ -66,15 +72,20 @@ class RunLock:
         except (OSError, ValueError):
             return {}  # unreadable or half-written: judged by its age alone
 
+    def _age(self) -> float:
+        try:
+            return time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return float("inf")
+
     def _stale(self, holder: dict) -> bool:
+        if not holder:  # no record to judge by: its writer failed, unless it is writing it right now
+            return self._age() > UNREADABLE_AFTER_S
         if self.me["job"] and holder.get("job") == self.me["job"]:
             return True  # this Slurm job's earlier incarnation (a requeue): Slurm ended it
         if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
             return holder["pid"] == self.me["pid"] or not _alive(holder["pid"], holder.get("pid_started"))
-        try:
-            return time.time() - self.path.stat().st_mtime > self.stale_after_s
-        except FileNotFoundError:
-            return True
+        return self._age() > self.stale_after_s
 
     def refusal(self, holder: dict) -> ConfigError:
         return ConfigError(f"run.dir: {self.path.parent} is in use by pid {holder.get('pid')} on "
@@ -97,13 +108,24 @@ class RunLock:
                 holder = self.holder()
                 if holder is None:
                     continue
+                if holder == {} and not self._stale(holder):  # a start writing it now, or not
+                    time.sleep(max(UNREADABLE_AFTER_S - self._age(), 0.0) + 0.1)
+                    continue
                 if not self._stale(holder):
                     raise self.refusal(holder) from None
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(record)
+            try:
+                written = os.write(fd, record.encode())
+                if written < len(record.encode()):
+                    raise OSError(f"wrote {written} of {len(record.encode())} bytes (no space left on the device?)")
+            except OSError as e:  # a full disk: leave no empty lock behind to refuse the next start
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                raise ConfigError(f"run.dir: cannot write the lock {self.path}: {e.strerror or e}") from None
+            os.close(fd)
             threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True).start()
             return
         raise ConfigError(f"run.dir: could not take the lock {self.path} (another run takes it at the same time)")

@@ -16,11 +16,18 @@ from megatron_kappa.parallel.launch_env import exit_process
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="training run directory")
-    ap.add_argument("--output", required=True, help="where to write the state dict (.pt)")
+    ap.add_argument("--output", required=True, help="where to write the state dict (.pt); an existing file is "
+                                                    "refused unless --force")
+    ap.add_argument("--force", action="store_true", help="replace an existing --output file")
     args = ap.parse_args(argv)
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # before reading any checkpoint
         print(f"error: --output: {folder} is not a writable folder", file=sys.stderr)
+        return 2
+    if os.path.lexists(args.output) and not (args.force and os.path.isfile(args.output)):
+        print(f"error: --output: {args.output} exists" + ("" if os.path.isfile(args.output) else " and is not a file")
+              + "; choose another path" + (", or --force to replace it" if os.path.isfile(args.output) else ""),
+              file=sys.stderr)
         return 2
     import torch
 

@@ -283,6 +283,22 @@ def test_consolidate_output_under_a_file_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "--output: " in err and "is not a writable folder" in err
 
 
+def test_consolidate_refuses_an_existing_output_unless_forced(tmp_path, capsys, monkeypatch):
+    """An existing --output is refused in one line before any checkpoint is read, its bytes kept;
+    --force replaces it (the control: the same call goes on to read the checkpoint)."""
+    from launch import consolidate
+    out = tmp_path / "full.pt"
+    out.write_bytes(b"earlier work")
+    assert consolidate.main(["--checkpoint", str(tmp_path / "run"), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output: {out} exists; choose another path, or --force" in err
+    assert out.read_bytes() == b"earlier work"
+    assert consolidate.main(["--checkpoint", str(tmp_path / "run"), "--output", str(out), "--force"]) == 2
+    err = capsys.readouterr().err  # past the output check: the (empty) run is what is refused now
+    assert "no complete checkpoint" in err and "--output" not in err, err
+    assert out.read_bytes() == b"earlier work"  # nothing to consolidate: still untouched
+
+
 def test_a_damaged_bundle_member_is_one_line(tmp_path):
     """A byte of a .jsonl flipped inside the zip: one BundleError naming the member; the intact
     zip loads (control)."""

@@ -65,3 +65,22 @@ def test_training_resumes_over_a_torn_record(world1, tmp_path, capsys):
     assert sum("torn record" in line for line in err.splitlines()) == 1, err
     records, torn = read_records(path)
     assert torn == [] and [r["step"] for r in records] == [1, 2, 3, 4]
+
+
+def test_a_finished_run_says_there_is_nothing_to_do(world1, tmp_path):
+    """Started again, or with train.steps below its checkpoint, a run says so in one line and
+    changes nothing (it used to say only "resumed")."""
+    from megatron_kappa.train import loop
+    sets = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2",
+            "log.tensorboard=false", "eval.valid_every=0", "log.interval=1", f"run.dir={tmp_path}"]
+    loop.run(load_config("configs/tiny.yaml", ["train.steps=2", *sets]), log=lambda *a: None)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    for steps in (2, 1):
+        lines = []
+        loop.run(load_config("configs/tiny.yaml", [f"train.steps={steps}", *sets]), log=lines.append)
+        assert [line for line in lines if line.startswith("nothing to do")] == [
+            f"nothing to do: the checkpoint is at step 2 and the run has {steps} steps (train.steps)"], lines
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    lines = []  # control: a longer run trains on, without the line
+    loop.run(load_config("configs/tiny.yaml", ["train.steps=3", *sets]), log=lines.append)
+    assert not any(line.startswith("nothing to do") for line in lines)

@@ -212,6 +212,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         written, now = ckpts.meta(start)["layout"], layout_record(cfg.parallel, world)
         ckpts.load(engine, model, start, device, same_layout=written == now)
         log(f"resumed from {ckpts.folder(start)}" + ("" if written == now else f" (written with {written}, now {now})"))
+        if start >= steps:  # a finished run started again, or train.steps lowered below the checkpoint
+            log(f"nothing to do: the checkpoint is at step {start} and the run has {steps} steps (train.steps)")
     metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0)
     metrics.truncate_after(start)
 

@@ -120,7 +120,7 @@ def check_data(cfg: Config):
     prefixes, _ = parse_blend(cfg.data.paths)
     if not prefixes:
         raise ConfigError("config: data.paths: empty (give shard prefixes, or set data.mock: true)")
-    valid_prefixes, _ = parse_blend(cfg.data.valid_paths)
+    valid_prefixes, _ = parse_blend(cfg.data.valid_paths, "data.valid_paths")
     for prefix in valid_prefixes:
         if not sum(check_shard("data.valid_paths", prefix, cfg.model.vocab_size)):
             raise ConfigError(f"config: data.valid_paths: {prefix}: no tokens")

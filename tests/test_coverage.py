@@ -78,3 +78,23 @@ def test_the_trainer_warns_once_when_the_documents_repeat(sample_shards, tmp_pat
     times = float(warned[0].split("documents ")[1].split(" times")[0])
     assert 1.9 <= times <= 3.0, warned  # twice the tokens, rounded up to whole steps
     assert run(sample_shards["train"][0], "large") == []
+
+
+def test_the_weighted_form_without_valid_paths_builds(sample_shards, tmp_path):
+    """README's [0.7, a, 0.3, b] with data.split (no data.valid_paths) builds both splits (it
+    crashed in megatron-core's assertion on the unused test split); bad weights are one line."""
+    from megatron_kappa.config import ConfigError
+    from megatron_kappa.preflight import check_data
+    a = sample_shards["train"][0]
+    cfg = load_config("configs/tiny.yaml", [
+        "data.mock=false", f"data.paths=[0.7,{a},0.3,{a}]", "data.split=90,10,0",
+        f"data.tokenizer={sample_shards['tokenizer']}", f"run.dir={tmp_path}"])
+    check_data(cfg)
+    train, valid = build_datasets(cfg, 40, 8)
+    assert len(train) >= 40 and len(valid) >= 8 and len(train.datasets) == 2
+    for weights, key in (("-1,{a},2,{a}", "data.paths"), ("0,{a},0,{a}", "data.paths"),
+                         (".nan,{a},1,{a}", "data.paths")):
+        bad = load_config("configs/tiny.yaml", ["data.mock=false", "data.paths=[" + weights.format(a=a) + "]",
+                                                f"run.dir={tmp_path}"])
+        with pytest.raises(ConfigError, match=rf"^config: {key}: expected non-negative weights, not all 0"):
+            check_data(bad)

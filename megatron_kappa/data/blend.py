@@ -4,16 +4,20 @@ from __future__ import annotations
 from megatron_kappa.config import ConfigError
 
 
-def parse_blend(paths: list) -> tuple[list[str], list[float] | None]:
-    """[a, b] or [0.7, a, 0.3, b] (Megatron-LM's --data-path form) → prefixes, weights."""
+def parse_blend(paths: list, key: str = "data.paths") -> tuple[list[str], list[float] | None]:
+    """[a, b] or [0.7, a, 0.3, b] (Megatron-LM's --data-path form) → prefixes, weights; `key` names
+    the config key in errors."""
     if not paths:
         return [], None
     if all(isinstance(p, str) for p in paths):
         return [str(p) for p in paths], None
     if len(paths) % 2 or not all(isinstance(w, (int, float)) and isinstance(p, str)
                                  for w, p in zip(paths[::2], paths[1::2])):
-        raise ConfigError("config: data.paths: expected [prefix, ...] or [weight, prefix, ...]")
-    return [str(p) for p in paths[1::2]], [float(w) for w in paths[::2]]
+        raise ConfigError(f"config: {key}: expected [prefix, ...] or [weight, prefix, ...]")
+    weights = [float(w) for w in paths[::2]]
+    if any(not w >= 0 for w in weights) or not sum(weights) > 0:  # NaN fails both
+        raise ConfigError(f"config: {key}: expected non-negative weights, not all 0, got {weights}")
+    return [str(p) for p in paths[1::2]], weights
 
 
 def split_ranges(split: str, n: int) -> list[tuple[int, int] | None]:

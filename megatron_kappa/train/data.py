@@ -51,12 +51,17 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
         else:
             cls, make = GPTDataset, GPTDatasetConfig
         if cfg.data.valid_paths:
-            config = make(blend_per_split=[parse_blend(cfg.data.paths), parse_blend(cfg.data.valid_paths), None],
+            config = make(blend_per_split=[parse_blend(cfg.data.paths),
+                                           parse_blend(cfg.data.valid_paths, "data.valid_paths"), None],
                           **common)
         else:
             config = make(blend=parse_blend(cfg.data.paths), split=cfg.data.split, **common)
+    # the test split is never read; megatron-core asserts that a split of unstated size has no
+    # weights, so a weighted blend states 0 for it (README's [0.7, a, 0.3, b] form crashed there)
+    blends = [config.blend] if getattr(config, "blend", None) else list(getattr(config, "blend_per_split", None) or [])
+    weighted = any(b is not None and b[1] is not None for b in blends)
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        cls, [train_samples, valid_samples, None], lambda: True, config).build()
+        cls, [train_samples, valid_samples, 0 if weighted else None], lambda: True, config).build()
     return train, valid
 
 

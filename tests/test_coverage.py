@@ -98,3 +98,23 @@ def test_the_weighted_form_without_valid_paths_builds(sample_shards, tmp_path):
                                                 f"run.dir={tmp_path}"])
         with pytest.raises(ConfigError, match=rf"^config: {key}: expected non-negative weights, not all 0"):
             check_data(bad)
+
+
+def test_the_wrong_tokenizer_for_the_shards_is_refused(sample_shards, tmp_path):
+    """The shards' manifest.json records the sha256 of the tokenizer that made them: another
+    SentencePiece model is refused in one line naming both; the right one passes (control)."""
+    import sentencepiece as spm
+
+    from megatron_kappa.config import ConfigError
+    from megatron_kappa.preflight import check_tokenizer
+    base = ["data.mock=false", f"data.paths=[{sample_shards['train'][0]}]", f"run.dir={tmp_path}"]
+    check_tokenizer(load_config("configs/tiny.yaml", [*base, f"data.tokenizer={sample_shards['tokenizer']}"]))
+    other = tmp_path / "other.model"  # another SentencePiece model, trained here
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"a sentence number {i} about {w}" for i, w in enumerate(["cats", "dogs"] * 200)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "other"), vocab_size=60,
+                                   minloglevel=2)
+    assert other.is_file()
+    with pytest.raises(ConfigError, match=r"^config: data.tokenizer: .*other.model is not the tokenizer data.paths "
+                                          r".* was made with \(.*manifest.json records sha256 "):
+        check_tokenizer(load_config("configs/tiny.yaml", [*base, f"data.tokenizer={other}"]))

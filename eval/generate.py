@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_kappa.cli_types import positive_int
+from megatron_kappa.cli_types import non_negative_float, positive_int
 from megatron_kappa.parallel.launch_env import exit_process
 
 
@@ -23,7 +23,7 @@ def parse_args(argv=None):
                                      "run's checkpoints; the run directory gives the config and tokenizer")
     p.add_argument("--prompt", required=True, action="append", help="text to continue (repeat for several)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set reaching probability p")
     p.add_argument("--seed", type=int, default=0)
@@ -59,10 +59,16 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    prompts = [([tokenizer.bos] if cfg.data.bos else []) + tokenizer.encode(text) for text in args.prompt]
+    for text, prompt in zip(args.prompt, prompts):  # all checked before any is continued
+        if len(prompt) >= cfg.model.seq_length:  # no room for a new token: it used to return none, silently
+            print(f"error: --prompt: {text[:40]!r}{'…' if len(text) > 40 else ''} is {len(prompt)} tokens; the "
+                  f"model's context (model.seq_length) is {cfg.model.seq_length}: shorten it", file=sys.stderr)
+            teardown(peers_alive=True)
+            return 2
     results = []
     try:
-        for text in args.prompt:
-            prompt = ([tokenizer.bos] if cfg.data.bos else []) + tokenizer.encode(text)
+        for text, prompt in zip(args.prompt, prompts):
             ids = generate(model, prompt, args.max_new_tokens, cfg.model.vocab_size, sampling, stop=tokenizer.eod,
                            max_length=cfg.model.seq_length)
             continuation = tokenizer.decode([t for t in ids if t != tokenizer.eod])

@@ -49,8 +49,13 @@ def check_data(args):
 
     from megatron_kappa.config import load_config
     from megatron_kappa.preflight import check_shard
+    from megatron_kappa.config import ConfigError
     config = Path(args.checkpoint) / "config.yaml"
-    vocab = load_config(config).model.vocab_size if config.is_file() else None
+    model = load_config(config).model if config.is_file() else None
+    vocab = model.vocab_size if model is not None else None
+    if model is not None and args.seq_len is not None and args.seq_len > model.seq_length:  # it was clamped silently
+        raise ConfigError(f"--seq-len: {args.seq_len} is longer than the model's context (model.seq_length "
+                          f"{model.seq_length} in {config}); give at most that, or leave it out")
     for prefix in args.data:
         check_shard("--data", prefix, vocab)
 

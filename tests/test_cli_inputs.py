@@ -1,0 +1,54 @@
+"""Evaluation command lines refuse what they cannot honour in one line, before any work (issue 53):
+a prompt longer than the model's context (generate returned no tokens without a word), a window
+longer than it (eval/loss.py clamped it silently), a NaN temperature."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_kappa.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(sample_shards, tmp_path_factory, world1):
+    from megatron_kappa.train import loop
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    loop.run(load_config("configs/tiny.yaml", [
+        "data.mock=false", f"data.paths=[{sample_shards['train'][0]}]", f"data.valid_paths=[{sample_shards['valid'][0]}]",
+        f"data.tokenizer={sample_shards['tokenizer']}", f"run.dir={run_dir}", "model.seq_length=32",
+        "train.steps=1", "train.micro_batch=2", "train.global_batch=2", "eval.valid_every=0",
+        "log.tensorboard=false"]), log=lambda *a: None)
+    return run_dir
+
+
+def cli(*argv):
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_the_context_is_one_line(trained):
+    done = cli("eval/generate.py", "--checkpoint", str(trained), "--prompt", "word " * 100, "--prompt", "short")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0 and "--prompt:" in done.stderr and "context" in done.stderr
+    ok = cli("eval/generate.py", "--checkpoint", str(trained), "--prompt", "short", "--max-new-tokens", "3")
+    assert ok.returncode == 0 and ok.stdout.startswith("short"), ok.stderr[-2000:]  # control
+
+
+@pytest.mark.slow
+def test_a_window_longer_than_the_context_is_one_line(trained, sample_shards):
+    done = cli("eval/loss.py", "--checkpoint", str(trained), "--data", sample_shards["valid"][0], "--seq-len", "4096",
+               "--no-progress")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: --seq-len: 4096 is longer than the model's "
+                                                           "context (model.seq_length 32"), done.stderr[-2000:]
+    ok = cli("eval/loss.py", "--checkpoint", str(trained), "--data", sample_shards["valid"][0], "--seq-len", "32",
+             "--max-tokens", "64", "--no-progress")
+    assert ok.returncode == 0 and "loss " in ok.stdout, ok.stderr[-2000:]  # control
+
+
+def test_a_nan_temperature_is_argparses_one_line():
+    done = cli("eval/generate.py", "--checkpoint", "x", "--prompt", "y", "--temperature", "nan")
+    assert done.returncode == 2 and "--temperature: expected a finite number ≥ 0, got 'nan'" in done.stderr

@@ -52,3 +52,15 @@ def test_a_window_longer_than_the_context_is_one_line(trained, sample_shards):
 def test_a_nan_temperature_is_argparses_one_line():
     done = cli("eval/generate.py", "--checkpoint", "x", "--prompt", "y", "--temperature", "nan")
     assert done.returncode == 2 and "--temperature: expected a finite number ≥ 0, got 'nan'" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["eval/loss.py", "eval/core.py"])
+def test_json_under_a_file_is_one_line_before_the_evaluation(tmp_path, script):
+    """--json whose folder cannot be made is refused before any checkpoint is read (it was found
+    only after the whole evaluation ran); here the checkpoint does not even exist."""
+    (tmp_path / "afile").write_text("x")
+    extra = ["--data", str(tmp_path / "none")] if script.endswith("loss.py") else ["--bundle", str(tmp_path / "none")]
+    done = cli(script, "--checkpoint", str(tmp_path / "no_run"), *extra, "--json", str(tmp_path / "afile" / "out.json"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"error: --json: {tmp_path / 'afile'} is a file, not a folder", \
+        done.stderr[-2000:]

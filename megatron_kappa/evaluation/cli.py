@@ -43,6 +43,13 @@ def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher's group: join it before work
             from megatron_kappa.parallel.groups import init_process_group, pick_device
             init_process_group(pick_device())
+        json_path = getattr(args, "json", None)
+        if json_path:  # checked now, not after the whole evaluation ran
+            from megatron_kappa.paths import folder_problem
+            problem = folder_problem(os.path.dirname(os.path.abspath(json_path))) or (
+                f"{json_path} is a folder" if os.path.isdir(json_path) else None)
+            if problem:
+                raise ConfigError(f"--json: {problem}")
         prepared = prepare()
         from megatron_kappa.evaluation.loading import load_for_eval  # the model side, needed only here
         evaluate(prepared, *load_for_eval(args.checkpoint))  # the model is dropped when this returns

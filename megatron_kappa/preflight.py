@@ -247,6 +247,11 @@ def preflight(cfg: Config, world: int | None = None):
     check_attention(cfg.model)
     if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
+    if cfg.train.init_weights:  # a junk file, before any process group, without torch: its first bytes
+        with open(cfg.train.init_weights, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: not a state dict file "
+                                  "(torch.save writes a zip archive; launch/consolidate.py makes one)")
     check_data(cfg)
     check_packing(cfg)
     check_tokenizer(cfg)

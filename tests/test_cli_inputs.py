@@ -64,3 +64,42 @@ def test_json_under_a_file_is_one_line_before_the_evaluation(tmp_path, script):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"error: --json: {tmp_path / 'afile'} is a file, not a folder", \
         done.stderr[-2000:]
+
+
+def test_junk_or_wrong_shape_init_weights_are_one_line(world1, tmp_path):
+    """train.init_weights: a junk file is refused by the preflight (no torch: the zip magic), a
+    state dict of another model by the trainer, naming the tensor; the right one loads (control)."""
+    import torch
+
+    from megatron_kappa.config import ConfigError
+    from megatron_kappa.model.build import build_model
+    from megatron_kappa.preflight import preflight
+    from megatron_kappa.train import loop
+    sets = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2", "train.steps=1",
+            "log.tensorboard=false", "eval.valid_every=0"]
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not weights at all")
+    with pytest.raises(ConfigError, match=r"^config: train.init_weights: .*junk.pt: not a state dict file"):
+        preflight(load_config("configs/tiny.yaml", [*sets, f"train.init_weights={junk}", f"run.dir={tmp_path / 'a'}"]),
+                  world=1)
+    other = tmp_path / "other.pt"  # a model with another ffn size
+    torch.save(build_model(load_config("configs/tiny.yaml", [*sets, "model.ffn_hidden_size=128"]), "cpu").state_dict(),
+               other)
+    with pytest.raises(ConfigError, match=r"^config: train.init_weights: .*other.pt: does not hold this model's "
+                                          r"weights: .*linear_fc1.* shape"):
+        loop.run(load_config("configs/tiny.yaml", [*sets, f"train.init_weights={other}", f"run.dir={tmp_path / 'b'}"]),
+                 log=lambda *a: None)
+    right = tmp_path / "right.pt"
+    torch.save({k: v for k, v in build_model(load_config("configs/tiny.yaml", sets), "cpu").state_dict().items()
+                if not k.endswith("_extra_state")}, right)
+    loop.run(load_config("configs/tiny.yaml", [*sets, f"train.init_weights={right}", f"run.dir={tmp_path / 'c'}"]),
+             log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_junk_weights_for_evaluation_are_one_line(trained, tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"PK\x03\x04 but not a zip")
+    done = cli("eval/generate.py", "--checkpoint", str(trained), "--weights", str(junk), "--prompt", "hi")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: --weights: {junk}: not a state dict file")

@@ -20,7 +20,7 @@ from megatron_kappa.config import ConfigError, ParallelConfig, load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.parallel.sharding import load_full_state_dict, load_local_state
+from megatron_kappa.parallel.sharding import load_full_state_dict, load_local_state, read_full_state_dict
 from megatron_kappa.checkpoint.store import Checkpoints
 
 
@@ -102,7 +102,7 @@ def load_model(run_dir: str | Path, weights: str | Path | None = None):
     elif weights is None:
         load_full_state_dict(model, ckpts.weights(step))
     else:
-        load_full_state_dict(model, torch.load(weights, map_location="cpu", weights_only=True, mmap=True))
+        load_full_state_dict(model, read_full_state_dict(weights, "--weights"), source=f"--weights: {weights}")
     model.eval()  # also selects eval.capacity_factor (megatron_kappa.model.capacity)
     # Runs from before data.bos was recorded: the manifests beside their shards, else no BOS.
     from megatron_kappa.data.bos import documents_start_with_bos

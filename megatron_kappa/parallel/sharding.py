@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kappa.config import ConfigError
 from megatron_kappa.model.layout import layer_offset, shift_layers
 from megatron_kappa.model.params import is_expert as _is_expert, is_kappa as _is_kappa
 
@@ -91,10 +92,34 @@ def local_shard(full_state: dict, name: str, local: torch.Tensor, model, split_d
 
 
 @torch.no_grad()
-def load_full_state_dict(model, full_state: dict):
-    """Copy a single-process state dict into this rank's (sharded) model."""
+def load_full_state_dict(model, full_state: dict, source: str | None = None):
+    """Copy a single-process state dict into this rank's (sharded) model. With `source` (the flag
+    or key that named the file), a tensor it lacks or of another shape is one ConfigError line
+    naming it, as the user's input; without, the library's error."""
     for name, tensor in _state(model).items():
-        tensor.copy_(local_shard(full_state, name, tensor, model))
+        try:
+            tensor.copy_(local_shard(full_state, name, tensor, model))
+        except (KeyError, ValueError, RuntimeError) as e:
+            if source is None:
+                raise
+            why = str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines()[0]
+            raise ConfigError(f"{source}: does not hold this model's weights: {why}") from None
+
+
+def read_full_state_dict(path, source: str, map_location="cpu") -> dict:
+    """A consolidated state dict file (launch/consolidate.py's, or train.init_weights'), memory-
+    mapped; a file that is not one is one ConfigError line naming `source`."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: {path}: no such file") from None
+    except Exception as e:  # a pickle of something else, a truncated or a junk file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{source}: {path}: not a state dict file ({first[:200]})") from None
+    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"{source}: {path}: not a state dict file (expected a dict of tensors, got "
+                          f"{type(state).__name__}{' without tensors' if isinstance(state, dict) else ''})")
+    return state
 
 
 def full_names(model) -> set[str]:

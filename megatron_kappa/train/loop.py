@@ -40,7 +40,7 @@ from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed
 from megatron_kappa.parallel.layout import layout_record
-from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict
+from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, read_full_state_dict
 from megatron_kappa.summary import count
 from megatron_kappa.optim import muon, optimizer as optim, schedule
 from megatron_kappa.metrics import paper_analyses, throughput
@@ -199,7 +199,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
     if cfg.train.init_weights and not start:
-        load_full_state_dict(model, torch.load(cfg.train.init_weights, map_location=device, weights_only=True))
+        load_full_state_dict(model, read_full_state_dict(cfg.train.init_weights, "config: train.init_weights"),
+                             source=f"config: train.init_weights: {cfg.train.init_weights}")
     steps = total_steps(cfg, model)
     flops_token = throughput.flops_per_token(cfg.model, full_count(model, cfg))
     peak = throughput.peak_tflops(cfg.log, device)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.evaluation import core as core_eval
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
-from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.parallel.launch_env import run_command
 
 
 def parse_args(argv=None):
@@ -70,4 +70,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    run_command(main, 'nothing is written until the evaluation ends; run it again')

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from megatron_kappa.cli_types import non_negative_float, positive_int
-from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.parallel.launch_env import run_command
 
 
 def parse_args(argv=None):
@@ -83,4 +83,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    run_command(main, 'the continuations printed above are complete; --json is written only at the end')

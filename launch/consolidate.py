@@ -10,7 +10,7 @@ import os
 import sys
 
 from megatron_kappa.config import ConfigError
-from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.parallel.launch_env import run_command
 
 
 def main(argv=None) -> int:
@@ -51,4 +51,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    run_command(main, 'the output is written as <output>.tmp and renamed at the end: --output is never half-written')

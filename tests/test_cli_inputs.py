@@ -103,3 +103,25 @@ def test_junk_weights_for_evaluation_are_one_line(trained, tmp_path):
     done = cli("eval/generate.py", "--checkpoint", str(trained), "--weights", str(junk), "--prompt", "hi")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: --weights: {junk}: not a state dict file")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys):
+    """run_command turns a KeyboardInterrupt into one line and exit status 130 (negative control:
+    the plain call lets it through as a traceback), and every evaluation and export command line
+    runs its main through it."""
+    import ast
+
+    from megatron_kappa.parallel.launch_env import run_command
+
+    def interrupted():
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as stop:
+        run_command(interrupted, "nothing is lost")
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: nothing is lost\n"
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    for path in ("eval/core.py", "eval/loss.py", "eval/generate.py", "launch/consolidate.py",
+                 "megatron_kappa/export/__main__.py"):
+        calls = [n for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.Call)
+                 and getattr(n.func, "id", None) == "run_command"]
+        assert len(calls) == 1 and calls[0].args[0].id == "main", path

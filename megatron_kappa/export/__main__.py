@@ -37,4 +37,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_kappa.parallel.launch_env import run_command
+    run_command(main, "the export writes into <output>.tmp and renames it at the end: <output> is never half-written")

@@ -304,3 +304,14 @@ def exit_process(code: int | None = 0):
     TensorBoard writer closed by the loop) and atexit handlers such as logging's flush still run."""
     gc.freeze()
     sys.exit(code)
+
+
+def run_command(main, interrupted: str):
+    """`exit_process(main())` for a command line, with Ctrl-C as one line and exit status 130 (the
+    shell's for SIGINT) instead of a traceback; `interrupted` says what an interrupt leaves."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
+        code = 130
+    exit_process(code)

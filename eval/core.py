@@ -20,7 +20,7 @@ from megatron_kappa.parallel.launch_env import run_command
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="CORE (DCLM in-context-learning tasks, centered) of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="run or checkpoint folder to evaluate")
+    p.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint)")
     p.add_argument("--bundle", required=True,
                    help=f"bundle folder, .zip or URL (nanochat's: {core_eval.NANOCHAT_BUNDLE_URL})")
     p.add_argument("--max-per-task", type=positive_int, default=None,

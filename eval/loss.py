@@ -17,7 +17,7 @@ from megatron_kappa.parallel.launch_env import run_command
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="validation loss and bits per byte of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="run or checkpoint folder to evaluate")
+    p.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint)")
     p.add_argument("--data", required=True, nargs="+", help="held-out shard prefixes")
     p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: the model's context)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many tokens (default: all)")

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     except (OSError, RuntimeError) as e:  # a full disk: torch.save's RuntimeError
         if os.path.exists(tmp):
             os.remove(tmp)
-        print(f"error: --output: {args.output}: {str(e).splitlines()[0]}", file=sys.stderr)
+        from megatron_kappa.checkpoint.listing import write_failure
+        print(f"error: --output: {args.output}: {write_failure(e, folder)}", file=sys.stderr)
         return 1
     print(f"wrote {args.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values")
     return 0

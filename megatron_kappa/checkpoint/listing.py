@@ -33,6 +33,23 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (megatron_kappa.checkpoint.store); the message is one line."""
 
 
+FULL_BELOW = 64 << 20  # a failed write with less free space than this is read as a full disk
+
+
+def write_failure(error: BaseException, folder) -> str:
+    """A failed write in words for a one-line error: torch.save reports a full disk as
+    "[enforce fail at inline_container.cc:672] unexpected pos ..." or "PytorchStreamWriter failed
+    writing ...", which say nothing to a user; with (nearly) no space left in `folder`, it is said."""
+    first = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return first
+    if getattr(error, "errno", None) == 28 or free < FULL_BELOW:  # ENOSPC, or torch's wording of it
+        return f"no space left on the device ({free / 2**20:.0f} MiB free in {folder}; torch said: {first[:120]})"
+    return first
+
+
 def atomic_write_text(path: Path, text: str):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_kappa.checkpoint import optimizer_state
-from megatron_kappa.checkpoint.listing import CheckpointDir, CheckpointSaveError, atomic_write_text, file_checksum
+from megatron_kappa.checkpoint.listing import (CheckpointDir, CheckpointSaveError, atomic_write_text, file_checksum,
+                                               write_failure)
 from megatron_kappa.parallel import sharding
 
 FORMAT = 2  # meta.json "format": 2 = parameter-shaped optimizer state (any layout); absent = 1
@@ -123,7 +124,7 @@ class Checkpoints(CheckpointDir):
             try:
                 part()
             except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-                return f"rank {rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                return f"rank {rank}: {write_failure(e, self.root)}"
             return None
 
         def rank0(part):

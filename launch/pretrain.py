@@ -2,7 +2,8 @@
 
     deepspeed launch/pretrain.py --config configs/sandwich28.yaml [--set key=value ...]
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/pretrain.py --config configs/tiny.yaml
-    torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny.yaml
+    python launch/pretrain.py --config configs/tiny.yaml --check 2 &&
+        torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny.yaml
     python launch/pretrain.py --config configs/tiny.yaml --set data.mock=true
 
 Resumes from the latest checkpoint in run.dir. Bad configs and inputs exit with status 2 and one
@@ -16,6 +17,7 @@ import argparse
 import sys
 
 from megatron_kappa.checkpoint.listing import CheckpointSaveError
+from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.train import preemption  # signals only: no heavy imports
 from megatron_kappa.train.divergence import TrainingDiverged  # torch-free at import
@@ -28,12 +30,24 @@ def parse_args(argv=None):
     ap.add_argument("--config", required=True, help="YAML config (see docs/config.md)")
     ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. --set train.steps=100 parallel.ep=2")
+    ap.add_argument("--check", type=positive_int, metavar="WORLD", default=None,
+                    help="only check the config and its inputs for a launch of WORLD processes (the preflight: "
+                         "no process group, nothing written) and exit: 0, or 2 with one line. Run it before "
+                         "torchrun, whose own report wraps a rank's one line in forty")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.check is not None:
+        try:
+            preflight(load_config(args.config, args.set), world=args.check)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"ok: {args.config} checked for {args.check} process{'es' * (args.check > 1)}")
+        return 0
     preemption.install()  # first: a warning during the slow start-up must not kill the process
     preemption.watch_launcher()  # and a rank never outlives its launcher
     rank, finished = 0, False

@@ -125,3 +125,14 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys):
         calls = [n for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.Call)
                  and getattr(n.func, "id", None) == "run_command"]
         assert len(calls) == 1 and calls[0].args[0].id == "main", path
+
+
+def test_check_refuses_a_bad_config_before_any_rank_starts():
+    """launch/pretrain.py --check WORLD: the preflight for that world in one process, exit 0 or one
+    line and status 2 (a world the layout does not divide is what torchrun would start)."""
+    ok = cli("launch/pretrain.py", "--config", "configs/tiny.yaml", "--check", "2", "--set", "data.mock=true")
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok: configs/tiny.yaml checked for 2 processes", ok.stderr
+    bad = cli("launch/pretrain.py", "--config", "configs/tiny.yaml", "--check", "3", "--set", "data.mock=true",
+              "parallel.ep=2")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: config: parallel.ep: world size 3")

@@ -136,3 +136,23 @@ def test_check_refuses_a_bad_config_before_any_rank_starts():
               "parallel.ep=2")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: config: parallel.ep: world size 3")
+
+
+def test_the_local_lm_eval_task_reads_its_data_from_any_directory(tmp_path, monkeypatch):
+    """eval/tasks/core_arc_easy.yaml's relative data_files are read from the repository root
+    (eval/tasks/core_data.py, its custom_dataset), not the working directory; negative control:
+    the plain json loader from another directory does not find them."""
+    import importlib.util
+
+    import datasets
+    import yaml
+    text = (ROOT / "eval/tasks/core_arc_easy.yaml").read_text()
+    assert "custom_dataset: !function core_data.load" in text
+    files = yaml.safe_load(text.replace("!function ", ""))["dataset_kwargs"]["data_files"]
+    spec = importlib.util.spec_from_file_location("core_data", ROOT / "eval/tasks/core_data.py")
+    core_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core_data)
+    monkeypatch.chdir(tmp_path)
+    assert core_data.load(data_files=files)["test"].num_rows == 6
+    with pytest.raises(Exception):
+        datasets.load_dataset("json", data_files=files)

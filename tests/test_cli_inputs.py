@@ -156,3 +156,16 @@ def test_the_local_lm_eval_task_reads_its_data_from_any_directory(tmp_path, monk
     assert core_data.load(data_files=files)["test"].num_rows == 6
     with pytest.raises(Exception):
         datasets.load_dataset("json", data_files=files)
+
+
+@pytest.mark.slow
+def test_export_with_a_junk_tokenizer_is_one_line_before_writing(trained, sample_shards, tmp_path):
+    junk = tmp_path / "junk.model"
+    junk.write_text("not a tokenizer")
+    done = cli("-m", "megatron_kappa.export", "--checkpoint", str(trained), "--output", str(tmp_path / "hf"),
+               "--tokenizer", str(junk), "--no-progress")
+    assert done.returncode == 2 and not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: --tokenizer: {junk}: not a SentencePiece model")
+    ok = cli("-m", "megatron_kappa.export", "--checkpoint", str(trained), "--output", str(tmp_path / "hf"),
+             "--tokenizer", sample_shards["tokenizer"], "--no-progress")
+    assert ok.returncode == 0 and (tmp_path / "hf/tokenizer.json").is_file(), ok.stderr[-2000:]  # control

@@ -82,6 +82,16 @@ def plan(run_dir: str | Path, target: str = "auto", tokenizer: str | None = None
     tok = tokenizer or cfg.data.tokenizer
     if tok and not Path(tok).is_file():
         raise ConfigError(f"--tokenizer: {tok}: no such file (expected the run's SentencePiece .model)")
+    if tok:  # a junk file: one line now, not a protobuf traceback after the weights are written
+        from megatron_kappa.tokenizer import Tokenizer
+        try:
+            vocab = Tokenizer(tok).vocab_size
+        except Exception as e:  # sentencepiece's own errors are RuntimeErrors or OSErrors
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"--tokenizer: {tok}: not a SentencePiece model ({first[:160]})") from None
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(f"--tokenizer: {tok}: its {vocab} pieces do not fit the model's vocabulary "
+                              f"(model.vocab_size {cfg.model.vocab_size})")
     return cfg, layout, target, ckpts, step, tok or None
 
 

@@ -318,9 +318,11 @@ def test_command_line(tmp_path):
 
 # --- bytes against what DeepSpeed holds (slow) --------------------------------------------------
 
-MEMORY_SHAPE = ["precision=bf16", "train.steps=1", "data.mock=true", "model.seq_length=32", "train.micro_batch=2",
-                "train.global_batch=4", "log.tensorboard=false", "checkpoint.interval=100", "eval.valid_every=0",
-                "model.hidden_size=256", "model.vocab_size=8192"]
+# bf16 accumulation: what the planner's gradient_bytes counts (fp32 accumulation, train.grad_accum_dtype's
+# default since issue 52, keeps fp32 gradient buffers that the planner does not count yet: docs/plan.md)
+MEMORY_SHAPE = ["precision=bf16", "train.grad_accum_dtype=bf16", "train.steps=1", "data.mock=true",
+                "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "log.tensorboard=false",
+                "checkpoint.interval=100", "eval.valid_every=0", "model.hidden_size=256", "model.vocab_size=8192"]
 MEMORY_CASES = {  # name: (world, tp, pp, ep, etp, zero stage)
     "dp2_zero1": (2, 1, 1, 1, 1, 1), "dp2_zero2": (2, 1, 1, 1, 1, 2), "ep2_zero1": (2, 1, 1, 2, 1, 1),
     "ep2_zero2": (2, 1, 1, 2, 1, 2), "tp2_zero2": (2, 2, 1, 1, 2, 2), "pp2_zero1": (2, 1, 2, 1, 1, 1),

@@ -418,6 +418,12 @@ def main(argv=None) -> int:
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk, an I/O error: the finished shards stay, and the run resumes
+        from megatron_kappa.checkpoint.listing import write_failure
+        where = getattr(e, "filename", None) or "the output folder"
+        print(f"error: writing {where}: {write_failure(e, os.path.dirname(os.path.abspath(str(where))) or '.')}; "
+              "the finished shards are kept and the same command resumes", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: the finished shards are kept; the same command resumes", file=sys.stderr)
         return 130

@@ -169,3 +169,22 @@ def test_export_with_a_junk_tokenizer_is_one_line_before_writing(trained, sample
     ok = cli("-m", "megatron_kappa.export", "--checkpoint", str(trained), "--output", str(tmp_path / "hf"),
              "--tokenizer", sample_shards["tokenizer"], "--no-progress")
     assert ok.returncode == 0 and (tmp_path / "hf/tokenizer.json").is_file(), ok.stderr[-2000:]  # control
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
+    """A full disk while the export writes: one line saying so, exit 1, no output folder and no
+    partial .tmp folder left (it was a traceback)."""
+    import errno
+
+    import safetensors.torch
+
+    from megatron_kappa.export.__main__ import main
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "hf"
+    assert main(["--checkpoint", str(trained), "--output", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --output: {out}: no space left on the device") and "nothing was left" in err[-1]
+    assert not out.exists() and not (tmp_path / "hf.tmp").exists()

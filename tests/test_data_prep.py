@@ -402,3 +402,22 @@ def test_no_documents_left_fails_without_a_manifest(work, tmp_path):
         prep(tmp_path / "out", [empty], work / "tok.model")
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert prep(tmp_path / "ok", [work / "slice.parquet"], work / "tok.model")["totals"]["train"]["shards"] > 0
+
+
+def test_a_full_disk_is_one_line_and_the_finished_shards_stay(work, tmp_path, monkeypatch, capsys):
+    """The disk fills while a shard is written: one line saying so, exit 1, no traceback (it was a
+    traceback); what was finished stays for the rerun."""
+    import errno
+
+    from data_prep import fineweb_edu, shards
+
+    def full(self, tokens, lengths):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self._tmp(".bin")))
+    monkeypatch.setattr(shards.ShardWriter, "add_many", full)
+    monkeypatch.setattr(shards.ShardWriter, "add", lambda self, doc: full(self, doc, None))
+    out = tmp_path / "full"
+    code = fineweb_edu.main(["--input", str(work / "slice.parquet"), "--output", str(out),
+                             "--tokenizer", str(work / "tok.model"), "--workers", "1", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: writing ") and "no space left on the device" in err[-1], err
+    assert "the same command resumes" in err[-1] and not (out / "manifest.json").exists()

@@ -4,7 +4,10 @@ and for κ models the modeling file: AutoModelForCausalLM.from_pretrained(DIR, t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from safetensors import SafetensorError
 
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError
@@ -30,6 +33,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (OSError, SafetensorError) as e:  # a full disk, an I/O error: export removed its partial folder
+        from megatron_kappa.checkpoint.listing import write_failure
+        folder = os.path.dirname(os.path.abspath(args.output))
+        print(f"error: --output: {args.output}: {write_failure(e, folder)}; nothing was left behind", file=sys.stderr)
+        return 1
     note = "" if done["tokenizer"] else " (no tokenizer: the run has no data.tokenizer; pass --tokenizer)"
     print(f"wrote {done['output']}: {done['target']} from step {done['step']}, {done['bytes'] / 2**20:.1f} MiB "
           f"in {done['files']} file(s){note}")

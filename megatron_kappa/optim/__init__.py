@@ -10,7 +10,8 @@ Modules:
   matrix.py     The orthogonalised matrix update of Muon and of the κ-SwiGLU authors' "Aurora" (the
                 math only; megatron_kappa.optim.muon runs it inside DeepSpeed's ZeRO)
   muon.py       Muon and Aurora under DeepSpeed's ZeRO-1/2: which parameters, which matrices, the
-                optimizer, and the one library patch they need (docs/optimizer.md)
+                optimizer, and the library patch they need (docs/optimizer.md; fp32 gradient
+                accumulation has its own, megatron_kappa.parallel.grad_precision)
   optimizer.py  The optimizer: the paper's parameter groups and the optimizer built from them
   schedule.py   The learning-rate and weight-decay schedules of every optimizer group, and their
                 peak values

@@ -1,5 +1,6 @@
 """Muon and Aurora under DeepSpeed's ZeRO-1/2: which parameters, which matrices, the optimizer,
-and the one library patch they need (docs/optimizer.md).
+and the library patch they need (docs/optimizer.md; fp32 gradient accumulation has its own,
+megatron_kappa.parallel.grad_precision).
 
 How DeepSpeed 0.19.8 runs Muon (runtime/zero/stage_1_and_2.py): at the gradient-accumulation
 boundary ZeRO calls `original_muon.muon_update(grad, momentum, beta, ns_method=...,

@@ -95,9 +95,13 @@ def case(overrides):
 
 
 def main(plan_path, out_path):
+    from megatron_kappa.parallel import groups
     results = [case(entry) for entry in json.loads(Path(plan_path).read_text())]
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
+    # as launch/pretrain.py ends: a barrier, then every group's threads joined before the exit (a
+    # rank that left first took the store with it: the other aborted, "terminate called ...")
+    groups.teardown()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 
 import torch.distributed as dist
 
-from megatron_kappa.cli_types import positive_int
+from megatron_kappa.cli_types import add_checkpoint_arguments, positive_int
 from megatron_kappa.evaluation import core as core_eval
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
 from megatron_kappa.parallel.launch_env import run_command
@@ -20,7 +20,7 @@ from megatron_kappa.parallel.launch_env import run_command
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="CORE (DCLM in-context-learning tasks, centered) of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint)")
+    add_checkpoint_arguments(p)
     p.add_argument("--bundle", required=True,
                    help=f"bundle folder, .zip or URL (nanochat's: {core_eval.NANOCHAT_BUNDLE_URL})")
     p.add_argument("--max-per-task", type=positive_int, default=None,
@@ -54,7 +54,7 @@ def run(args, logits_fn, tokenizer, max_seq_len, bundle=None) -> dict:
         logits_fn, tokenizer, bundle, max_seq_len, max_per_task=args.max_per_task,
         baselines=args.baselines, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
         progress=not args.no_progress, dp_rank=dp_rank, dp_world=dp_world)
-    result.update(checkpoint=args.checkpoint, bundle=bundle.source, max_per_task=args.max_per_task)
+    result.update(checkpoint=str(args.run_dir or args.checkpoint), step=args.step, bundle=bundle.source, max_per_task=args.max_per_task)
     if is_rank0():
         print(core_eval.format_table(result), flush=True)
         if args.json:

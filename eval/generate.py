@@ -2,6 +2,7 @@
 
     python eval/generate.py --checkpoint runs/sandwich28 --prompt "The capital of France is"
     python eval/generate.py --checkpoint runs/sandwich28 --prompt "Once" --temperature 0.8 --top-p 0.95
+    python eval/generate.py --checkpoint runs/sandwich28 --step 2000 --prompt "..."   (an earlier checkpoint)
     python eval/generate.py --checkpoint runs/sandwich28 --weights full.pt --prompt "..."   (consolidated)
 
 One process: a checkpoint in any training layout is consolidated for it. A key/value cache keeps
@@ -12,13 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_kappa.cli_types import non_negative_float, positive_int
+from megatron_kappa.cli_types import add_checkpoint_arguments, non_negative_float, positive_int
 from megatron_kappa.parallel.launch_env import run_command
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="continue a prompt with a trained model")
-    p.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint, any layout)")
+    add_checkpoint_arguments(p)  # a checkpoint of any training layout
     p.add_argument("--weights", help="a consolidated state dict (launch/consolidate.py) to use instead of the "
                                      "run's checkpoints; the run directory gives the config and tokenizer")
     p.add_argument("--prompt", required=True, action="append", help="text to continue (repeat for several)")
@@ -52,7 +53,10 @@ def main(argv=None) -> int:
     from megatron_kappa.parallel.groups import teardown
     from megatron_kappa.tokenizer import Tokenizer
     try:
-        model, cfg = load_model(args.checkpoint, args.weights)
+        if args.weights is None:  # which checkpoint: a step asked for is read or refused, never replaced
+            from megatron_kappa.checkpoint.listing import locate
+            args.run_dir, args.step = locate(args.checkpoint, args.step)
+        model, cfg = load_model(args.run_dir or args.checkpoint, args.weights, args.step)
         if not cfg.data.tokenizer:
             raise ConfigError(f"--checkpoint: {args.checkpoint}/config.yaml: data.tokenizer is not set")
         tokenizer = Tokenizer(cfg.data.tokenizer)
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
         model = None  # dropped before the process group is left
         teardown(peers_alive=True)
     if args.json:
-        write_json(args.json, {"checkpoint": args.checkpoint, "sampling": vars(sampling), "results": results})
+        write_json(args.json, {"checkpoint": str(args.run_dir or args.checkpoint), "step": args.step,
+                               "weights": args.weights, "sampling": vars(sampling), "results": results})
     return 0
 
 

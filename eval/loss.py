@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_kappa.cli_types import positive_int
+from megatron_kappa.cli_types import add_checkpoint_arguments, positive_int
 from megatron_kappa.evaluation.cli import data_parallel_layout, is_rank0, run_on_checkpoint, write_json
 from megatron_kappa.evaluation.lm_loss import validation_loss
 from megatron_kappa.parallel.launch_env import run_command
@@ -17,7 +17,7 @@ from megatron_kappa.parallel.launch_env import run_command
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="validation loss and bits per byte of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint)")
+    add_checkpoint_arguments(p)
     p.add_argument("--data", required=True, nargs="+", help="held-out shard prefixes")
     p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: the model's context)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many tokens (default: all)")
@@ -33,7 +33,7 @@ def run(args, logits_fn, tokenizer, max_seq_len) -> dict:
     seq_len = min(args.seq_len or max_seq_len, max_seq_len)
     result = validation_loss(logits_fn, args.data, tokenizer, seq_len, args.max_tokens, args.batch_size,
                              dp_rank, dp_world, progress=not args.no_progress)
-    result.update(checkpoint=args.checkpoint, data=args.data, seq_len=seq_len)
+    result.update(checkpoint=str(args.run_dir or args.checkpoint), step=args.step, data=args.data, seq_len=seq_len)
     if is_rank0():
         print(f"loss {result['loss']:.4f}  bits/byte {result['bits_per_byte']:.4f}  "
               f"tokens {result['tokens']}  bytes {result['bytes']}", flush=True)
@@ -45,12 +45,10 @@ def run(args, logits_fn, tokenizer, max_seq_len) -> dict:
 def check_data(args):
     """Before the model loads: the shards are whole and their token ids fit the checkpoint's
     vocabulary (shards made with a larger tokenizer would index past it)."""
-    from pathlib import Path
-
-    from megatron_kappa.config import load_config
+    from megatron_kappa.checkpoint.listing import run_of
+    from megatron_kappa.config import ConfigError, load_config
     from megatron_kappa.preflight import check_shard
-    from megatron_kappa.config import ConfigError
-    config = Path(args.checkpoint) / "config.yaml"
+    config = run_of(args.checkpoint, args.step)[0] / "config.yaml"
     model = load_config(config).model if config.is_file() else None
     vocab = model.vocab_size if model is not None else None
     if model is not None and args.seq_len is not None and args.seq_len > model.seq_length:  # it was clamped silently

@@ -1,6 +1,8 @@
-"""Write the full weights of a run's latest checkpoint as one state dict (any training layout).
+"""Write the full weights of a run's latest checkpoint (or --step's) as one state dict (any training layout).
 
     python launch/consolidate.py --checkpoint runs/sandwich28 --output full.pt
+    python launch/consolidate.py --checkpoint runs/sandwich28 --step 2000 --output full_2000.pt
+    python launch/consolidate.py --checkpoint runs/sandwich28/checkpoints/step_2000 --output full_2000.pt
 
 The file loads into any layout with `train.init_weights: full.pt` (or
 megatron_kappa.parallel.sharding.load_full_state_dict).
@@ -9,13 +11,14 @@ import argparse
 import os
 import sys
 
+from megatron_kappa.cli_types import add_checkpoint_arguments
 from megatron_kappa.config import ConfigError
 from megatron_kappa.parallel.launch_env import run_command
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True, help="training run directory")
+    add_checkpoint_arguments(ap)
     ap.add_argument("--output", required=True, help="where to write the state dict (.pt); an existing file is "
                                                     "refused unless --force")
     ap.add_argument("--force", action="store_true", help="replace an existing --output file")
@@ -31,9 +34,11 @@ def main(argv=None) -> int:
         return 2
     import torch
 
+    from megatron_kappa.checkpoint.listing import locate
     from megatron_kappa.evaluation.loading import consolidated_state
-    try:
-        state = consolidated_state(args.checkpoint)
+    try:  # a step asked for (--step, or a checkpoint folder) is read or refused, never replaced by another
+        run_dir, step = locate(args.checkpoint, args.step, need_config=False)
+        state = consolidated_state(run_dir, step)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -47,7 +52,8 @@ def main(argv=None) -> int:
         from megatron_kappa.checkpoint.listing import write_failure
         print(f"error: --output: {args.output}: {write_failure(e, folder)}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values")
+    print(f"wrote {args.output}: step {step} of {run_dir}, {len(state)} tensors, "
+          f"{sum(t.numel() for t in state.values()):,} values")
     return 0
 
 

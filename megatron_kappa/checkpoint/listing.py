@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
 from pathlib import Path
+
+from megatron_kappa.config import ConfigError
 
 _WARNED: set = set()  # damaged-checkpoint warnings already printed by this process
 _SUMS: dict = {}  # (path, size, mtime_ns) → checksum, so that a process reads a file once
@@ -113,6 +116,33 @@ class CheckpointDir:
                 print(message, file=sys.stderr, flush=True)
         return None
 
+    def pick(self, step: int | None = None, flag: str = "--step") -> int:
+        """The checkpoint a tool reads: `step`, which must be complete and verify (a damaged one is
+        refused: when a step is asked for, no other is read in its place), or with None the
+        latest that verifies (a damaged newer one skipped with its warning, as `latest`). Every
+        refusal is one ConfigError line; a missing step lists the steps there are."""
+        if step is None:
+            latest = self.latest()
+            if latest is None:
+                raise ConfigError(f"--checkpoint: {self.root}: no complete checkpoint" + self._set_aside_note())
+            return latest
+        if step not in self.complete():
+            steps = ", ".join(map(str, self.complete())) or "none"
+            raise ConfigError(f"{flag}: {step}: no complete checkpoint at step {step} in {self.root} "
+                              f"(available: {steps}){self._set_aside_note(step)}")
+        problem = self.verify(step)
+        if problem is not None:
+            raise ConfigError(f"{flag}: {step}: checkpoint {self.folder(step)} is damaged ({problem}); "
+                              "no other step is read in its place (leave out --step for the latest that verifies)")
+        return step
+
+    def _set_aside_note(self, step: int | None = None) -> str:
+        """Where the trainer moved damaged checkpoints (checkpoints/damaged/), when it did."""
+        aside = sorted(int(d.name[5:]) for d in (self.root / "damaged").glob("step_*") if d.name[5:].isdigit())
+        if step is not None and step in aside:
+            return f"; step {step} was set aside as damaged in {self.root / 'damaged'}"
+        return f"; set aside as damaged: {', '.join(map(str, aside))}" if aside and step is None else ""
+
     def set_aside_damaged(self) -> list[int]:
         """Move complete-looking checkpoints that do not verify to checkpoints/damaged/ (so that
         rotation never keeps them in place of good ones); returns their steps. One writer only."""
@@ -136,3 +166,40 @@ class CheckpointDir:
 
     def meta(self, step: int) -> dict:
         return json.loads((self.folder(step) / "meta.json").read_text())
+
+
+STEP_FOLDER = re.compile(r"step_(\d+)")
+
+
+def run_of(path: str | Path, step: int | None = None, flag: str = "--checkpoint") -> tuple[Path, int | None]:
+    """(run directory, the step asked for or None) that a tool's `--checkpoint PATH [--step N]`
+    names, from the path alone (no checkpoint is read): PATH is a run directory, its checkpoints/ folder,
+    or one checkpoint folder, <run>/checkpoints/step_<N>, which names the step."""
+    path = Path(path)
+    named = STEP_FOLDER.fullmatch(path.name)
+    if named and path.parent.name == "damaged":
+        raise ConfigError(f"{flag}: {path}: a checkpoint the trainer set aside as damaged (its files do not "
+                          "match their sizes or checksums); choose another step")
+    if named and path.parent.name == "checkpoints":
+        if step is not None and step != int(named.group(1)):
+            raise ConfigError(f"--step: {step}, but {flag} {path} is the checkpoint of step {int(named.group(1))}; "
+                              "give one of them")
+        if path.is_dir() and not (path / "meta.json").is_file():
+            raise ConfigError(f"{flag}: {path}: not a complete checkpoint (no meta.json: its save did not finish)")
+        return path.parent.parent, int(named.group(1))
+    if path.name == "checkpoints" and (path.parent / "config.yaml").is_file():
+        return path.parent, step
+    return path, step
+
+
+def locate(path: str | Path, step: int | None = None, flag: str = "--checkpoint",
+           need_config: bool = True) -> tuple[Path, int]:
+    """(run directory, checkpoint step) for a tool's `--checkpoint PATH [--step N]` (`run_of`): the
+    run's latest checkpoint that verifies, or the step asked for (by --step or by the folder),
+    which is read or refused (CheckpointDir.pick): never another in its place. `need_config`: the
+    run must have its config.yaml (every tool but consolidation builds the model from it)."""
+    run, step = run_of(path, step, flag)
+    if need_config and not (run / "config.yaml").is_file():
+        raise ConfigError(f"{flag}: {path}: no config.yaml (expected a training run directory, or one of its "
+                          "checkpoints/step_<N> folders)")
+    return run, CheckpointDir(run).pick(step)

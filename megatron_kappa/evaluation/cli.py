@@ -33,7 +33,8 @@ def write_json(path, result):
 
 def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
     """The CLIs' frame: join the launcher's group, `prepare()` cheap inputs (so bad ones fail
-    before the model loads), load the checkpoint, `evaluate(prepared, logits_fn, tokenizer,
+    before the model loads), find the checkpoint (`args.checkpoint`, `args.step`: args.run_dir
+    and args.step become the run and the step read), load it, `evaluate(prepared, logits_fn, tokenizer,
     max_seq_len)`; one-line errors with exit status 2."""
     ours = not dist.is_initialized()  # else a group someone else made (a test, a caller): theirs to end
     finished = False
@@ -51,8 +52,11 @@ def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
             if problem:
                 raise ConfigError(f"--json: {problem}")
         prepared = prepare()
+        # which checkpoint: a step asked for is read or refused, never replaced by another
+        from megatron_kappa.checkpoint.listing import locate
+        args.run_dir, args.step = locate(args.checkpoint, getattr(args, "step", None))
         from megatron_kappa.evaluation.loading import load_for_eval  # the model side, needed only here
-        evaluate(prepared, *load_for_eval(args.checkpoint))  # the model is dropped when this returns
+        evaluate(prepared, *load_for_eval(args.run_dir, args.step))  # the model is dropped when this returns
         finished = True
     except (FileNotFoundError, ConfigError, *errors) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,10 +1,11 @@
 """A trained checkpoint as a plain logits function, for evaluation.
 
-`load_for_eval(run_dir)` rebuilds the model from the run's config.yaml on this process's device
-and loads the latest checkpoint: under the training layout (same world size, e.g.
-`deepspeed eval/core.py ...`) each rank loads its own weights from their owners' files; otherwise
-(e.g. one process) the full weights are consolidated from every rank's file and loaded into a
-layout without model parallelism.
+`load_for_eval(checkpoint, step)` rebuilds the model from the run's config.yaml on this process's
+device and loads its latest checkpoint that verifies, or `step`'s, or the checkpoint folder given
+(megatron_kappa.checkpoint.listing.locate: a step asked for is read or refused, never replaced).
+Under the training layout (same world size, e.g. `deepspeed eval/core.py ...`) each rank loads
+its own weights from their owners' files; otherwise (e.g. one process) the full weights are
+consolidated from every rank's file and loaded into a layout without model parallelism.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.sharding import load_full_state_dict, load_local_state, read_full_state_dict
+from megatron_kappa.checkpoint.listing import locate, run_of
 from megatron_kappa.checkpoint.store import Checkpoints
 
 
@@ -50,14 +52,16 @@ def logits_fn_for(model, vocab_size: int | None = None, bos: bool = True):
     return logits_fn
 
 
-def load_for_eval(run_dir: str | Path):
-    """(logits_fn, tokenizer, max_seq_len) of the latest checkpoint in `run_dir`."""
+def load_for_eval(checkpoint: str | Path, step: int | None = None):
+    """(logits_fn, tokenizer, max_seq_len) of a run's latest checkpoint (or `step`'s), or of one
+    checkpoint folder."""
     from megatron_kappa.tokenizer import Tokenizer
 
+    run_dir, step = locate(checkpoint, step)
     cfg = _run_config(run_dir)
     if not cfg.data.tokenizer:
         raise ConfigError(f"checkpoint: {run_dir}/config.yaml: data.tokenizer is not set")
-    logits_fn, cfg = load_model_for_eval(run_dir)
+    logits_fn, cfg = load_model_for_eval(run_dir, step)
     return logits_fn, Tokenizer(cfg.data.tokenizer), cfg.model.seq_length
 
 
@@ -68,31 +72,36 @@ def _run_config(run_dir: str | Path):
     return load_config(run_dir / "config.yaml")
 
 
-def load_model_for_eval(run_dir: str | Path):
-    """(logits_fn, config) of the latest checkpoint in `run_dir`, on this process's device."""
-    model, cfg = load_model(run_dir)
+def load_model_for_eval(checkpoint: str | Path, step: int | None = None):
+    """(logits_fn, config) of a run's latest checkpoint (or `step`'s), on this process's device."""
+    model, cfg = load_model(checkpoint, step=step)
     return logits_fn_for(model, cfg.model.vocab_size, cfg.data.bos), cfg
 
 
-def load_model(run_dir: str | Path, weights: str | Path | None = None):
-    """(model in eval mode, config) of the latest checkpoint in `run_dir`, on this process's
-    device: in the training layout when this job has its world size (each rank reads its own
-    weights), else consolidated into a layout without model parallelism. `weights`: a consolidated
+def load_model(checkpoint: str | Path, weights: str | Path | None = None, step: int | None = None):
+    """(model in eval mode, config) of a run's latest checkpoint that verifies (or `step`'s, or
+    the checkpoint folder `checkpoint`), on this process's device: in the training layout when
+    this job has its world size (each rank reads its own weights), else consolidated into a layout
+    without model parallelism. `weights`: a consolidated
     state dict (launch/consolidate.py) to load instead of the run's checkpoints. The config's
     data.bos is filled in (whether the documents started with BOS)."""
-    cfg = _run_config(run_dir)
-    step = trained = None
+    trained = None
     if weights is None:
+        run_dir, step = locate(checkpoint, step)
         ckpts = Checkpoints(run_dir, keep=1)
-        step = ckpts.latest()
-        if step is None:
-            raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
         trained = ckpts.meta(step)["layout"]
-    elif not Path(weights).is_file():
+    elif step is not None:
+        raise ConfigError(f"--step: {step}: a checkpoint's step, but --weights gives the weights; give one of them")
+    else:
+        run_dir = run_of(checkpoint)[0]  # the config's run
+    cfg = _run_config(run_dir)
+    if weights is not None and not Path(weights).is_file():
         raise ConfigError(f"--weights: {weights}: no such file (expected launch/consolidate.py's output)")
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
-    # pipeline stages: evaluation runs the whole model per rank, from the consolidated weights
-    same_layout = trained is not None and world == trained["world"] and trained.get("pp", 1) == 1
+    # pipeline stages, context parallelism (its split sequences): evaluation runs the whole model
+    # on whole prompts per rank, from the consolidated weights
+    same_layout = (trained is not None and world == trained["world"] and trained.get("pp", 1) == 1
+                   and trained.get("cp", 1) == 1)
     cfg.parallel = cfg.parallel if same_layout else ParallelConfig()
     layout = model_layout(cfg)
     device = init_distributed(cfg.parallel, cfg.train.seed, layout.experts)
@@ -110,11 +119,9 @@ def load_model(run_dir: str | Path, weights: str | Path | None = None):
     return model, cfg
 
 
-def consolidated_state(run_dir: str | Path) -> dict:
-    """The full (single-process layout) weights of the latest checkpoint in `run_dir`, assembled
-    offline from every rank's file; no process group needed."""
-    ckpts = Checkpoints(run_dir, keep=1)
-    step = ckpts.latest()
-    if step is None:
-        raise ConfigError(f"checkpoint: {ckpts.root}: no complete checkpoint")
-    return ckpts.weights(step)
+def consolidated_state(checkpoint: str | Path, step: int | None = None) -> dict:
+    """The full (single-process layout) weights of a run's latest checkpoint that verifies (or
+    `step`'s, or the checkpoint folder `checkpoint`), assembled offline from every rank's file; no
+    process group needed. (Each file's checksum is read once per process: locating it again is cheap.)"""
+    run_dir, step = locate(checkpoint, step, need_config=False)  # the weights alone: no model is built
+    return Checkpoints(run_dir, keep=1).weights(step)

@@ -1,13 +1,13 @@
 """A trained run as a Hugging Face model folder, for transformers, serving tools and lm-eval.
 
-    python -m megatron_kappa.export --checkpoint RUN --output DIR [--target auto|kappa_moe|qwen3_moe|mixtral]
+    python -m megatron_kappa.export --checkpoint RUN [--step N] --output DIR [--target auto|kappa_moe|qwen3_moe|mixtral|deepseek_v3]
 
 Modules:
-  __main__.py            python -m megatron_kappa.export --checkpoint RUN --output DIR: the run's
-                         latest checkpoint (any training layout) as a Hugging Face model folder
-                         (config.json, safetensors shards, the tokenizer, and for κ models the
-                         modeling file: AutoModelForCausalLM.from_pretrained(DIR,
-                         trust_remote_code=True))
+  __main__.py            python -m megatron_kappa.export --checkpoint RUN --output DIR: a run's
+                         latest checkpoint (or --step's, or one checkpoint folder), from any
+                         training layout, as a Hugging Face model folder (config.json, safetensors
+                         shards, the tokenizer, and for κ models the modeling file:
+                         AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))
   adapter.py             What an export target is: a state-dict adapter between megatron's tensors
                          and one Hugging Face class's (torchtitan's `StateDictAdapter` is the
                          model), and the hub layout most of them share

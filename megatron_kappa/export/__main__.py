@@ -1,6 +1,7 @@
-"""python -m megatron_kappa.export --checkpoint RUN --output DIR: the run's latest checkpoint (any
-training layout) as a Hugging Face model folder (config.json, safetensors shards, the tokenizer,
-and for κ models the modeling file: AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))."""
+"""python -m megatron_kappa.export --checkpoint RUN --output DIR: a run's latest checkpoint (or
+--step's, or one checkpoint folder), from any training layout, as a Hugging Face model folder
+(config.json, safetensors shards, the tokenizer, and for κ models the modeling file:
+AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))."""
 from __future__ import annotations
 
 import argparse
@@ -9,27 +10,27 @@ import sys
 
 from safetensors import SafetensorError
 
-from megatron_kappa.cli_types import positive_int
+from megatron_kappa.cli_types import add_checkpoint_arguments, positive_int
 from megatron_kappa.config import ConfigError
 from megatron_kappa.export import convert
 from megatron_kappa.export.writer import DTYPES
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_kappa.export", description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True, help="training run directory (its latest checkpoint)")
+    ap = argparse.ArgumentParser(prog="python -m megatron_kappa.export", description=" ".join(__doc__.split()),
+                                 epilog="docs/export.md: which class each target is, what the folder holds")
+    add_checkpoint_arguments(ap)
     ap.add_argument("--output", required=True, help="the folder to write (must not exist)")
-    ap.add_argument("--target", default="auto", choices=convert.choices(),
-                    help="auto: transformers' own Qwen3-MoE or Mixtral class when the model is one, else kappa_moe")
+    ap.add_argument("--target", default="auto", choices=convert.choices(), help=convert.target_help())
     ap.add_argument("--dtype", default="checkpoint", choices=list(DTYPES), help="weights' dtype (default: as trained)")
     ap.add_argument("--shard-mb", type=positive_int, default=2000, help="largest safetensors file, in MiB")
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the run's data.tokenizer)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     from megatron_kappa.export.writer import export
     try:
         done = export(args.checkpoint, args.output, args.target, args.dtype, args.shard_mb, args.tokenizer,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, step=args.step)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,14 @@ def choices() -> list[str]:
     return ["auto", *targets.TARGETS]
 
 
+def target_help() -> str:
+    """--target's help: every registered target, what auto tries."""
+    native = [a for a in targets.auto_order() if a.native]
+    return ("the class of the folder: " + ", ".join(f"{a.name} ({a.architecture})" for a in targets.TARGETS.values())
+            + "; auto (default): the first of " + ", ".join(a.name for a in native)
+            + " (transformers' own classes) that holds the model, else kappa_moe (the project's code)")
+
+
 def target_for(model: ModelConfig, layout: ModelLayout, requested: str = "auto") -> str:
     """The export target: `requested`, checked, or for auto the first target in
     megatron_kappa.export.targets.auto_order() that holds the model."""

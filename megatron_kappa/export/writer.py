@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_kappa.checkpoint.listing import locate
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.export import convert
@@ -62,18 +63,14 @@ class ShardWriter:
             (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def plan(run_dir: str | Path, target: str = "auto", tokenizer: str | None = None):
+def plan(checkpoint: str | Path, target: str = "auto", tokenizer: str | None = None, step: int | None = None):
     """(config, layout, target, checkpoints, step, tokenizer path or None), checked before any
-    tensor is read: one-line ConfigErrors naming what is wrong."""
+    tensor is read: one-line ConfigErrors naming what is wrong. `checkpoint`: a run directory
+    (its latest checkpoint, or `step`'s) or one checkpoint folder (megatron_kappa.checkpoint.listing.locate)."""
     from megatron_kappa.model.layout import model_layout
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--checkpoint: {run_dir}: no config.yaml (expected a training run directory)")
+    run_dir, step = locate(checkpoint, step)
     cfg = load_config(run_dir / "config.yaml")
     ckpts = Checkpoints(run_dir, keep=1)
-    step = ckpts.latest()
-    if step is None:
-        raise ConfigError(f"--checkpoint: {ckpts.root}: no complete checkpoint")
     if ckpts.meta(step).get("format", 1) < 2:
         raise ConfigError(f"--checkpoint: {ckpts.folder(step)}: a format-1 checkpoint (DeepSpeed's files); resume "
                           "it for one step to write format 2, then export (docs/checkpoints.md)")
@@ -95,9 +92,10 @@ def plan(run_dir: str | Path, target: str = "auto", tokenizer: str | None = None
     return cfg, layout, target, ckpts, step, tok or None
 
 
-def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype: str = "checkpoint",
-           shard_mb: int = 2000, tokenizer: str | None = None, progress: bool = True) -> dict:
-    """Write the Hugging Face folder `output` of the latest checkpoint of `run_dir`."""
+def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dtype: str = "checkpoint",
+           shard_mb: int = 2000, tokenizer: str | None = None, progress: bool = True, step: int | None = None) -> dict:
+    """Write the Hugging Face folder `output` of a run's latest checkpoint (or `step`'s), or of
+    one checkpoint folder."""
     from tqdm import tqdm
 
     from megatron_kappa.data.bos import documents_start_with_bos
@@ -110,7 +108,7 @@ def export(run_dir: str | Path, output: str | Path, target: str = "auto", dtype:
     problem = folder_problem(output)
     if problem:
         raise ConfigError(f"--output: {problem}")
-    cfg, layout, target, ckpts, step, tok_file = plan(run_dir, target, tokenizer)
+    cfg, layout, target, ckpts, step, tok_file = plan(checkpoint, target, tokenizer, step)
     cast = DTYPES[dtype]
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,8 @@ Modules:
                       and lm-eval
   kappa/              κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the
                       router logit
+  launcher_exit.py    The launchers' own endings in one line: Ctrl-C to the deepspeed runner, and
+                      torchrun's signal and failed-rank reports, instead of their Python tracebacks
   metrics/            What a run reports: metrics.jsonl and TensorBoard, κ and router statistics,
                       the paper's analyses per MoE layer and the throughput (a router's own metrics,
                       SoftMoE's budgets, come from its registry entry)
@@ -46,3 +48,8 @@ __version__ = "0.1.0"
 from megatron_kappa import quiet as _quiet  # noqa: E402  (first: before any library prints)
 
 _quiet.install()
+
+# the launchers' own Ctrl-C and failed-rank reports in one line (in the launcher processes only)
+from megatron_kappa import launcher_exit as _launcher_exit  # noqa: E402
+
+_launcher_exit.install()

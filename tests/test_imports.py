@@ -19,7 +19,8 @@ PACKAGE = ROOT / "megatron_kappa"
 # loop comes after evaluation because it runs the CORE subset and validation while it trains;
 # the preflight comes last because it checks the inputs of every stage before any of them runs.
 STAGES = [
-    ("megatron_kappa.quiet", "megatron_kappa.cli_types", "megatron_kappa.paths"),  # the first import; argparse types; folder checks
+    # the first imports (library notices, the launchers' endings); argparse types; folder checks
+    ("megatron_kappa.quiet", "megatron_kappa.launcher_exit", "megatron_kappa.cli_types", "megatron_kappa.paths"),
     ("megatron_kappa.kappa",),
     # the router and attention kinds: torch-free, read by the config
     ("megatron_kappa.config", "megatron_kappa.routers", "megatron_kappa.attention_kinds"),
@@ -39,7 +40,7 @@ SCRIPT_DIRS = ["launch", "eval", "plan", "analysis", "bench", "data_prep"]
 
 
 def stage_of(module: str) -> int:
-    if module == "megatron_kappa":  # the package itself: it imports only megatron_kappa.quiet
+    if module == "megatron_kappa":  # the package itself: it imports only quiet and launcher_exit
         return 0
     if not module.startswith("megatron_kappa."):  # the tools beside the package use it, never the reverse
         return len(STAGES)

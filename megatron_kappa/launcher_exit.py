@@ -1,0 +1,116 @@
+"""The launchers' own endings in one line: Ctrl-C to the deepspeed runner, and torchrun's signal
+and failed-rank reports, instead of their Python tracebacks.
+
+The launchers never import the package themselves; the start-up hook `make venv` installs
+(megatron_kappa/quiet.py's `megatron_kappa_quiet.pth`) imports it in every Python process of the
+environment, and `install()` then sets `sys.excepthook` in the launcher processes only (told by
+`sys.orig_argv`, which Python sets before the hook runs). Nothing of DeepSpeed or torch is
+patched: an exception they leave uncaught reaches the hook, which prints one line and exits.
+
+- The deepspeed runner (`deepspeed`, `python -m deepspeed.launcher.runner`) on one host waits for
+  its launch.py in `Popen.wait()` with no SIGINT handler: Ctrl-C to the terminal's process group
+  raised KeyboardInterrupt there, a 14-line traceback, and the runner exited at once while its
+  ranks were still writing their checkpoint. Now it waits for its children (launch.py, which
+  ends the ranks: they stop after an agreed step with a checkpoint and say so), prints one line,
+  and exits 130.
+- torchrun (`torchrun`, `python -m torch.distributed.run`) raises SignalException after it has
+  stopped its workers on SIGINT/SIGTERM (a 26-line traceback): one line, exit 128 + the signal.
+  A failed rank became a ChildFailedError of about forty lines around the rank's own message:
+  one line naming the first failed rank and its status, exit that status (the deepspeed runner
+  also passes its ranks' status on; a rank killed by a signal: 1, torchrun's own).
+
+KAPPA_SHOW_WARNINGS=1 (quiet.py's switch) leaves the launchers' reports as they were.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+
+DEEPSPEED_RUNNER = ("deepspeed.launcher.runner", "deepspeed", "ds")
+TORCHRUN = ("torch.distributed.run", "torch.distributed.launch", "torchrun")
+# torch's one-line log of the first failure, which the summary line below replaces
+_TORCHRUN_FAILED_LOG = ("torch.distributed.elastic.multiprocessing.api", "failed (exitcode: ")
+
+_PYTHON_OPTIONS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
+
+
+def program(argv: list[str]) -> str:
+    """What a Python command line runs: the module of `-m`, else the script's file name."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, "")
+        if arg == "-c":
+            return ""
+        if arg in _PYTHON_OPTIONS_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return os.path.basename(arg)
+    return ""
+
+
+def _finish(line: str, code: int):
+    print(line, file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(code)  # after an uncaught exception: exit with this status, nothing left to unwind
+
+
+def deepspeed_runner_hook(kind, value, tb, default=sys.__excepthook__):
+    if not issubclass(kind, KeyboardInterrupt):
+        return default(kind, value, tb)
+    # The ranks got the same Ctrl-C (one process group) and launch.py ends them (SIGTERM, 30 s to
+    # exit): wait for it, so the shell's prompt returns once their checkpoint is written. A second
+    # Ctrl-C reaches the ranks (they exit at once) and launch.py, not this wait.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    children = 0
+    while True:
+        try:
+            os.waitpid(-1, 0)
+            children += 1
+        except ChildProcessError:
+            break
+    said = "its ranks have stopped (each says above what it left)" if children else "no ranks had started"
+    _finish(f"deepspeed: interrupted (Ctrl-C); {said}", 130)
+
+
+def torchrun_hook(kind, value, tb, default=sys.__excepthook__):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    if issubclass(kind, SignalException):
+        name = signal.Signals(value.sigval).name
+        _finish(f"torchrun: stopped on {name}; its ranks were signalled and have exited (each says above "
+                f"what it left)", 128 + int(value.sigval))
+    if issubclass(kind, ChildFailedError):
+        rank, failure = value.get_first_failure()
+        others = len(value.failures) - 1
+        also = f"; {others} other rank{'s' if others != 1 else ''} failed too" if others > 0 else ""
+        status = failure.exitcode
+        how = f"exited with status {status}" if status >= 0 else f"was killed by {failure.signal_name()}"
+        _finish(f"error: torchrun: rank {rank} (on {socket.gethostname()}) {how} first{also}; its own "
+                f"message is above", status if status > 0 else 1)
+    return default(kind, value, tb)
+
+
+class _DropFirstFailureLog(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _TORCHRUN_FAILED_LOG[1] not in str(record.msg)
+
+
+def install(argv: list[str] | None = None) -> str | None:
+    """Set the hook when this process is a launcher; the launcher's name, or None."""
+    from megatron_kappa.quiet import ENV
+    if os.environ.get(ENV, "") not in ("", "0"):
+        return None
+    name = program(list(getattr(sys, "orig_argv", sys.argv)) if argv is None else argv)
+    if name in DEEPSPEED_RUNNER:
+        sys.excepthook = deepspeed_runner_hook
+        return "deepspeed"
+    if name in TORCHRUN:
+        sys.excepthook = torchrun_hook
+        logging.getLogger(_TORCHRUN_FAILED_LOG[0]).addFilter(_DropFirstFailureLog())
+        return "torchrun"
+    return None

@@ -44,6 +44,10 @@ KNOWN_LOG_LINES = {
     "__main__": [r"Setting OMP_NUM_THREADS environment variable for each process"],
     "megatron.core.models.gpt.gpt_model": [r"GPTModel IS DEPRECATED"],  # megatron-core 0.19's notice
     "megatron.core.tensor_parallel.random": [r"CPU RNG state changed within GPU RNG context"],  # CPU runs
+    # torchao 0.18 registers its Enums (KernelPreference, ScaleCalculationMode) as pytree constants,
+    # which torch 2.14 supports natively and deprecates: printed at torchao's import, which
+    # transformers' quantizer registry triggers on every from_pretrained (e.g. of an export)
+    "torch.utils._pytree": [r"is an Enum subclass and is now natively supported by torch\.compile"],
 }
 
 

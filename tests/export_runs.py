@@ -84,6 +84,23 @@ def runs(tmp_path_factory, sample_shards, world1):
     return get
 
 
+@pytest.fixture(scope="module")
+def two_steps(world1, sample_shards, tmp_path_factory):
+    """A one-process κ run of 2 steps with a checkpoint after each, on the sample shards (the
+    steps' weights differ clearly: lr 3e-3 from the first step)."""
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    from megatron_kappa.train import loop
+    folder = tmp_path_factory.mktemp("two_steps")
+    sets = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=2",
+            "checkpoint.interval=1", "checkpoint.keep=2", "eval.valid_every=0", "log.tensorboard=false",
+            "model.kappa.freeze_fraction=0", "data.mock=false", "train.lr=3e-3", "train.warmup=0",
+            f"data.paths=[{sample_shards['train'][0]}]", f"data.tokenizer={sample_shards['tokenizer']}",
+            f"run.dir={folder / 'run'}"]
+    loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a: None)
+    assert CheckpointDir(folder / "run").complete() == [1, 2]
+    return folder / "run"
+
+
 def export(run, out, *args):
     done = subprocess.run([sys.executable, "-m", "megatron_kappa.export", "--checkpoint", str(run), "--output", str(out),
                            "--no-progress", *args], cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=300)

@@ -22,7 +22,7 @@ from megatron_kappa.checkpoint.listing import CheckpointDir, file_checksum, loca
 from megatron_kappa.config import ConfigError, load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import hf_env  # noqa: E402
+from export_runs import hf_env, two_steps  # noqa: E402,F401
 from test_checkpoint_checksums import flip_one_byte  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,21 +93,6 @@ def test_a_damaged_step_asked_for_is_refused_never_replaced(tmp_path, capsys):
 
 
 # --- end to end: a run with two checkpoints, every tool --------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def two_steps(world1, sample_shards, tmp_path_factory):
-    """A one-process run of 2 steps with a checkpoint after each, on the sample shards."""
-    from megatron_kappa.train import loop
-    folder = tmp_path_factory.mktemp("two_steps")
-    sets = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=2",
-            "checkpoint.interval=1", "checkpoint.keep=2", "eval.valid_every=0", "log.tensorboard=false",
-            "model.kappa.freeze_fraction=0", "data.mock=false", "train.lr=3e-3", "train.warmup=0",
-            f"data.paths=[{sample_shards['train'][0]}]", f"data.tokenizer={sample_shards['tokenizer']}",
-            f"run.dir={folder / 'run'}"]
-    loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a: None)
-    assert CheckpointDir(folder / "run").complete() == [1, 2]
-    return folder / "run"
 
 
 def tool(*argv, ok=True):

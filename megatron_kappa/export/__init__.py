@@ -6,11 +6,15 @@ Modules:
   __main__.py            python -m megatron_kappa.export --checkpoint RUN --output DIR: a run's
                          latest checkpoint (or --step's, or one checkpoint folder), from any
                          training layout, as a Hugging Face model folder (config.json, safetensors
-                         shards, the tokenizer, and for κ models the modeling file:
+                         shards, the tokenizer, a model card, and for κ models the modeling file:
                          AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))
   adapter.py             What an export target is: a state-dict adapter between megatron's tensors
                          and one Hugging Face class's (torchtitan's `StateDictAdapter` is the
                          model), and the hub layout most of them share
+  card.py                The export's model card (README.md): the Hub's YAML header (licence,
+                         library, tags), what the model is (its config, κ-SwiGLU's description and
+                         formula when κ is on), how it was trained (the step, the tokens seen, the
+                         data, the layout) and the evaluation results recorded for that step
   convert.py             A run's config and weights as a Hugging Face model's: which class takes it,
                          its config.json, and every tensor under that class's name
   modeling_kappa_moe.py  A κ-SwiGLU Mixture-of-Experts language model for Hugging Face transformers,

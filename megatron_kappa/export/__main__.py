@@ -1,6 +1,6 @@
 """python -m megatron_kappa.export --checkpoint RUN --output DIR: a run's latest checkpoint (or
 --step's, or one checkpoint folder), from any training layout, as a Hugging Face model folder
-(config.json, safetensors shards, the tokenizer, and for κ models the modeling file:
+(config.json, safetensors shards, the tokenizer, a model card, and for κ models the modeling file:
 AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))."""
 from __future__ import annotations
 
@@ -25,12 +25,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="checkpoint", choices=list(DTYPES), help="weights' dtype (default: as trained)")
     ap.add_argument("--shard-mb", type=positive_int, default=2000, help="largest safetensors file, in MiB")
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the run's data.tokenizer)")
+    ap.add_argument("--license", default="other", help="the model card's licence, a Hugging Face Hub identifier "
+                                                      "(apache-2.0, mit, cc-by-4.0, ...; default: other, i.e. not chosen)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     from megatron_kappa.export.writer import export
     try:
         done = export(args.checkpoint, args.output, args.target, args.dtype, args.shard_mb, args.tokenizer,
-                      progress=not args.no_progress, step=args.step)
+                      progress=not args.no_progress, step=args.step, license=args.license)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,8 @@ def target_help() -> str:
     native = [a for a in targets.auto_order() if a.native]
     return ("the class of the folder: " + ", ".join(f"{a.name} ({a.architecture})" for a in targets.TARGETS.values())
             + "; auto (default): the first of " + ", ".join(a.name for a in native)
-            + " (transformers' own classes) that holds the model, else kappa_moe (the project's code)")
+            + " (transformers' own classes) that holds the model, else "
+            + ", ".join(a.name for a in targets.auto_order() if not a.native) + " (the project's code)")
 
 
 def target_for(model: ModelConfig, layout: ModelLayout, requested: str = "auto") -> str:

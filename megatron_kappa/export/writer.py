@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import torch
 from megatron_kappa.checkpoint.listing import locate
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.export import convert
+from megatron_kappa.export import convert, targets
+from megatron_kappa.export.card import card, check_license
 from megatron_kappa.paths import folder_problem
 
 DTYPES = {"checkpoint": None, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -93,9 +95,10 @@ def plan(checkpoint: str | Path, target: str = "auto", tokenizer: str | None = N
 
 
 def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dtype: str = "checkpoint",
-           shard_mb: int = 2000, tokenizer: str | None = None, progress: bool = True, step: int | None = None) -> dict:
+           shard_mb: int = 2000, tokenizer: str | None = None, progress: bool = True, step: int | None = None,
+           license: str = "other") -> dict:
     """Write the Hugging Face folder `output` of a run's latest checkpoint (or `step`'s), or of
-    one checkpoint folder."""
+    one checkpoint folder. `license`: the model card's licence (a Hub identifier)."""
     from tqdm import tqdm
 
     from megatron_kappa.data.bos import documents_start_with_bos
@@ -108,6 +111,7 @@ def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dty
     problem = folder_problem(output)
     if problem:
         raise ConfigError(f"--output: {problem}")
+    check_license(license)
     cfg, layout, target, ckpts, step, tok_file = plan(checkpoint, target, tokenizer, step)
     cast = DTYPES[dtype]
     tmp = output.with_name(output.name + ".tmp")
@@ -121,18 +125,21 @@ def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dty
         config = convert.hf_config(cfg.model, layout, target, special,
                                    kappa_settings(cfg) if cfg.model.kappa.enabled else None)
         shards = ShardWriter(tmp, shard_mb * 2**20)
-        first_dtype = None
+        first_dtype, params = None, {"total": 0, "experts": 0}
         for i in tqdm(range(cfg.model.num_layers), desc="export", unit="layer", disable=not progress):
             prefix = f"decoder.layers.{i}."
             state = ckpts.weights(step, lambda n, prefix=prefix: n.startswith(prefix))
             tensors = convert.layer_tensors(cfg.model, layout, target, i, lambda rel, s=state, p=prefix: s.get(p + rel))
             first_dtype = first_dtype or next(iter(tensors.values())).dtype
+            count(params, tensors)
             shards.add({k: v.to(cast) if cast else v for k, v in tensors.items()})
             del state, tensors
         # model.mtp's modules stay behind: inference uses the main model (transformers' DeepSeek-V3
         # loads no MTP layer either), and they would be read whole here
         outer = ckpts.weights(step, lambda n: not n.startswith(("decoder.layers.", "mtp.")))
-        shards.add({k: v.to(cast) if cast else v for k, v in convert.outer_tensors(cfg.model, target, outer.get).items()})
+        outer = convert.outer_tensors(cfg.model, target, outer.get)
+        count(params, outer)
+        shards.add({k: v.to(cast) if cast else v for k, v in outer.items()})
         shards.finish()
         config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[cast or first_dtype]
         config["transformers_version"] = _transformers_version()
@@ -145,13 +152,40 @@ def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dty
         if tok_file:
             from megatron_kappa.export.tokenizer import hf_tokenizer
             cfg.data.tokenizer = tok_file
-            hf_tokenizer(tok_file, add_bos=documents_start_with_bos(cfg.data)).save_pretrained(str(tmp))
+            hf_tokenizer(tok_file, add_bos=documents_start_with_bos(cfg.data),
+                         model_max_length=cfg.model.seq_length).save_pretrained(str(tmp))
+        moe = cfg.model.moe
+        params["active"] = params["total"] - params["experts"] * (moe.num_experts - moe.topk) // moe.num_experts
+        (tmp / "README.md").write_text(card(
+            name=output.name, cfg=cfg, run_dir=ckpts.root.parent, step=step, adapter=targets.lookup(target),
+            hf_config=config, params=params, license=license, layout_record=ckpts.meta(step).get("layout"),
+            kappa=kappa_settings(cfg) if cfg.model.kappa.enabled else None, tokenizer=bool(tok_file)))
+        readable(tmp)
         os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"output": str(output), "target": target, "step": step, "bytes": shards.total,
             "files": len(shards.files), "tokenizer": bool(tok_file)}
+
+
+ROUTED = re.compile(r"\.experts\.\d+\.|\.kappa_(alpha|bias)$")  # a routed expert's tensors (κ's α, b: per expert)
+
+
+def count(params: dict, tensors: dict):
+    """Add the tensors' values to params["total"], and the routed experts' to params["experts"]."""
+    for name, t in tensors.items():
+        params["total"] += t.numel()
+        params["experts"] += t.numel() if ROUTED.search(name) else 0
+
+
+def readable(folder: Path):
+    """Every file the mode a new file gets (0644 under the usual umask 022): safetensors writes its
+    files 0600 (a private temporary file, renamed), the other writers do not."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~mask)
 
 
 def _transformers_version() -> str:

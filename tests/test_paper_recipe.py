@@ -96,3 +96,26 @@ def test_kappa_adamw_counts_steps_through_the_freeze_as_14c9b04():
     torch.testing.assert_close(dropped, adamw_first_move(1), rtol=1e-6, atol=1e-9)
     assert (kept - dropped).abs().max() > 1e-3
     assert load_config("configs/moe8.yaml").model.kappa.freeze_optimizer_state == "keep"
+
+
+def first_rows(tmp_path, *sets) -> torch.Tensor:
+    """The first 8 training rows megatron-core's (mock) dataset gives configs/moe8.yaml."""
+    from megatron_kappa.train.data import batch_at, build_datasets
+    cfg = load_config("configs/moe8.yaml", ["data.mock=true", "model.seq_length=32",
+                                            f"run.dir={tmp_path / '_'.join(sets)}", *sets])
+    train, _ = build_datasets(cfg, 64, 8)
+    return batch_at(train, 0, 8)["tokens"]
+
+
+def test_the_paper_configs_data_order_does_not_follow_train_seed(tmp_path):
+    """14c9b04's --seed draws the initial weights only (its corpus is shuffled once on disk and read
+    in order), so the paper configs fix data.seed: seeds 24 and 26 read the same rows. The control:
+    data.seed null (every other config) lets train.seed reorder them; and data.seed S reads what
+    train.seed S read before."""
+    assert load_config("configs/moe8.yaml").data.seed == 24
+    assert load_config("configs/tiny.yaml").data.seed is None
+    a, b = first_rows(tmp_path, "train.seed=24"), first_rows(tmp_path, "train.seed=26")
+    assert torch.equal(a, b)
+    own = [first_rows(tmp_path, f"train.seed={s}", "data.seed=null") for s in (24, 26)]
+    assert not torch.equal(*own)
+    assert torch.equal(own[0], a) and torch.equal(first_rows(tmp_path, "train.seed=24", "data.seed=26"), own[1])

@@ -481,6 +481,10 @@ class DataConfig:
                   "with BOS and data.tokenizer")
     packing_buffer: int = _f(1000, "documents bestfit chooses among (14c9b04's buffer_size; refilled 128 at "
                                    "a time below it)", range=POSITIVE)
+    seed: Optional[int] = _f(None, "seed of the document order (megatron-core's shuffle, bestfit's permutation, "
+                                   "mock data; null: train.seed, so another train.seed also reorders the data). "
+                                   "14c9b04's order does not depend on its --seed (a corpus shuffled once on disk, "
+                                   "read in order): the paper configs fix it", range=NON_NEGATIVE)
     cache_dir: Optional[str] = _f(None, "index cache folder (default: <run.dir>/data_cache)")
     bos: Optional[bool] = _f(None, "the training documents start with BOS (null: read \"bos\" from the "
                                    "data prep manifest.json beside data.paths at training start, false "

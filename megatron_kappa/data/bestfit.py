@@ -11,10 +11,10 @@ discarded. About 35 % of the tokens taken are cropped at 2048 (the authors' figu
 How it maps onto the project (the rest is the authors' algorithm as written):
 - A document is as data prep stored it minus its trailing EOD: BOS + its tokens, the authors'
   `tokenizer.encode(text, prepend=bos)`. A document that does not start with BOS is refused.
-- The stream: the split's documents, each epoch in a new order drawn from one
-  numpy RandomState(train.seed) (`rng.permutation`), epochs back to back; the buffer carries over
-  an epoch's end as the authors' endless reader does. (The authors read a corpus shuffled once on
-  disk; megatron's GPTDataset likewise shuffles documents with the seed.)
+- The stream: the split's documents, each epoch in a new order drawn from one numpy
+  RandomState(data.seed, or train.seed) (`rng.permutation`), epochs back to back; the buffer
+  carries over an epoch's end as the authors' endless reader does. (The authors read a corpus
+  shuffled once on disk; megatron's GPTDataset likewise shuffles documents with the seed.)
 - Rows are kept in packing order (the authors do not shuffle rows) and packed once, for the
   whole run, into an index cached beside megatron's (`data.cache_dir`): rank 0 builds it, the
   others read it (megatron's dataset builder orders that). Row i is then a pure function of the

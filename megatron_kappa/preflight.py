@@ -238,6 +238,17 @@ def check_run_dir(cfg: Config):
         RunLock(path).check()            # of its own host that died (the other hosts' ranks cannot)
 
 
+def check_logging(cfg: Config, world: int):
+    """log.wandb needs the wandb package (an optional extra); profile.ranks must exist."""
+    import importlib.util
+    if cfg.log.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"config: log.wandb.mode: {cfg.log.wandb.mode} needs the wandb package "
+                          "(pip install -e '.[wandb]'), or log.wandb.mode=disabled")
+    if cfg.profile.steps and any(r >= world for r in cfg.profile.ranks):
+        raise ConfigError(f"config: profile.ranks: {cfg.profile.ranks} names a rank the world of {world} "
+                          f"process{'es' * (world > 1)} does not have")
+
+
 def preflight(cfg: Config, world: int | None = None):
     """All of the above, cheapest first. `world` defaults to what the launcher says."""
     world = world_size() if world is None else world
@@ -245,6 +256,7 @@ def preflight(cfg: Config, world: int | None = None):
     check_run_dir(cfg)
     check_precision(cfg)
     check_attention(cfg.model)
+    check_logging(cfg, world)
     if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
     if cfg.train.init_weights:  # a junk file, before any process group, without torch: its first bytes

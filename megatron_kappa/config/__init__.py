@@ -31,10 +31,10 @@ from megatron_kappa.config.loading import load_config, load_config_for_cli, pars
 from megatron_kappa.config.reference import markdown_reference
 from megatron_kappa.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig,
                                           EvalConfig, KappaConfig, LogConfig, ModelConfig,
-                                          MoEConfig, MuonConfig, ParallelConfig, RunConfig,
-                                          SoftMoEConfig, TrainConfig, ZeroConfig, to_dict)
+                                          MoEConfig, MuonConfig, ParallelConfig, ProfileConfig, RunConfig,
+                                          SoftMoEConfig, TrainConfig, WandbConfig, ZeroConfig, to_dict)
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "KappaConfig",
-           "LogConfig", "ModelConfig", "MoEConfig", "MuonConfig", "ParallelConfig", "RunConfig",
-           "SoftMoEConfig", "TrainConfig", "ZeroConfig", "load_config", "load_config_for_cli",
+           "LogConfig", "ModelConfig", "MoEConfig", "MuonConfig", "ParallelConfig", "ProfileConfig", "RunConfig",
+           "SoftMoEConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "load_config", "load_config_for_cli",
            "markdown_reference", "parse_overrides", "read_yaml", "to_dict", "validate"]

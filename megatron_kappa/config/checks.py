@@ -111,6 +111,20 @@ def validate(cfg: Config):
     _validate_muon(cfg.train, need)
     if cfg.precision == "fp8":
         _validate_fp8(cfg, need)
+    _validate_profile(cfg.profile, need)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_profile(p, need):
+    """profile.steps: [] or [first, last] (step-line numbers); profile.ranks: global ranks (the
+    world size is the preflight's to compare)."""
+    need(p.steps == [] or (len(p.steps) == 2 and all(_whole(s) for s in p.steps) and 1 <= p.steps[0] <= p.steps[1]),
+         "profile.steps", f"expected [] or [first, last] with 1 <= first <= last, got {p.steps}")
+    need(all(_whole(r) and r >= 0 for r in p.ranks), "profile.ranks",
+         f"expected a list of global ranks (integers >= 0), got {p.ranks}")
 
 
 def _validate_stage_split(layers: int, par, need, mtp_layers: int = 0):

@@ -493,12 +493,36 @@ class DataConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: Literal["disabled", "offline", "online"] = _f(
+        "disabled", "Weights & Biases beside metrics.jsonl (global rank 0): the resolved config and the same "
+                    "records, into <run.dir>/wandb, one W&B run per run.dir (a resume continues it); offline: "
+                    "`wandb sync` later; needs the `wandb` extra (pip install -e '.[wandb]'); disabled: wandb is "
+                    "never imported")
+    project: str = _f("megatron_kappa", "W&B project")
+    entity: Optional[str] = _f(None, "W&B entity (team or user; null: the account's default)")
+
+
+@dataclass
 class LogConfig:
     interval: int = _f(10, "steps between metric lines", range=POSITIVE)
-    tensorboard: bool = _f(True, "also write TensorBoard events to <run.dir>/tb")
+    tensorboard: bool = _f(True, "also write TensorBoard events to <run.dir>/tb: the scalars of metrics.jsonl, "
+                                 "the resolved config as text, κ and tokens-per-expert histograms per MoE layer")
     peak_tflops: Optional[float] = _f(None, "the device's dense bf16 peak (TFLOP/s per GPU) for MFU "
                                             "(null: looked up by GPU name for H100/H200/A100 and "
                                             "others; no MFU on the CPU)", range=POSITIVE)
+    wandb: WandbConfig = _section(WandbConfig)
+
+
+@dataclass
+class ProfileConfig:
+    steps: list = _f([], "[first, last]: trace these steps (as the step line numbers them, both included) with "
+                         "torch.profiler into <run.dir>/profile/ (Chrome / TensorBoard trace; on CUDA also "
+                         "cudaProfilerStart/Stop for nsys --capture-range=cudaProfilerApi); []: no profiling",
+                     allowed="[] or two step numbers, 1 <= first <= last")
+    ranks: list = _f([0], "the global ranks that profile", allowed="global ranks below the world size")
+    memory_snapshot: bool = _f(False, "on CUDA, also a memory snapshot of the profiled steps (torch.cuda.memory."
+                                      "_dump_snapshot; open at pytorch.org/memory_viz)")
 
 
 @dataclass
@@ -537,6 +561,7 @@ class Config:
     zero: ZeroConfig = _section(ZeroConfig)
     data: DataConfig = _section(DataConfig)
     log: LogConfig = _section(LogConfig)
+    profile: ProfileConfig = _section(ProfileConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     eval: EvalConfig = _section(EvalConfig)
 

@@ -1,11 +1,23 @@
-"""metrics.jsonl and TensorBoard: one JSON line per log interval in <run.dir>/metrics.jsonl and
-the same scalars to TensorBoard, written by global rank 0."""
+"""metrics.jsonl, TensorBoard and W&B: one JSON line per log interval in <run.dir>/metrics.jsonl,
+the same scalars to TensorBoard and Weights & Biases, written by global rank 0.
+
+TensorBoard also gets the resolved config as text (tag `config`, once per start) and histograms
+at the log interval (`histograms`); W&B (megatron_kappa.metrics.wandb_run) the config and the
+records."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 from pathlib import Path
+
+import yaml
+
+from megatron_kappa.config import WandbConfig
+
+# record keys that are no TensorBoard scalar: its own x axis, and the wall clock (TensorBoard's
+# events carry their own time)
+NOT_SCALARS = ("step", "time")
 
 
 def _warn(what: str, error: BaseException):
@@ -37,18 +49,28 @@ class MetricsLog:
     """Writes on global rank 0 only; other ranks hold a no-op instance. A failed write is one
     warning line: metrics.jsonl keeps trying at each record, TensorBoard is dropped for the run."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool, enabled: bool):
+    def __init__(self, run_dir: str | Path, tensorboard: bool, enabled: bool, wandb: WandbConfig | None = None,
+                 config: dict | None = None, start: int = 0, log=print):
+        """`config`: the resolved config, for TensorBoard's text and W&B (written at step `start`)."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         self.failing = False
         self.torn_tail = None  # whether the file ends inside a record (None: not looked yet)
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             try:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                if config is not None:  # indented four spaces: TensorBoard's markdown shows it as code
+                    text = yaml.safe_dump(config, sort_keys=False)
+                    self.tb.add_text("config", "".join("    " + line for line in text.splitlines(True)), start)
             except OSError as e:
                 _warn(f"TensorBoard: {Path(run_dir) / 'tb'}", e)
+                self.tb = None
+        if enabled and wandb is not None and wandb.mode != "disabled":
+            from megatron_kappa.metrics.wandb_run import WandbRun
+            self.wandb = WandbRun(run_dir, wandb, config or {}, log=log)
 
     def truncate_after(self, step: int):
         """On resume: drop lines a killed run logged past its last checkpoint, and any record a
@@ -93,12 +115,27 @@ class MetricsLog:
         if self.tb is not None:
             try:
                 for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)):
+                    if key not in NOT_SCALARS and isinstance(value, (int, float)):
                         self.tb.add_scalar(key, value, record["step"])
                 self.tb.flush()
             except OSError as e:
                 _warn(f"TensorBoard: {self.tb.log_dir}", e)
                 self.tb = None
+        if self.wandb is not None:
+            self.wandb.log(record)
+
+    def histograms(self, values: dict, step: int):
+        """TensorBoard histograms ({tag: 1-d tensor}) at `step`; a no-op without TensorBoard."""
+        if self.tb is None:
+            return
+        try:
+            for tag, tensor in values.items():
+                if tensor.numel():
+                    self.tb.add_histogram(tag, tensor.double(), step)
+            self.tb.flush()
+        except OSError as e:
+            _warn(f"TensorBoard: {self.tb.log_dir}", e)
+            self.tb = None
 
     def close(self):
         if self.tb is not None:
@@ -106,3 +143,5 @@ class MetricsLog:
                 self.tb.close()
             except OSError as e:
                 _warn(f"TensorBoard: {self.tb.log_dir}", e)
+        if self.wandb is not None:
+            self.wandb.close()

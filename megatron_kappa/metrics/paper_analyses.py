@@ -152,10 +152,11 @@ def _gather_values(local: torch.Tensor) -> list[torch.Tensor]:
 
 
 def analysis_stats(model, m: ModelConfig, device: torch.device, tokens: int | None = TOKENS,
-                   values: int | None = VALUES) -> dict:
+                   values: int | None = VALUES, histograms: dict | None = None) -> dict:
     """Every metric listed in the module docstring, per MoE layer of `model` (`m`: its config;
     collective: all ranks call it). tokens / values = None: no sampling (the tests compare exact
-    numbers across layouts)."""
+    numbers across layouts). `histograms`, when given, receives each layer's tokens per expert as
+    `load/<layer>` (this stage's layers)."""
     out = {}
     group = stage_group()  # each pipeline stage reduces over its own ranks, for its layers
     world = dist.get_world_size(group)
@@ -204,13 +205,14 @@ def analysis_stats(model, m: ModelConfig, device: torch.device, tokens: int | No
             for row, key in ((2, "alpha_s_abs"), (3, "bias_routed_abs")):
                 if sums[row, 1] > 0:
                     out[f"kappa/{p}/{key}"] = (sums[row, 0] / sums[row, 1]).item()
-        out.update(load_stats(layer, m.moe, device, p))
+        out.update(load_stats(layer, m.moe, device, p, histograms))
     return merge_stages(out)
 
 
-def load_stats(layer: MoELayer, moe: MoEConfig, device: torch.device, prefix: str) -> dict:
+def load_stats(layer: MoELayer, moe: MoEConfig, device: torch.device, prefix: str,
+               histograms: dict | None = None) -> dict:
     """Tokens per expert over every rank's last micro-batch (min, max, cv) and, with a capacity,
-    the dropped fraction (collective)."""
+    the dropped fraction (collective); the per-expert counts into `histograms` when given."""
     last = getattr(layer.router, "last_routing", None)
     if last is None:
         return {}
@@ -220,6 +222,8 @@ def load_stats(layer: MoELayer, moe: MoEConfig, device: torch.device, prefix: st
     dist.all_reduce(counts, group=stage_group())  # token sets are disjoint across ranks (DP batch split, SP sequence split)
     counts = counts.cpu()
     per_expert, tokens = counts[:-1], counts[-1].item()
+    if histograms is not None:
+        histograms[f"load/{prefix}"] = per_expert
     mean = per_expert.mean().item()
     out = {f"load/{prefix}/min": per_expert.min().item(), f"load/{prefix}/max": per_expert.max().item(),
            f"load/{prefix}/mean": mean,

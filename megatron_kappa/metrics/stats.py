@@ -21,9 +21,10 @@ def kappa_layers(model):
             if isinstance(m, KappaExpertActivation) and m.kappa is not None]
 
 
-def kappa_stats(model, device: torch.device) -> dict:
+def kappa_stats(model, device: torch.device, histograms: dict | None = None) -> dict:
     """Per κ layer: mean κ, 5% / 95% quantiles of κ, mean |α|, mean |b| (collective: over the
-    ranks of each pipeline stage for its layers, then merged over the stages)."""
+    ranks of each pipeline stage for its layers, then merged over the stages). `histograms`, when
+    given, receives each layer's κ sample as `kappa/<layer>` (this stage's layers)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
     group = stage_group()
@@ -47,6 +48,8 @@ def kappa_stats(model, device: torch.device) -> dict:
         sums = sums.cpu()
         prefix = f"kappa/{layer_label(model, name + '.')}"
         if kappa.numel():
+            if histograms is not None:
+                histograms[prefix] = kappa
             q = torch.quantile(kappa.double(), torch.tensor([0.05, 0.95], dtype=torch.float64))
             out.update({f"{prefix}/mean": kappa.mean().item(), f"{prefix}/bottom5": q[0].item(),
                         f"{prefix}/top5": q[1].item()})

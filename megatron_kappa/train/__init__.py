@@ -16,6 +16,9 @@ Modules:
                  the update
   preemption.py  Stopping a run cleanly when the scheduler says so: finish the step, checkpoint,
                  exit 75
+  profiling.py   The profiler in training (`profile`): a torch.profiler trace of the chosen steps on
+                 the chosen ranks, Megatron-style NVTX ranges on CUDA, and a CUDA memory snapshot on
+                 request
   recipe.py      What the paper's recipe does to κ's α and b during training: the freeze, the U ramp
                  and the κ L2 penalty
   run_lock.py    One training per run directory: `<run.dir>/.lock`, held for the run's life

@@ -38,18 +38,21 @@ from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.experts import set_kappa_U
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
-from megatron_kappa.parallel.groups import dp_mean, init_distributed
+from megatron_kappa.parallel.groups import dp_mean, init_distributed, merge_stages
 from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, read_full_state_dict
 from megatron_kappa.summary import count
 from megatron_kappa.optim import muon, optimizer as optim, schedule
 from megatron_kappa.metrics import paper_analyses, throughput
 from megatron_kappa.metrics.log import MetricsLog
+from megatron_kappa.metrics.memory import peak_memory
+from megatron_kappa.metrics.step_line import done_line, step_line
 from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
 from megatron_kappa.train import pipeline, recipe
 from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # noqa: F401 (TrainingDiverged: the loop's API)
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.preemption import Preempted, StopAgreement
+from megatron_kappa.train.profiling import StepProfiler, region
 from megatron_kappa.train.run_lock import RunLock
 
 
@@ -105,10 +108,13 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     for micro in range(grad_accumulation(cfg.train)):
         first = train_first_sample(step, micro, cfg.train, dp_rank, dp)
         batch = batch_at(train_ds, first, cfg.train.micro_batch, device)
-        loss = lm_loss(engine, batch, position_ids)
-        l2 = recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, device)
-        engine.backward(loss + l2 * l2_scale)
-        engine.step()
+        with region("forward"):
+            loss = lm_loss(engine, batch, position_ids)
+            l2 = recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, device)
+        with region("backward"):
+            engine.backward(loss + l2 * l2_scale)
+        with region("optimizer"):  # DeepSpeed's: the update at the last micro-batch, else nothing
+            engine.step()
         losses.append(loss.detach())
     return dp_mean(torch.stack(losses).mean()), l2
 
@@ -120,13 +126,15 @@ def discard_step_metrics():
     MTPLossLoggingHelper.clean_metrics_in_tracker()
 
 
-def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device) -> dict:
-    """What a logging step records beyond the loss (collectives; numbers read on the host)."""
+def step_metrics(engine, model, cfg: Config, l2: torch.Tensor, device, histograms: dict | None = None) -> dict:
+    """What a logging step records beyond the loss (collectives; numbers read on the host).
+    `histograms`, when given, receives the κ samples and tokens per expert of this stage's MoE layers."""
     return {**router_losses(model.config, grad_accumulation(cfg.train), device),
             **(mtp_loss(grad_accumulation(cfg.train), device) if cfg.model.mtp.num_layers else {}),
             "kappa_l2": recipe.global_kappa_l2(l2).item(),
             "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-            **kappa_stats(model, device), **paper_analyses.analysis_stats(model, cfg.model, device),
+            **kappa_stats(model, device, histograms),
+            **paper_analyses.analysis_stats(model, cfg.model, device, histograms=histograms),
             **routers.lookup(cfg.model.moe.router).step_metrics(model, device)}  # SoftMoE's budgets
 
 
@@ -215,7 +223,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         log(f"resumed from {ckpts.folder(start)}" + ("" if written == now else f" (written with {written}, now {now})"))
         if start >= steps:  # a finished run started again, or train.steps lowered below the checkpoint
             log(f"nothing to do: the checkpoint is at step {start} and the run has {steps} steps (train.steps)")
-    metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0)
+            return {}
+    metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0, wandb=cfg.log.wandb, config=to_dict(cfg),
+                         start=start, log=log)
     metrics.truncate_after(start)
 
     # --- data
@@ -248,8 +258,12 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
     record, window_start, window_steps = {}, time.perf_counter(), 0
+    loop_start = window_start  # the step line's time and metrics.jsonl's elapsed_s: this start's
+    profiler = StepProfiler(cfg.profile, run_dir, rank, device, log)
+    saved = start  # the last checkpoint (a bad last step is not saved)
     bad_steps = BadSteps(cfg.train.nonfinite_steps, device, engine.skipped_steps)
     for step in range(start, steps):
+        profiler.begin_step(step + 1)
         freeze.begin_step(step, optimizer)
         kappa_U = recipe.kappa_U(step, steps, cfg.model.kappa)  # the authors' U ramp (constant by default)
         set_kappa_U(model, kappa_U)
@@ -274,6 +288,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
             last = ckpts.latest(content=False)
             what = (f"loss is {loss_value}" if not math.isfinite(loss_value) else
                     f"non-finite gradients (or loss) in {bad_worst} step{'s' * (bad_worst > 1)} in a row")
+            profiler.close()
             raise TrainingDiverged(f"step {done}: {what} (train.nonfinite_steps {cfg.train.nonfinite_steps}); "
                                    "stopped without saving"
                                    + (f", the last good checkpoint is {ckpts.folder(last)}" if last else ""))
@@ -281,32 +296,37 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
             log(f"warning: step {done}: not saved, its step had a non-finite loss or gradient norm")
             saving = False
         if logging:
-            elapsed = time.perf_counter() - window_start
+            now = time.perf_counter()
+            elapsed = now - window_start
             tokens_per_s = window_steps * tokens_per_step / elapsed
+            histograms = {} if cfg.log.tensorboard else None  # every rank: the stages' merge is a collective
             record = {"step": done, "loss": loss_value, "lr": lrs["matrix"], "lr_kappa": lrs["kappa"],
                       "kappa_U": kappa_U,
                       "tokens_per_s": tokens_per_s, "tokens_seen": done * tokens_per_step,
                       **throughput.throughput(tokens_per_s, flops_token, world, peak),
-                      **step_metrics(engine, model, cfg, l2, device)}
+                      **step_metrics(engine, model, cfg, l2, device, histograms), **peak_memory(device),
+                      "time": time.time(), "elapsed_s": now - loop_start}
             if cfg.eval.valid_every and (done % cfg.eval.valid_every == 0 or done == steps):
                 record["valid_loss"] = validate(engine, valid_ds, cfg, device, position_ids).item()
             if core is not None and (done % cfg.eval.core_every == 0 or done == steps):
                 record.update(core.evaluate())
             metrics.write(record)
-            log(f"step {done}/{steps} loss {loss_value:.4f} lr {lrs['matrix']:.2e} grad_norm "
-                f"{record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"TFLOP/s/GPU {record['tflops_per_gpu']:.3g}"
-                + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "")
-                + (f" valid {record['valid_loss']:.4f}" if "valid_loss" in record else ""))
+            if histograms is not None:
+                metrics.histograms(merge_stages(histograms), done)
+            log(step_line(record, steps, device.type == "cuda", elapsed / window_steps))
             window_start, window_steps = time.perf_counter(), 0
         else:
             discard_step_metrics()
         if saving:
             ckpts.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
                        device)
+            saved = done
         if stopping:
+            profiler.close()
             metrics.close()
             raise Preempted(done, steps, stop.signum, ckpts.folder(done))
+    profiler.close()
     stop.close()
     metrics.close()
+    log(done_line(steps, steps, time.perf_counter() - loop_start, ckpts.folder(saved) if saved else None))
     return record

@@ -9,7 +9,10 @@ Stages, each a separate process with a time limit, each recorded whether it pass
   2. the `gpu`-marked tests (tests/test_gpu.py, the compiled Triton kernels);
   3. the main command: configs/tiny.yaml in bf16 for a few dozen steps with a checkpoint, killed
      after the checkpoint and resumed, against an uninterrupted run (train.deterministic);
-  4. evaluation of that checkpoint: CORE on tests/core_bundle and loss / bits per byte;
+  4. evaluation of that checkpoint: CORE on tests/core_bundle and loss / bits per byte; the
+     profiler and memory in training (`profile`): steps 3-4 traced, on CUDA with their kernels, a
+     memory snapshot and the peak allocated/reserved memory in metrics.jsonl and the step line
+     (the peak RSS on the CPU);
   5. the benchmarks: bench/kappa_activation.py, bench/model_step.py (the expert variants, then
      bf16 against fp8), bench/activation_memory.py (the planner's activation estimate against
      the allocator; GPU only), bench/plan_rates.py (the GEMM, grouped-GEMM and attention rates
@@ -119,6 +122,54 @@ print(json.dumps({"core": core["core"], "device": str(fn.device), **validation_l
 """
 
 
+def profiled_run(check: Check, out: Path):
+    """The main command with profile.steps [3, 4] and a memory snapshot (megatron_kappa.train.profiling)."""
+    run_dir = out / "profiled"
+    sets = TRAIN + ["train.steps=5", "checkpoint.interval=5", "profile.steps=[3,4]", "profile.memory_snapshot=true",
+                    "precision=bf16"]
+    check.run("train: profiler and memory", [sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml",
+                                             "--set", f"run.dir={run_dir}", *sets], 600,
+              lambda o: profile_result(run_dir, o, check.cpu))
+
+
+def profile_result(run_dir: Path, output: str, cpu: bool) -> dict:
+    """What the profiled run must leave: a trace of steps 3 and 4 only (with CUDA kernels on a GPU),
+    on a GPU the memory snapshot of those steps and peak allocated ≤ reserved memory in every
+    record and step line (with TFLOP/s/GPU), on the CPU the peak RSS and no snapshot. Anything
+    else raises, which marks the stage failed."""
+    import pickle
+    folder = Path(run_dir) / "profile"
+    trace = folder / "rank0_steps3-4.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = sorted({e["name"] for e in events if str(e.get("name", "")).startswith("step ")})
+    if steps != ["step 3", "step 4"]:
+        raise ValueError(f"{trace}: step ranges {steps}, expected step 3 and step 4 only")
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    lines = [line for line in output.splitlines() if line.startswith("step ")]
+    snapshot = folder / "rank0_steps3-4.memory.pickle"
+    if not records or len(lines) != len(records):
+        raise ValueError(f"{len(records)} records, {len(lines)} step lines")
+    if cpu:
+        if snapshot.exists() or any("TFLOP" in line or " rss " not in line for line in lines) or \
+                not all(r.get("mem_peak_rss_gib", 0) > 0 for r in records):
+            raise ValueError("on the CPU: the peak RSS in every record and step line, no snapshot, no TFLOP/s")
+        return {"steps": steps, "peak_rss_gib": max(r["mem_peak_rss_gib"] for r in records)}
+    if not kernels:
+        raise ValueError(f"{trace}: no CUDA kernel events")
+    if not all(0 < r.get("mem_peak_alloc_gib", 0) <= r.get("mem_peak_reserved_gib", 0) for r in records):
+        raise ValueError("on a GPU every record needs 0 < mem_peak_alloc_gib <= mem_peak_reserved_gib")
+    if not all("TFLOP/s/GPU" in line and " mem " in line for line in lines):
+        raise ValueError(f"step lines without TFLOP/s/GPU or mem: {lines[:1]}")
+    memory = pickle.loads(snapshot.read_bytes())
+    traced = sum(len(t) for t in memory.get("device_traces", []))
+    if not memory.get("segments") or not traced:
+        raise ValueError(f"{snapshot}: no segments or no allocator events")
+    return {"steps": steps, "kernels": kernels, "snapshot_events": traced,
+            "peak_alloc_gib": max(r["mem_peak_alloc_gib"] for r in records),
+            "peak_reserved_gib": max(r["mem_peak_reserved_gib"] for r in records)}
+
+
 def gpu_tests_result(output: str, cpu: bool) -> dict:
     """The counts of pytest's closing line for the gpu-marked tests. On a GPU every one must run
     and pass (a stage of skips checks nothing); on the CPU (--cpu) every one must be collected and
@@ -172,6 +223,7 @@ def main(argv=None) -> int:
               lambda o: gpu_tests_result(o, args.cpu))
     run_dir = main_command(check, 8 if args.quick else 40, out)
     check.run("evaluation: CORE, loss and bits per byte", [py, "-c", EVAL, str(run_dir)], 600, last_json)
+    profiled_run(check, out)
     small = args.quick or args.cpu
     benches = [
         ("bench: κ activation", ["bench/kappa_activation.py", "--dtype", "fp32" if args.cpu else "bf16"]

@@ -26,6 +26,8 @@ def test_gpu_check_stages_on_the_cpu(tmp_path):
     evaluation = next(s for s in report["stages"] if s["name"].startswith("evaluation"))["result"]
     assert evaluation["tokens"] > 1000 and -1 <= evaluation["core"] <= 1
     assert "| train: resume is exact | ok |" in (tmp_path / "report.md").read_text()
+    profiled = next(s for s in report["stages"] if s["name"] == "train: profiler and memory")["result"]
+    assert profiled["steps"] == ["step 3", "step 4"] and profiled["peak_rss_gib"] > 0
 
 
 @pytest.mark.parametrize("output, cpu, ok", [
@@ -47,3 +49,38 @@ def test_gpu_tests_stage_fails_on_skips_on_a_gpu(output, cpu, ok):
     else:
         with pytest.raises(ValueError):
             gpu_tests_result(output, cpu)
+
+
+def fake_profiled_run(run_dir, gpu: bool, steps=(3, 4), kernels=2, snapshot=True, alloc=1.5):
+    """A run folder as the profiled stage leaves it on a GPU (or the CPU): the checker's input."""
+    import pickle
+    folder = run_dir / "profile"
+    folder.mkdir(parents=True)
+    events = [{"name": f"step {n}", "ph": "X"} for n in steps] + [{"name": "gemm", "cat": "kernel"}] * kernels
+    (folder / "rank0_steps3-4.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    memory = {"mem_peak_alloc_gib": alloc, "mem_peak_reserved_gib": 2.0} if gpu else {"mem_peak_rss_gib": 0.7}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": n, **memory}) + "\n" for n in range(1, 6)))
+    if snapshot:
+        (folder / "rank0_steps3-4.memory.pickle").write_bytes(pickle.dumps(
+            {"segments": [{"address": 0}], "device_traces": [[{"action": "alloc"}] * 3]}))
+    words = "TFLOP/s/GPU 1.2 mem 1.5/2.0 GiB" if gpu else "rss 0.70 GiB"
+    return "\n".join(f"step {n}/5 loss 7.0 {words} 0:00:01" for n in range(1, 6))
+
+
+def test_the_profile_stage_checks_what_a_gpu_run_leaves(tmp_path):
+    """bench/gpu_check.py's profile stage on the run folders a GPU and the CPU leave (made here:
+    no GPU on this machine), and negative controls: another step traced, no kernels, no snapshot,
+    allocated above reserved, a CPU run with a snapshot."""
+    from bench.gpu_check import profile_result
+    assert profile_result(tmp_path / "gpu", fake_profiled_run(tmp_path / "gpu", True), cpu=False) == {
+        "steps": ["step 3", "step 4"], "kernels": 2, "snapshot_events": 3, "peak_alloc_gib": 1.5,
+        "peak_reserved_gib": 2.0}
+    assert profile_result(tmp_path / "cpu", fake_profiled_run(tmp_path / "cpu", False, kernels=0, snapshot=False),
+                          cpu=True)["peak_rss_gib"] == 0.7
+    for name, kw, cpu in [("steps", {"steps": (3, 4, 5)}, False), ("kernels", {"kernels": 0}, False),
+                          ("snapshot", {"snapshot": False}, False), ("alloc", {"alloc": 2.5}, False),
+                          ("cpu_snapshot", {"kernels": 0}, True)]:
+        run_dir = tmp_path / name
+        output = fake_profiled_run(run_dir, not cpu, **kw)
+        with pytest.raises((ValueError, FileNotFoundError)):
+            profile_result(run_dir, output, cpu)

@@ -40,7 +40,7 @@ def check_parallel(cfg: Config, world: int):
     from megatron_kappa.model.layout import model_layout
 
     check_layout(cfg.parallel, world, model_layout(cfg).experts)
-    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)  # the CP ranks read the same samples
     per_step = cfg.train.micro_batch * dp
     if cfg.train.global_batch % per_step:
         raise ConfigError(f"config: train.global_batch: {cfg.train.global_batch} is not a multiple of "

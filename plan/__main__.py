@@ -52,8 +52,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=positive_int, default=10, help="layouts listed by --search")
     ap.add_argument("--vpp", type=positive_int, default=None,
                     help="virtual pipeline stages per rank (interleaved 1F1B; default: the config's parallel.vpp)")
+    ap.add_argument("--cp", type=positive_int, default=None,
+                    help="context-parallel size (default: the config's parallel.cp)")
     planned = ap.add_argument_group("planned only", "settings the planner models and the trainer does not run")
-    planned.add_argument("--cp", type=positive_int, default=1, help="context-parallel size")
     planned.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
                          help="the optimizer's moments in bf16 (the master copy stays fp32)")
     planned.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default="none",
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
             print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else planner.render_search(rows))
             return 0 if rows else 1
         layout = planner.layout_of(cfg, args.world)
-        layout = dataclasses.replace(layout, cp=args.cp, vpp=args.vpp or layout.vpp)
+        layout = dataclasses.replace(layout, cp=args.cp or layout.cp, vpp=args.vpp or layout.vpp)
         result = planner.plan(cfg, layout, gpu_mem_gib=args.gpu_mem, gpus_per_node=args.gpus_per_node, rates=rates,
                               imbalance=args.expert_imbalance, planned=extra)
     except ConfigError as e:

@@ -18,7 +18,7 @@ class Layout:
     pp: int = 1
     ep: int = 1
     etp: int = 1
-    cp: int = 1  # context parallelism: planned only (plan.planned)
+    cp: int = 1  # context parallelism (parallel.cp; the estimate prices a ring exchange: plan.speed)
     vpp: int = 1  # virtual pipeline stages per rank (parallel.vpp: interleaved 1F1B)
 
     @property
@@ -47,7 +47,7 @@ class Layout:
 
 def layout_of(cfg: Config, world: int) -> Layout:
     par = cfg.parallel
-    return Layout(world=world, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, vpp=par.vpp)
+    return Layout(world=world, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, cp=par.cp, vpp=par.vpp)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
@@ -55,7 +55,7 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     layout string also for its own virtual stages; other virtual stages are the planner's sums)."""
     same_pp = layout.pp == cfg.parallel.pp
     same_chunks = same_pp and layout.vpp == cfg.parallel.vpp
-    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
+    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
                               first_stage_layers=cfg.parallel.first_stage_layers if same_pp else None,
                               last_stage_layers=cfg.parallel.last_stage_layers if same_pp else None,
                               layout=cfg.parallel.layout if same_chunks else None,

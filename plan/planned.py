@@ -1,9 +1,6 @@
 """Settings the planner models that the trainer does not run: each is printed as "planned only".
 
 The published frontier runs use them (docs/plan.md's table cites which run used which):
-  context parallelism (Layout.cp)   the sequence split over cp ranks (megatron's ring attention):
-                                    activations and tokens per rank / cp, the K and V chunks
-                                    passed around the ring, dense gradients over DP × CP
   overlap (Planned.overlap)         traffic that runs beside the compute instead of after it
                                     (plan.speed says how much of it stays exposed)
   DualPipe (Planned.dualpipe)       DeepSeek-V3's bidirectional schedule in place of 1F1B
@@ -80,8 +77,8 @@ class Planned:
 
     def labels(self, layout) -> list[str]:
         """What of this plan the trainer cannot run, for the output."""
-        out = [f"CP{layout.cp}"] * (layout.cp > 1)
-        out += ["bf16 optimizer moments"] * (self.optimizer_states == "bf16")
+        # context parallelism (Layout.cp) runs in the trainer (parallel.cp): not planned only
+        out = ["bf16 optimizer moments"] * (self.optimizer_states == "bf16")
         out += [f"fp8 activations ({self.fp8_activations})"] * (self.fp8_activations != "none")
         out += ["norm recompute"] * self.recompute_norms
         out += ["optimizer offload"] * self.offload_optimizer + ["activation offload"] * self.offload_activations

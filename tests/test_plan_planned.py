@@ -85,8 +85,12 @@ def test_bf16_moments_and_optimizer_offload():
     off = planner.state_bytes(params, cfg, layout, Planned(offload_optimizer=True))
     assert off["master"] == off["moments"] == 0 and off["offloaded"] == fp32["master"] + fp32["moments"]
     # the step's fp32 gradient of a group is made on the CPU too: the GPU's step peak is the partitions
-    on_gpu, on_cpu = (planner.gradient_bytes(params, cfg, layout, Planned(offload_optimizer=o)) for o in (False, True))
+    # (bf16 accumulation; with fp32 accumulation AdamW's groups step their fp32 partitions in place)
+    bf16_sums = tiny("train.grad_accum_dtype=bf16")
+    on_gpu, on_cpu = (planner.gradient_bytes(params, bf16_sums, layout, Planned(offload_optimizer=o)) for o in (False, True))
     assert on_gpu["step"] - on_cpu["step"] == 4 * on_gpu["largest_group"] > 0
+    on_gpu, on_cpu = (planner.gradient_bytes(params, cfg, layout, Planned(offload_optimizer=o)) for o in (False, True))
+    assert on_gpu["step"] == on_cpu["step"] == on_gpu["partitions"] and on_gpu["largest_group"] == 0
     plan = planner.plan(cfg, layout, gpu_mem_gib=80, planned=Planned(offload_optimizer=True))
     assert plan.most_loaded.cpu_bytes > 0 and "optimizer offload" in plan.planned_only
     assert "offloaded" not in plan.most_loaded.bytes  # not counted on the GPU
@@ -127,8 +131,9 @@ def test_activation_offload_keeps_two_chunks():
 
 
 def test_planned_only_settings_are_named_and_checked():
+    # context parallelism runs in the trainer (parallel.cp): not planned only
     assert Planned(optimizer_states="bf16", fp8_activations="moe").labels(Layout(8, cp=2, vpp=1)) == \
-        ["CP2", "bf16 optimizer moments", "fp8 activations (moe)"]
+        ["bf16 optimizer moments", "fp8 activations (moe)"]
     with pytest.raises(ValueError, match="fp8_activations: expected one of none, linear, moe"):
         Planned(fp8_activations="all")
     assert dataclasses.replace(Layout(16, tp=2, pp=2, cp=2, vpp=2)).label().startswith("TP2 PP2 CP2 VPP2 ")
@@ -137,6 +142,7 @@ def test_planned_only_settings_are_named_and_checked():
     from megatron_kappa.config import load_config
     from plan import layout_of
     assert layout_of(load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.vpp=2"]), 4).vpp == 2
+    assert layout_of(load_config("configs/tiny.yaml", ["parallel.cp=2"]), 4).cp == 2
 
 
 def test_every_published_run_fits_with_its_published_settings():
@@ -208,7 +214,7 @@ def test_command_line_planned_flags():
                "--offload-optimizer", "--latency-us", "0", "--overlap", "data,expert", "--fused-swiglu")
     assert done.returncode == 0, done.stderr
     assert "TP1 PP1 CP2 EP1" in done.stdout and "DP4" in done.stdout
-    assert "planned only  CP2, bf16 optimizer moments, optimizer offload, overlap (data, expert), fused SwiGLU (the" \
+    assert "planned only  bf16 optimizer moments, optimizer offload, overlap (data, expert), fused SwiGLU (the" \
         in done.stdout
     assert "offloaded" in done.stdout
     done = run("--config", "configs/tiny.yaml", "--world", "2", "--layer-ms", "1.5", "--attention-tflops", "50", "--json",

@@ -3,7 +3,8 @@
     deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
-"x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p" | "mtp_stage_skips", "log": false,
+"x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p" | "mtp_stage_skips" |
+"cp_positions_not_offset" | "cp_unbalanced_split", "log": false,
 "report_offload": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines; "report_offload": print "== cpu_offload <flag>", DeepSpeed's
@@ -28,6 +29,35 @@ def unmarked(original):
             p.allreduce = True
         return False
     return wire
+
+
+def context_parallel_negative(negative):
+    """The context-parallel negative controls, applied; returns what undoes them.
+    cp_positions_not_offset: RoPE gives every rank positions 0..s/CP instead of its chunks' (megatron's
+    get_pos_emb_on_this_cp_rank takes the first tokens); cp_unbalanced_split: rank r reads the r-th
+    contiguous piece of each sequence where RoPE and the attention expect megatron's chunks r and
+    2·CP−1−r."""
+    import importlib
+
+    from megatron_kappa.parallel import compat, context
+    compat.apply("cpu")  # first: its own RoPE patch would replace the negative control's
+    rope = [importlib.import_module(f"megatron.core.models.common.embeddings.{m}")
+            for m in ("rope_utils", "rotary_pos_embedding")]
+    saved = [m.get_pos_emb_on_this_cp_rank for m in rope], context.get_batch_on_this_cp_rank
+    if negative == "cp_positions_not_offset":
+        for m in rope:
+            m.get_pos_emb_on_this_cp_rank = lambda emb, dim, group: emb.narrow(dim, 0, emb.shape[dim] // group.size())
+    if negative == "cp_unbalanced_split":
+        def contiguous(batch, is_hybrid_cp, cp_group):
+            rank, size = cp_group.rank(), cp_group.size()
+            return {k: v.chunk(size, dim=1)[rank] for k, v in batch.items()}
+        context.get_batch_on_this_cp_rank = contiguous
+
+    def undo():
+        for m, f in zip(rope, saved[0]):
+            m.get_pos_emb_on_this_cp_rank = f
+        context.get_batch_on_this_cp_rank = saved[1]
+    return undo
 
 
 def main(plan_path):
@@ -76,6 +106,7 @@ def main(plan_path):
                 config.batch_p2p_comm = True
                 return config
             build.transformer_config = batched
+        undo_cp = context_parallel_negative(case.get("negative"))
         initialize = engine.initialize
         if case.get("report_offload"):
             def reported(*a, **k):
@@ -88,6 +119,7 @@ def main(plan_path):
         engine.initialize = initialize
         build.transformer_config = tconfig
         embedding_copy.all_reduce_grads = sync
+        undo_cp()
     engine.wire_experts = wire
     groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit
 

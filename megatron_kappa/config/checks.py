@@ -91,6 +91,8 @@ def validate(cfg: Config):
          "weights need ZeRO's per-rank fp32 partitions)")
     if par.pp > 1:
         _validate_pipeline(cfg, router, need)
+    if par.cp > 1:
+        _validate_context(cfg, router, need)
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
     for key in ("betas", "x0_betas"):
@@ -278,6 +280,28 @@ def _validate_block(cfg: Config, need):
          "a later micro-batch's tokens; use selective or none")
     need(not m.value_embeddings or m.hidden_size >= 32, "model.value_embeddings",
          f"the gate reads 32 channels of the hidden state; model.hidden_size is {m.hidden_size}")
+
+
+def _validate_context(cfg: Config, router, need):
+    """What context parallelism (parallel.cp > 1) needs: megatron's 2·cp chunks of each sequence,
+    the project's SDPA core attention (megatron's local attention refuses CP, TE's cannot run
+    here), and none of the parts not verified under it (docs/context_parallel.md)."""
+    m, cp, tp = cfg.model, cfg.parallel.cp, cfg.parallel.tp
+    need(m.seq_length % (2 * cp) == 0, "parallel.cp",
+         f"model.seq_length={m.seq_length} is not divisible by 2 × cp = {2 * cp} (megatron's load-balanced causal "
+         f"layout cuts each sequence into 2·cp chunks)")
+    need((m.seq_length // cp) % tp == 0, "parallel.cp",
+         f"the {m.seq_length // cp} tokens of a CP rank are not divisible by tp={tp} (sequence parallelism splits them)")
+    need(m.attention == "sdpa", "model.attention",
+         f"must be sdpa with parallel.cp={cp} (its context-parallel path; megatron's local attention refuses "
+         f"context parallelism and Transformer Engine's does not run here), got {m.attention}")
+    need(not m.mtp.num_layers, "model.mtp.num_layers",
+         f"multi-token prediction with parallel.cp={cp} is not supported (not verified; use parallel.cp 1)")
+    need(m.layout == "dense" or router.topk, "model.moe.router",
+         f"{m.moe.router} with parallel.cp={cp} is not supported (not verified; use a top-k router or parallel.cp 1)")
+    need(not cfg.eval.core_every, "eval.core_every",
+         "the CORE subset during training runs whole prompts on each rank; with parallel.cp > 1 evaluate the "
+         "checkpoints afterwards (eval/core.py)")
 
 
 def _validate_pipeline(cfg: Config, router, need):

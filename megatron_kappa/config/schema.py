@@ -339,6 +339,10 @@ class ParallelConfig:
                      "interleaved 1F1B over pp × vpp model chunks, chunk c on rank c mod pp; the layers split evenly "
                      "over the chunks, or as parallel.layout says with pp × vpp entries; the micro-batches per step "
                      "must be a multiple of pp (docs/pipeline.md)", range=POSITIVE)
+    cp: int = _f(1, "context parallel size: each sequence split over cp ranks in megatron's load-balanced causal "
+                    "layout (2·cp chunks, rank r holds chunks r and 2·cp−1−r; model.seq_length divisible by 2·cp), "
+                    "keys and values all-gathered over them; needs model.attention sdpa, refused with model.mtp and "
+                    "the softmoe router (docs/context_parallel.md)", range=POSITIVE)
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)", range=POSITIVE)
 

@@ -7,6 +7,9 @@ Modules:
                        (megatron_kappa.attention_kinds.implement) when imported
   build.py             Config → megatron-core TransformerConfig + layer specs → GPTModel
   capacity.py          Expert capacity in training and in evaluation, as the authors run it
+  cp_attention.py      Context-parallel core attention (`parallel.cp`): each rank's queries against
+                       the whole sequence's keys and values, all-gathered over the context-parallel
+                       group
   embedding_copy.py    The last pipeline stage's copy of the input embedding (model.mtp with
                        parallel.pp > 1)
   experts.py           Routed experts: κ-SwiGLU's α, b and activation, megatron's SequentialMLP with

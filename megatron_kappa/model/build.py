@@ -70,6 +70,9 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=par.tp, sequence_parallel=par.tp > 1,
+        # context parallelism: megatron's RoPE takes each rank's chunks; the SDPA core attention
+        # all-gathers keys and values (model/cp_attention.py), the one exchange it implements
+        context_parallel_size=par.cp, cp_comm_type="all_gather" if par.cp > 1 else None,
         pipeline_model_parallel_size=par.pp,
         num_layers_in_first_pipeline_stage=par.first_stage_layers if par.pp > 1 else None,
         num_layers_in_last_pipeline_stage=par.last_stage_layers if par.pp > 1 else None,

@@ -19,6 +19,8 @@ What breaks on a CPU without each patch (megatron-core 0.19.2):
     all_to_all_single wants the split sizes as lists (EP > 1): CPU tensors are converted too.
   - `_gather_along_first_dim(output_split_sizes=...)` uses an uneven list all_gather, which gloo
     lacks (ETP > 1 with EP > 1): pad to the largest split, gather, strip.
+  - `get_pos_emb_on_this_cp_rank` (RoPE under context parallelism) builds its chunk index in
+    pinned memory and moves it with `.cuda()`: the same index on the embedding's device.
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ PATCHED = [
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
     ("megatron.core.pipeline_parallel.schedules", "torch"),
+    ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
 ]
 # torch.cuda entry points megatron calls unconditionally; pointed at CPU stand-ins.
 CUDA_SHIMMED = ["current_device", "Stream", "Event", "current_stream", "stream", "synchronize"]
@@ -137,6 +142,18 @@ class _TorchOnCPU(types.ModuleType):
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron's get_pos_emb_on_this_cp_rank with its index on pos_emb's device: chunks r and
+    2·cp−1−r of 2·cp."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1):])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
+
+
 def _make_gather_along_first_dim(original):
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
         # gloo has no uneven list all_gather (site 11): pad to the largest split, gather, strip.
@@ -180,5 +197,8 @@ def apply(device: torch.device | str = "cpu") -> bool:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _make_gather_along_first_dim(mappings._gather_along_first_dim)
     importlib.import_module("megatron.core.pipeline_parallel.schedules").torch = _TorchOnCPU("torch")
+    for module in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding"):  # imported by name there
+        importlib.import_module(f"megatron.core.models.common.embeddings.{module}").get_pos_emb_on_this_cp_rank = \
+            _pos_emb_on_this_cp_rank
     _applied = True
     return True

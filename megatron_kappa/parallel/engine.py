@@ -29,15 +29,22 @@ from megatron_kappa.model.params import is_expert
 from megatron_kappa.parallel import grad_precision, stage_norm
 
 
+def _with_context(function):
+    return staticmethod(lambda: function(with_context_parallel=True))
+
+
 class MegatronMPU:
     """The model-parallel-unit interface DeepSpeed asks for, over megatron's parallel state.
 
+    DeepSpeed's data-parallel group is megatron's with the context-parallel ranks in it (as
+    megatron's own DDP and distributed optimizer): they hold the same weights, so their gradients
+    are averaged and ZeRO partitions over them (megatron_kappa.parallel.context scales the loss).
     Deliberately no `initialize_sequence_parallel`: DeepSpeed reads its presence as Ulysses.
     """
 
-    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
-    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
-    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_data_parallel_group = _with_context(ps.get_data_parallel_group)
+    get_data_parallel_world_size = _with_context(ps.get_data_parallel_world_size)
+    get_data_parallel_rank = _with_context(ps.get_data_parallel_rank)
     get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
     get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
     get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)

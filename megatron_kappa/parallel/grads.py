@@ -8,7 +8,8 @@ plain loop in tests), so they are named here:
       every TP rank: sum over TP, by a hook installed once after building the model. (always ours)
   reduce_data_parallel_grads
       dense params: average over DP; expert params (incl. κ's α and b): sum over expert-DP,
-      divide by DP. (DeepSpeed's job when it drives training; the parity tests use it)
+      divide by DP. DP includes the context-parallel ranks (megatron's group with CP).
+      (DeepSpeed's job when it drives training; the parity tests use it)
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def reduce_data_parallel_grads(model, skip_expert_data_parallel: bool = False):
     for name, p in model.named_parameters():
         if p.grad is not None:
             (expert if is_expert(name) else dense).append(p.grad)
-    dp = parallel_state.get_data_parallel_world_size()
-    _all_reduce_flat(dense, parallel_state.get_data_parallel_group(), scale=1.0 / dp)
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    _all_reduce_flat(dense, parallel_state.get_data_parallel_group(with_context_parallel=True), scale=1.0 / dp)
     if not skip_expert_data_parallel:
         _all_reduce_flat(expert, parallel_state.get_expert_data_parallel_group(), scale=1.0 / dp)

@@ -95,8 +95,9 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
                    parallel_state.get_expert_model_parallel_world_size(),
                    parallel_state.get_expert_tensor_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
-        if current == (par.tp, par.ep, par.expert_tp, par.pp, par.vpp):  # same layout: keep the groups (creating more is slow)
+                   parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+                   parallel_state.get_context_parallel_world_size())
+        if current == (par.tp, par.ep, par.expert_tp, par.pp, par.vpp, par.cp):  # same layout: keep the groups (creating more is slow)
             set_seed(seed)
             return _device
         parallel_state.destroy_model_parallel()
@@ -104,6 +105,7 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,  # interleaved 1F1B's chunks
+        context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
         create_gloo_process_groups=False,

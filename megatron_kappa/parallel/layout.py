@@ -1,4 +1,4 @@
-"""A parallel layout (TP, EP, ETP, PP over a world of ranks): whether it can be built, and the record
+"""A parallel layout (TP, EP, ETP, PP, CP over a world of ranks): whether it can be built, and the record
 of it that checkpoints keep (a resume must use the same one).
 
 Torch-free: the preflight checks a layout before any process group or heavy import exists.
@@ -14,6 +14,9 @@ def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None
     if world % (par.tp * pp):
         raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp × pp = "
                           f"{par.tp} × {pp}")
+    if world % (par.tp * pp * par.cp):
+        raise ConfigError(f"config: parallel.cp: world size {world} is not divisible by tp × pp × cp = "
+                          f"{par.tp} × {pp} × {par.cp}")
     if world % (etp * par.ep * pp):
         raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
                           f"ep × etp × pp = {par.ep} × {etp} × {pp} (start {par.ep * etp * pp} or a multiple of "
@@ -25,6 +28,8 @@ def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None
 def layout_record(par: ParallelConfig, world: int) -> dict:
     """The layout as checkpoints record it (meta.json "layout") and resumes compare it."""
     record = {"world": world, "tp": par.tp, "ep": par.ep, "etp": par.expert_tp}
+    if par.cp > 1:  # absent for cp 1, as pp: earlier checkpoints still match
+        record["cp"] = par.cp
     if par.pp > 1:  # absent for pp 1, so checkpoints written before parallel.pp existed still match
         record["pp"] = par.pp
         # the stages' split likewise, where set: another split is another layout (the rank files

@@ -219,7 +219,9 @@ def rank_coords(model) -> dict:
         "tp": [ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()],
         "ep": [ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()],
         "etp": [ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()],
-        "dp": [ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()],
+        # the context-parallel ranks are replicas too (megatron's data-parallel group with CP)
+        "dp": [ps.get_data_parallel_rank(with_context_parallel=True),
+               ps.get_data_parallel_world_size(with_context_parallel=True)],
         "edp": [ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()],
         "num_local_experts": _num_local_experts(model),
         "split_dim": {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)

@@ -36,7 +36,7 @@ from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.experts import set_kappa_U
-from megatron_kappa.parallel import engine as ds_engine
+from megatron_kappa.parallel import context, engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed, merge_stages
 from megatron_kappa.parallel.layout import layout_record
@@ -69,9 +69,12 @@ def total_steps(cfg: Config, model) -> int:
 
 def lm_loss(model, batch, position_ids) -> torch.Tensor:
     """Mean next-token loss over the batch's unmasked tokens (a device scalar). The model computes
-    the per-token loss: the chunked one of model.cross_entropy_chunk, or megatron's (build.py)."""
-    per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
-    return pipeline.masked_mean(per_token, batch["loss_mask"])
+    the per-token loss: the chunked one of model.cross_entropy_chunk, or megatron's (build.py).
+    With context parallelism the model sees this rank's chunks, and the result is this rank's
+    share of the mean (megatron_kappa.parallel.context: `whole` adds the shares up)."""
+    batch = context.split_batch({**batch, "position_ids": position_ids})
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return context.loss_share(per_token, batch["loss_mask"])
 
 
 @torch.no_grad()
@@ -85,7 +88,7 @@ def validate(engine, valid_ds, cfg: Config, device, position_ids) -> torch.Tenso
     if cfg.parallel.pp > 1:
         loss = pipeline.run_schedule(engine.module, batches, cfg, position_ids, forward_only=True)
     else:
-        loss = torch.stack([lm_loss(engine, batch, position_ids) for batch in batches]).mean()
+        loss = torch.stack([context.whole(lm_loss(engine, batch, position_ids)) for batch in batches]).mean()
     engine.train()
     return dp_mean(loss)
 
@@ -103,7 +106,7 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     if cfg.parallel.pp > 1:
         return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg.train))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    l2_scale = recipe.l2_scale()
+    l2_scale, cp = recipe.l2_scale(), context.backward_scale()
     losses = []
     for micro in range(grad_accumulation(cfg.train)):
         first = train_first_sample(step, micro, cfg.train, dp_rank, dp)
@@ -112,10 +115,10 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
             loss = lm_loss(engine, batch, position_ids)
             l2 = recipe.kappa_l2(model, cfg.model.kappa, cfg.parallel, device)
         with region("backward"):
-            engine.backward(loss + l2 * l2_scale)
+            engine.backward((loss * cp if cp > 1 else loss) + l2 * l2_scale)
         with region("optimizer"):  # DeepSpeed's: the update at the last micro-batch, else nothing
             engine.step()
-        losses.append(loss.detach())
+        losses.append(context.whole(loss))
     return dp_mean(torch.stack(losses).mean()), l2
 
 
@@ -241,11 +244,12 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
 
     # --- the loop
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
-    # the router losses' gradient scale (1 / micro-batches); megatron's pipeline schedule sets it
+    # the router losses' gradient scale (CP / micro-batches: with context parallelism each rank's
+    # router losses are its tokens' share, like the LM loss); megatron's pipeline schedule sets it
     # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (), 1.0 / grad_accum,
-                                                   device=device))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (),
+                                                   context.backward_scale() / grad_accum, device=device))
     # the MTP loss's likewise (model.mtp); its process-wide tracker starts empty (an earlier model's
     # training forwards in this process would otherwise count in the first step's mtp_loss)
     MTPLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (), 1.0 / grad_accum, device=device))

@@ -23,14 +23,10 @@ from megatron_kappa.config import Config
 from megatron_kappa.model import embedding_copy
 from megatron_kappa.model.nanochat import pipeline_seq_length
 from megatron_kappa.model.virtual_stages import chunks_of
+from megatron_kappa.parallel import context
 from megatron_kappa.parallel.groups import dp_mean, pipeline_sum
 from megatron_kappa.train import recipe
 from megatron_kappa.train.data import batch_at, train_first_sample
-
-
-def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the per-token loss over the unmasked tokens (a device scalar)."""
-    return (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_only: bool) -> torch.Tensor:
@@ -41,9 +37,10 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
     data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
 
     def forward_step(data_iterator, module):
-        batch = next(data_iterator)
+        # context parallelism: this rank's chunks (megatron's schedule sizes the p2p tensors by s / CP)
+        batch = context.split_batch({**next(data_iterator), "position_ids": position_ids})
         # the first stage embeds the tokens; the others take their input from the previous stage
-        output = module(batch["tokens"], position_ids, None, labels=batch["labels"])
+        output = module(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, lambda per_token: _loss(per_token, batch["loss_mask"])
 
     results = get_forward_backward_func()(
@@ -57,9 +54,11 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
 
 
 def _loss(per_token, mask):
-    loss = masked_mean(per_token, mask)
+    # with context parallelism this rank's share of the mean: megatron's schedule multiplies it by
+    # CP for the backward (output_tensor *= cp_group_size), `whole` adds the shares for the record
+    loss = context.loss_share(per_token, mask)
     # a copy: megatron's schedule divides the returned loss by the micro-batch count in place
-    return loss, {"loss": loss.detach().clone()}
+    return loss, {"loss": context.whole(loss)}
 
 
 def train_step(engine, model, cfg: Config, train_ds, step: int, device, position_ids, micro_batches: int):

@@ -33,9 +33,10 @@ def kappa_U(step: int, total: int, kappa: KappaConfig) -> float:
 
 
 def l2_scale() -> float:
-    """Each α/b entry lives on EDP ranks while the objective is averaged over DP ranks: scale the
-    local penalty by DP / EDP (= EP · ETP / TP) so the global objective counts every entry once."""
-    return ps.get_data_parallel_world_size() / ps.get_expert_data_parallel_world_size()
+    """Each α/b entry lives on EDP ranks while the objective is averaged over DP ranks (with the
+    context-parallel ones, as gradients are): scale the local penalty by DP / EDP (= EP · ETP / TP)
+    so the global objective counts every entry once."""
+    return ps.get_data_parallel_world_size(with_context_parallel=True) / ps.get_expert_data_parallel_world_size()
 
 
 def kappa_l2(model, kappa: KappaConfig, parallel: ParallelConfig, device: torch.device) -> torch.Tensor:

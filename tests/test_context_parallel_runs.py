@@ -1,6 +1,6 @@
 """Context parallelism (parallel.cp) in training, against one process from the same weights: CP2,
 CP2×EP2, the nanochat block (x0, value embeddings) and MLA under CP2 on 2 processes; CP2×TP2,
-CP2×PP2 and CP2×DP2 under ZeRO-2 on 4. Each run's losses, gradient norms, router losses and
+CP2×PP2, CP2×PP2×VPP2 and CP2×DP2 under ZeRO-2 on 4. Each run's losses, gradient norms, router losses and
 validation loss stay ≤ 1e-5 from the one-process run's over 3 steps, and its trained weights
 (consolidated from the checkpoint) too. Negative controls: RoPE positions not offset per chunk,
 and the unbalanced (contiguous) split. A CP2 checkpoint resumes in CP1 and a CP1 checkpoint in CP2,
@@ -16,6 +16,7 @@ from test_pipeline import COMMON, STEPS, assert_same_run, base_sets, final_weigh
 # with 2 iterations sees the 4 of DP1
 LAYOUTS = {"cp2": (2, ["parallel.cp=2"]), "cp2_ep2": (2, ["parallel.cp=2", "parallel.ep=2"]),
            "cp2_tp2": (4, ["parallel.cp=2", "parallel.tp=2"]), "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+           "cp2_pp2_vpp2": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2"]),
            "cp2_dp2_zero2": (4, ["parallel.cp=2", "zero.stage=2", "eval.valid_iters=2"])}
 NEGATIVES = ("cp_positions_not_offset", "cp_unbalanced_split")  # tests/training_worker.py
 EVERY_STEP = ["checkpoint.interval=1", "checkpoint.keep=3"]  # the resumes start from step 1's

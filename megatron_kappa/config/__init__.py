@@ -3,8 +3,12 @@
 Checks that need files, the world size or installed packages are in megatron_kappa.preflight.
 
 Modules:
-  __main__.py      `python -m megatron_kappa.config --markdown` prints docs/config.md
+  __main__.py      `python -m megatron_kappa.config`: a config as the trainer reads it, or
+                   docs/config.md
   checks.py        Cross-field checks of a config that need no process group, files or packages
+  derived.py       What a config implies before anything is built: the layers' kinds, each pipeline
+                   stage's layers, the data-parallel sizes and micro-batches on a world of ranks,
+                   the steps and tokens
   facts.py         What the schema knows about each key beside its default and help text, kept on
                    the key itself (the dataclass field's metadata) so that a key is read in one
                    place:

@@ -3,6 +3,8 @@ and where a pipeline stage's layers sit in the full model.
 
 `model_layout(cfg)` derives them once, as a ModelLayout that the builder, the trainer, the
 preflight, evaluation, the summary and the planner are handed instead of each deriving them again.
+The layer pattern and the stages' split come from megatron_kappa.config.derived, which
+`python -m megatron_kappa.config` shows without building anything.
 """
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from megatron_kappa.config import Config, ModelConfig
-from megatron_kappa.config.stage_layout import decoder_counts
+from megatron_kappa.config import Config
+from megatron_kappa.config.derived import chunk_counts, moe_layer_pattern  # noqa: F401 (moe_layer_pattern: this module's API too)
 
 
 @dataclass(frozen=True)
@@ -57,22 +59,8 @@ class ModelLayout:
 
     def chunk_counts(self) -> list[int]:
         """The number of layers of each model chunk, in the model's order (pp × vpp of them)."""
-        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
-        if pp == 1:
-            return [len(self.moe_layers)]
-        if self.stage_layout is not None:
-            return decoder_counts(self.stage_layout)
-        if self.vpp > 1:  # an even split (the checks refuse first/last stage counts with vpp)
-            return [len(self.moe_layers) // (pp * self.vpp)] * (pp * self.vpp)
-        middle_stages = pp - (first is not None) - (last is not None)
-        rest = len(self.moe_layers) - (first or 0) - (last or 0)
-        per = rest // middle_stages if middle_stages else 0
-        counts = [per] * pp
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return counts
+        return chunk_counts(len(self.moe_layers), self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
+                            self.stage_layout)
 
     def stage_layer_indices(self, stage: int) -> list[int]:
         """The global indices of a stage's layers (of all its virtual stages, in order)."""
@@ -88,16 +76,6 @@ def model_layout(cfg: Config) -> ModelLayout:
     return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg.model)), num_experts=cfg.model.moe.num_experts,
                        padded_vocab=padded_vocab_size(cfg), pp=par.pp, first_stage_layers=par.first_stage_layers,
                        last_stage_layers=par.last_stage_layers, stage_layout=par.layout, vpp=par.vpp)
-
-
-def moe_layer_pattern(m: ModelConfig) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one, per layer."""
-    if m.layout == "dense":
-        return [0] * m.num_layers
-    if m.layout == "moe":
-        return [0] * m.first_dense + [1] * (m.num_layers - m.first_dense)
-    middle = m.num_layers // 2
-    return [1 if i in (middle - 1, middle) else 0 for i in range(m.num_layers)]
 
 
 VALUE_GATE_CHANNELS = 32  # a value-embedding gate reads x[..., :32] (14c9b04 nanochat/gpt.py 360)

@@ -18,6 +18,9 @@ Stages, each a separate process with a time limit, each recorded whether it pass
      the allocator; GPU only), bench/plan_rates.py (the GEMM, grouped-GEMM and attention rates
      and the per-layer fixed cost behind the planner's step time) and bench/throughput.py at the
      paper's moe8 / sandwich28 shapes (tiny shapes with --quick or --cpu).
+  6. the EP overlap (bench/ep_overlap.py: parallel.overlap_moe_expert_parallel_comm on and off)
+     over every GPU, EP = their number; with one GPU it is recorded as not run (megatron refuses
+     the overlap at EP 1, and NCCL puts one rank on a GPU); with --cpu, 2 gloo ranks.
 It writes <out>/report.json and <out>/report.md (paste the latter into docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -188,12 +191,35 @@ def last_json(output: str):
     return json.loads([line for line in output.splitlines() if line.startswith("{") or line.startswith("[")][-1])
 
 
+def ep_overlap(check: Check, out: Path, small: bool):
+    """Stage 6: bench/ep_overlap.py under torchrun, one rank per GPU (2 gloo ranks with --cpu)."""
+    py = sys.executable
+    if check.cpu:
+        ranks = 2
+    else:
+        count = subprocess.run([py, "-c", "import torch; print(torch.cuda.device_count())"], cwd=ROOT,
+                               env=check.env, capture_output=True, text=True, timeout=300)
+        ranks = int(count.stdout.strip().splitlines()[-1]) if count.returncode == 0 else 0
+    name = "bench: EP overlap on/off"
+    if ranks < 2:
+        check.stages.append({"name": name, "ok": True, "seconds": 0.0, "not_run": (
+            f"{ranks} GPU: the overlap hides the expert all-to-all, which needs EP >= 2 ranks, one per GPU")})
+        print(f"== {name}: not run ({ranks} GPU)", flush=True)
+        return
+    config = ["--config", "configs/tiny.yaml", "--micro-batch", "2", "--set", "model.seq_length=64"] if small else \
+        ["--config", "configs/moe8.yaml", "--micro-batch", "4"]
+    target = out / "ep_overlap.json"
+    check.run(name, [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                     "bench/ep_overlap.py", *config, "--json", target], 900, lambda o: json.loads(target.read_text()))
+
+
 def write_report(check: Check, out: Path):
     report = {"when": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "stages": check.stages}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     lines = [f"# GPU check, {report['when']}", "", "| stage | result | seconds |", "|---|---|---|"]
     for s in check.stages:
-        lines.append(f"| {s['name']} | {'ok' if s['ok'] else 'FAILED'} | {s['seconds']} |")
+        result = f"not run: {s['not_run']}" if "not_run" in s else "ok" if s["ok"] else "FAILED"
+        lines.append(f"| {s['name']} | {result} | {s['seconds']} |")
     for s in check.stages:
         if "result" in s:
             lines += ["", f"## {s['name']}", "", "```", json.dumps(s["result"], indent=1)[:6000], "```"]
@@ -250,6 +276,7 @@ def main(argv=None) -> int:
         target = out / (name.split(": ")[1].replace(" ", "_").replace("+", "_") + ".json")
         check.run(name, [py, *cmd, "--json", target], 900,
                   lambda o, t=target: json.loads(t.read_text()))
+    ep_overlap(check, out, small)
     write_report(check, out)
     return 0 if all(s["ok"] for s in check.stages) else 1
 

@@ -93,6 +93,8 @@ def validate(cfg: Config):
         _validate_pipeline(cfg, router, need)
     if par.cp > 1:
         _validate_context(cfg, router, need)
+    if par.overlap_moe_expert_parallel_comm or par.delay_wgrad_compute:
+        _validate_ep_overlap(cfg, router, need)
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
          f"{cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}")
     for key in ("betas", "x0_betas"):
@@ -315,3 +317,42 @@ def _validate_pipeline(cfg: Config, router, need):
     need(not cfg.eval.core_every, "eval.core_every",
          "the CORE subset during training needs the whole model on each rank; with parallel.pp > 1 "
          "evaluate the checkpoints afterwards (eval/core.py consolidates them)")
+
+
+def _validate_ep_overlap(cfg: Config, router, need):
+    """parallel.overlap_moe_expert_parallel_comm / delay_wgrad_compute: megatron-core's own rules
+    (TransformerConfig.__post_init__, which would stop the build with an assert) first, then what
+    the combined 1F1B schedule bypasses here: it calls each layer's attention, router, dispatcher
+    and experts itself, not the layer's or the model's forward (docs/ep_overlap.md)."""
+    m, par, key = cfg.model, cfg.parallel, "parallel.overlap_moe_expert_parallel_comm"
+    need(par.overlap_moe_expert_parallel_comm, "parallel.delay_wgrad_compute",
+         "needs parallel.overlap_moe_expert_parallel_comm (megatron runs the delayed weight gradients in its "
+         "overlapped schedule only)")
+    need(m.moe.grouped_gemm or not par.delay_wgrad_compute, "parallel.delay_wgrad_compute",
+         "needs model.moe.grouped_gemm: true (megatron's per-expert linears compute their weight gradients in "
+         "backward whatever the flag says; the grouped experts defer theirs)")
+    need(not (par.delay_wgrad_compute and cfg.precision == "fp8" and m.fp8.experts), "parallel.delay_wgrad_compute",
+         "with FP8 experts (model.fp8.experts): their FP8 grouped GEMM computes its weight gradient in backward; "
+         "set model.fp8.experts: false or leave the flag off")
+    need(m.layout != "dense" and par.ep >= 2, key, f"hides the expert all-to-all: needs an MoE model and "
+         f"parallel.ep >= 2 (got layout {m.layout}, ep={par.ep})")
+    need(m.moe.dispatcher == "alltoall", key,
+         f"needs model.moe.dispatcher: alltoall (megatron: alltoall or flex; got {m.moe.dispatcher})")
+    need(cfg.precision in ("bf16", "fp8"), key, f"needs precision bf16 or fp8, as megatron-core (got {cfg.precision})")
+    need(par.pp == 1 or par.vpp > 1, key, f"with parallel.pp={par.pp} needs parallel.vpp > 1 (megatron's "
+         "combined schedule interleaves virtual stages)")
+    need(par.cp == 1, key, f"with parallel.cp={par.cp}: the overlapped schedule with context parallelism is "
+         "not run or tested here; use parallel.cp 1")
+    need(m.recompute != "full" and "moe" not in (m.recompute_modules or []), "model.recompute",
+         "full, or selective with moe, cannot be combined with parallel.overlap_moe_expert_parallel_comm "
+         "(megatron-core refuses them)")
+    need(router.topk, "model.moe.router", f"{m.moe.router} with parallel.overlap_moe_expert_parallel_comm: the "
+         "overlapped schedule runs here with the top-k routers only")
+    for block in ("value_embeddings", "residual_scalars", "embedding_norm"):
+        need(not getattr(m, block), f"model.{block}", "must be false with parallel.overlap_moe_expert_parallel_comm "
+             "(the schedule calls megatron's layer and model pieces, not the nanochat block's forward)")
+    need(not m.mtp.num_layers, "model.mtp.num_layers", "must be 0 with parallel.overlap_moe_expert_parallel_comm "
+         "(the MTP block under the overlapped schedule is not built here)")
+    need(cfg.zero.stage == 1, "zero.stage", f"{cfg.zero.stage} with parallel.overlap_moe_expert_parallel_comm: "
+         "ZeRO-2 reduces gradients in backward hooks, which under megatron's schedule gave silently wrong updates "
+         "with pipeline stages (docs/pipeline.md); use 1")

@@ -343,6 +343,15 @@ class ParallelConfig:
                     "layout (2·cp chunks, rank r holds chunks r and 2·cp−1−r; model.seq_length divisible by 2·cp), "
                     "keys and values all-gathered over them; needs model.attention sdpa, refused with model.mtp and "
                     "the softmoe router (docs/context_parallel.md)", range=POSITIVE)
+    overlap_moe_expert_parallel_comm: bool = _f(
+        False, "megatron-core's EP communication overlap: each step's micro-batches run through its combined 1F1B "
+               "schedule, one micro-batch's forward interleaved layer by layer with the previous one's backward, so "
+               "that on a GPU each all-to-all runs on a side stream beside the other micro-batch's compute; needs "
+               "ep >= 2, the alltoall dispatcher, precision bf16 or fp8 and, with pp > 1, vpp > 1 (docs/ep_overlap.md)")
+    delay_wgrad_compute: bool = _f(
+        False, "with overlap_moe_expert_parallel_comm: the grouped experts' weight gradients are computed after the "
+               "next micro-batch's dispatch is issued instead of inside their backward (megatron's backward_dw); "
+               "needs model.moe.grouped_gemm (docs/ep_overlap.md)")
     timeout_s: float = _f(600.0, "seconds a collective waits for the other ranks before the job fails "
                                  "(a dead or hung rank; torch's defaults: 30 min gloo, 10 min NCCL)", range=POSITIVE)
 
@@ -350,6 +359,12 @@ class ParallelConfig:
     def expert_tp(self) -> int:
         """The expert tensor-parallel size in effect (`etp`, or `tp` when unset)."""
         return self.etp or self.tp
+
+    @property
+    def megatron_schedule(self) -> bool:
+        """Whether a step runs through megatron-core's schedule (pipeline stages, or the EP overlap's
+        combined 1F1B) instead of DeepSpeed's forward and backward per micro-batch."""
+        return self.pp > 1 or self.overlap_moe_expert_parallel_comm
 
 
 @dataclass

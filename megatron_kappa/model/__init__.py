@@ -10,6 +10,9 @@ Modules:
   cp_attention.py      Context-parallel core attention (`parallel.cp`): each rank's queries against
                        the whole sequence's keys and values, all-gathered over the context-parallel
                        group
+  deferred_wgrad.py    Grouped expert GEMMs whose weight gradient is computed later, when megatron's
+                       overlapped schedule asks for it (`parallel.delay_wgrad_compute`: megatron-
+                       core's `backward_dw`)
   embedding_copy.py    The last pipeline stage's copy of the input embedding (model.mtp with
                        parallel.pp > 1)
   experts.py           Routed experts: κ-SwiGLU's α, b and activation, megatron's SequentialMLP with

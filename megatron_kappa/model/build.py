@@ -84,6 +84,9 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         # two arrive swapped. megatron's unbatched ops put the two directions on two groups.
         batch_p2p_comm=par.vpp == 1,
         expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp,
+        # megatron's combined 1F1B schedule (docs/ep_overlap.md); the trainer runs its step through it
+        overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=par.delay_wgrad_compute,
         use_cpu_initialization=torch.device(device).type == "cpu",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         # precision fp8 runs its GEMMs through torchao (model/fp8.py); megatron's own fp8 flag would

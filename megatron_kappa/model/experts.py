@@ -3,7 +3,6 @@ and grouped-GEMM experts (κ or plain SwiGLU) that replace the per-expert loop."
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel.random import (
     CheckpointWithoutOutput, get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name)
@@ -12,6 +11,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings, kappa_swiglu, kappa_values
 from megatron_kappa.model import fp8 as fp8_gemm
+from megatron_kappa.model.deferred_wgrad import WgradQueue, deferred_gemm, grouped_gemm
 from megatron_kappa.model.fp8 import FP8Settings
 
 # megatron-core's fused paths are keyed on `activation_func == F.silu` (bias_activation_fusion,
@@ -194,6 +194,8 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         else:
             self.kappa = None
         self.last_logits = None
+        # parallel.delay_wgrad_compute: fc1's and fc2's weight gradients wait for backward_dw
+        self.wgrad_queue = WgradQueue() if config.delay_wgrad_compute else None
         self.recompute_activation = (config.recompute_granularity == "selective"
                                      and "moe_act" in (config.recompute_modules or []))
         self._register_state_dict_hook(_per_expert_state)
@@ -202,6 +204,9 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
     def forward(self, hidden_states, tokens_per_expert, permuted_probs):
         if self.config.fp8 or self.config.fp4:
             raise NotImplementedError("grouped experts: megatron's TE fp8 flag is not used here (model.fp8)")
+        if self.wgrad_queue is not None and self.wgrad_queue.pending:
+            raise RuntimeError("grouped experts: weight gradients of an earlier backward were never computed "
+                               "(parallel.delay_wgrad_compute outside megatron's overlapped schedule)")
         # megatron's dispatchers hand the counts over on the host (they read them for the
         # all-to-all anyway); the GEMMs take their offsets on the device.
         counts = tokens_per_expert.to(hidden_states.device, torch.int32, non_blocking=True)
@@ -230,13 +235,9 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         """Each expert's rows times its [out, in] weight: one grouped GEMM (FP8 with model.fp8)."""
         if self.fp8 is not None:
             return fp8_gemm.grouped_mm(x, weight, offs, self.fp8)
-        if x.dtype == torch.float64:
-            # torch's grouped GEMM takes 16- and 32-bit floats only; float64 (the precision the
-            # parity tests compare kernels and layouts in) runs one GEMM per expert instead
-            rows = x.tensor_split(offs.tolist())  # one piece per expert, then any rows past the last
-            return torch.cat([r @ w.t() for r, w in zip(rows, weight)]
-                             + [x.new_zeros(rows[-1].shape[0], weight.shape[1])])
-        return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        if self.wgrad_queue is not None and torch.is_grad_enabled() and weight.requires_grad:
+            return deferred_gemm(x, weight, offs, self.wgrad_queue)
+        return grouped_gemm(x, weight, offs)
 
     def routed_logits(self) -> list:
         """Per local expert, the router logits of the rows it got in the last forward."""
@@ -246,7 +247,10 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         return list(logits.split(counts.tolist()))  # a host read: logging steps only
 
     def backward_dw(self):
-        pass  # weight gradients come with the backward (no delayed wgrad)
+        """megatron's delayed weight gradients (parallel.delay_wgrad_compute): fc1's and fc2's,
+        queued by the last backward; without the flag they came with the backward."""
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.run()
 
 
 def _per_expert_state(module, state, prefix, local_metadata):

@@ -15,6 +15,8 @@ What breaks on a CPU without each patch (megatron-core 0.19.2):
     device check by the global memory buffer, RoPE, the router, the expert bias, the alltoall
     dispatcher's side stream and the TP mappings: pointed at CPU stand-ins.
   - the default causal mask is built with device="cuda": built on the CPU.
+  - `tensor.record_stream(stream)` (the EP-overlap schedule, models/gpt/fine_grained_callables.py
+    and pipeline_parallel/utils.py) takes a stream: the stand-in makes it a no-op.
   - `maybe_move_tensor_to_cpu(as_numpy=True)` converts only CUDA tensors, and gloo's
     all_to_all_single wants the split sizes as lists (EP > 1): CPU tensors are converted too.
   - `_gather_along_first_dim(output_split_sizes=...)` uses an uneven list all_gather, which gloo
@@ -93,6 +95,14 @@ class _NoStream:
 
     def query(self):
         return True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # `tensor.record_stream(stream)` (megatron's EP-overlap schedule keeps a tensor alive for
+        # another stream) is the one torch call that takes a stream: nothing to record on the CPU
+        if func is torch.Tensor.record_stream:
+            return None
+        return NotImplemented
 
 
 def _shim_cuda():

@@ -117,9 +117,9 @@ def ds_config(cfg: Config, grad_accum: int) -> dict:
         "gradient_clipping": cfg.train.clip,  # null: by optimizer (TrainConfig.clip)
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.precision in ("bf16", "fp8")},
-        # pipeline stages: megatron's schedule does the backward passes and engine.step() is the
-        # accumulation boundary (megatron_kappa.train.pipeline)
-        "managed_gradient_accumulation": cfg.parallel.pp == 1,
+        # pipeline stages or the EP overlap: megatron's schedule does the backward passes and
+        # engine.step() is the accumulation boundary (megatron_kappa.train.pipeline)
+        "managed_gradient_accumulation": not cfg.parallel.megatron_schedule,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         **grad_precision.ds_entries(cfg.precision, cfg.train.grad_accum_dtype),

@@ -102,8 +102,8 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     """One optimizer step over this rank's micro-batches. `engine` is DeepSpeed's (or anything
     with its forward/backward/step). Returns the step's loss averaged over data-parallel ranks and
     the last κ L2 penalty, as device tensors: nothing here waits for the device. With pipeline
-    stages: megatron_kappa.train.pipeline."""
-    if cfg.parallel.pp > 1:
+    stages or the EP overlap: megatron_kappa.train.pipeline."""
+    if cfg.parallel.megatron_schedule:
         return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg.train))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     l2_scale, cp = recipe.l2_scale(), context.backward_scale()
@@ -248,11 +248,12 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     # router losses are its tokens' share, like the LM loss); megatron's pipeline schedule sets it
     # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (),
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.megatron_schedule else (),
                                                    context.backward_scale() / grad_accum, device=device))
     # the MTP loss's likewise (model.mtp); its process-wide tracker starts empty (an earlier model's
     # training forwards in this process would otherwise count in the first step's mtp_loss)
-    MTPLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.pp > 1 else (), 1.0 / grad_accum, device=device))
+    MTPLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.megatron_schedule else (), 1.0 / grad_accum,
+                                                device=device))
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     core = None
     if cfg.eval.core_every:

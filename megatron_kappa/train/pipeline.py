@@ -11,6 +11,10 @@ and is refused with stages (the preflight).
 The loss exists on the last stage only; it is summed over the pipeline group so that every rank
 has it. κ's L2 penalty belongs to the stages that hold α and b: each backwards its own share once
 per step, outside the schedule.
+
+Without stages the step comes here too with `parallel.overlap_moe_expert_parallel_comm`: megatron's
+no-pipelining schedule then runs its combined 1F1B (each micro-batch's forward interleaved layer by
+layer with the previous one's backward; docs/ep_overlap.md), with the same reduction and update.
 """
 from __future__ import annotations
 
@@ -36,11 +40,15 @@ def run_schedule(model, batches: list[dict], cfg: Config, position_ids, forward_
     chunks = chunks_of(model)  # virtual stages: megatron's interleaved schedule, each chunk its own iterator
     data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
 
-    def forward_step(data_iterator, module):
+    def forward_step(data_iterator, module, return_schedule_plan=False):
         # context parallelism: this rank's chunks (megatron's schedule sizes the p2p tensors by s / CP)
         batch = context.split_batch({**next(data_iterator), "position_ids": position_ids})
-        # the first stage embeds the tokens; the others take their input from the previous stage
-        output = module(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        # the first stage embeds the tokens; the others take their input from the previous stage.
+        # EP overlap (megatron's combined 1F1B): the schedule asks for the model's plan of this
+        # micro-batch instead, and runs its layers' pieces itself; the plan's output is the same
+        # per-token loss
+        run = module.build_schedule_plan if return_schedule_plan else module
+        output = run(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, lambda per_token: _loss(per_token, batch["loss_mask"])
 
     results = get_forward_backward_func()(

@@ -1,1 +1,1 @@
-"""Analyses of finished runs: figures (plots.py) and a study's table (study_table.py)."""
+"""Analyses of finished runs: figures (plots.py, drawn on the axes of figure_axes.py) and a study's table (study_table.py)."""

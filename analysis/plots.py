@@ -10,38 +10,49 @@ From metrics.jsonl (what the training loop logged at log.interval):
   alignment.png    router–gate alignment cos(r_e, w_e,j): mean, 5 %, 95 %
   gate_bias.png    confidence-induced gate bias (w_e,jᵀ r̂_e)(r̂_eᵀ x): mean, 5 %, 95 %
   token_cos.png    cos(x, r_e) of routed tokens: mean, 5 %, 95 %
-  load.png         tokens per expert (max / mean, min / mean, CV) and dropped tokens
+  load.png         tokens per expert against their mean: max / mean, min / mean, CV
+  dropped.png      the fraction of routed (token, expert) pairs dropped (runs with a capacity)
 From the latest checkpoint (unless --no-checkpoint or there is none):
   alignment_final.png   histogram of cos(r_e, w_e,j) per MoE layer
   kappa_params_final.png  histograms of α and b per MoE layer (κ runs)
-A figure whose metrics the run did not log (e.g. κ in a SwiGLU run) is skipped.
+A figure whose metrics the run did not log (e.g. κ in a SwiGLU run) is skipped. Every figure
+has steps below and tokens seen above (figure_axes.py), one y scale across its layer panels, a
+label with its unit on every axis, its legend below the panels, and a title without paths.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-import matplotlib
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
+from analysis.figure_axes import grid, legend_below, save, step_axes  # noqa: E402
 from megatron_kappa.metrics.log import read_records  # noqa: E402
 
 _LAYER_KEY = re.compile(r"^(?P<family>[a-z_]+)/layer(?P<layer>\d+)/(?P<stat>.+)$")
 _BANDS = (("top5", "95 %", "-"), ("mean", "mean", ":"), ("bottom5", "5 %", "--"))
+LOSS = "loss (nats/token)"
+KAPPA = "κ (unitless; 1 = SwiGLU)"
+COSINE = "cosine (unitless)"
+UNFROZEN = "α, b unfrozen"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (expected a training run directory)")
-    return read_records(path)[0]  # a record a crash left half-written is not plotted
+    records = read_records(path)[0]  # a record a crash left half-written is not plotted
+    if not any(isinstance(r.get("step"), int) for r in records):  # figures of nothing, exit 0, it was
+        raise ValueError(f"{path}: no records yet (the run has not logged a step)")
+    return records
 
 
 def layers_of(records: list[dict], family: str) -> list[int]:
@@ -52,6 +63,29 @@ def layers_of(records: list[dict], family: str) -> list[int]:
 def series(records: list[dict], key: str):
     points = [(r["step"], r[key]) for r in records if key in r and isinstance(r[key], (int, float))]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's config.yaml as written (plain YAML: old runs' configs need not validate)."""
+    import yaml
+    path = Path(run_dir) / "config.yaml"
+    try:
+        return yaml.safe_load(path.read_text()) or {} if path.is_file() else {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def run_title(run_dir: Path, config: dict) -> str:
+    """The run's folder name and its model in words: no path (the file says where it is)."""
+    model = config.get("model") or {}
+    moe = model.get("moe") or {}
+    kappa = (model.get("kappa") or {}).get("enabled")
+    words = [f"{model['num_layers']} layers" if model.get("num_layers") else None,
+             f"hidden {model['hidden_size']}" if model.get("hidden_size") else None,
+             f"{moe['num_experts']} experts, top-{moe.get('topk')}" if moe.get("num_experts") else None,
+             None if kappa is None else ("κ-SwiGLU" if kappa else "SwiGLU")]
+    words = [w for w in words if w]
+    return Path(run_dir).resolve().name + (f": {', '.join(words)}" if words else "")
 
 
 def unfreeze_step(run_dir: Path, records: list[dict]) -> int | None:
@@ -68,96 +102,87 @@ def unfreeze_step(run_dir: Path, records: list[dict]) -> int | None:
     return first_trained(total, cfg.model.kappa)
 
 
-def _grid(n: int, title: str):
-    cols = min(n, 4)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, sharex=True)
-    fig.suptitle(title)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def _mark_unfreeze(ax, step):
     if step is not None:
-        ax.axvline(step, color="grey", lw=0.8, ls="-.", label="α, b unfrozen")
+        ax.axvline(step, color="grey", lw=0.8, ls="-.", label=UNFROZEN)
 
 
-def band_figure(records, family, title, ylabel, path, unfreeze=None, reference=None):
-    """One panel per MoE layer with the 95 % / mean / 5 % lines of `family`."""
+def band_figure(records, family, title, ylabel, unfreeze=None, reference=None):
+    """One panel per MoE layer with the 95 % / mean / 5 % lines of `family`, one y scale."""
     layers = layers_of(records, family)
     if not layers:
         return None
-    fig, axes = _grid(len(layers), title)
+    fig, axes = grid(len(layers), title)
     for ax, layer in zip(axes, layers):
         for stat, label, style in _BANDS:
             x, y = series(records, f"{family}/layer{layer}/{stat}")
             if x:
                 ax.plot(x, y, style, color="C0", label=label)
         if reference is not None:
-            ax.axhline(reference, color="black", lw=0.6)
+            ax.axhline(reference[0], color="black", lw=0.6, label=reference[1] or "_zero")  # "_": no legend entry
         _mark_unfreeze(ax, unfreeze)
         ax.set_title(f"layer {layer}")
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-    axes[0].legend(fontsize=7)
-    return _save(fig, path)
+        step_axes(ax, records, ylabel)
+    legend_below(fig, axes)
+    return fig
 
 
 def loss_axes(ax, records):
-    ax.plot(*series(records, "loss"), label="train loss")
+    ax.plot(*series(records, "loss"), label="train loss (the step's batch)")
     x, y = series(records, "valid_loss")
     if x:
         ax.plot(x, y, "o-", label="valid loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.legend()
+    step_axes(ax, records, LOSS)
+    ax.legend(loc="best")  # two entries, placed where the curves are not
 
 
-def loss_figure(records, path, title="training loss"):
-    fig, ax = plt.subplots(figsize=(6, 4))
+def loss_figure(records, title="training loss"):
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     loss_axes(ax, records)
     ax.set_title(title)
-    return _save(fig, path)
+    return fig
 
 
-def overview_figure(records, path, unfreeze=None, title=""):
-    """The loss curve beside κ's spread: every MoE layer's 5 % / mean / 95 % of κ."""
+def overview_figure(records, unfreeze=None, title=""):
+    """The loss curve beside κ's spread: every MoE layer's 5 % / mean / 95 % of κ (a colour per
+    layer; a colour bar instead of legend entries past 8 layers)."""
     layers = layers_of(records, "kappa")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
     fig.suptitle(title)
     loss_axes(left, records)
     left.set_title("loss")
+    cmap = plt.get_cmap("viridis", len(layers)) if len(layers) > 8 else None
     for i, layer in enumerate(layers):
-        for stat, label, style in _BANDS:
+        color = cmap(i) if cmap else f"C{i}"
+        for stat, _, style in _BANDS:
             x, y = series(records, f"kappa/layer{layer}/{stat}")
             if x:
-                right.plot(x, y, style, color=f"C{i}", label=f"layer {layer} {label}")
+                right.plot(x, y, style, color=color)
     right.axhline(1.0, color="black", lw=0.6)
     _mark_unfreeze(right, unfreeze)
     right.set_title("κ per token and gate unit (routed tokens)" if layers else "κ: not a κ-SwiGLU run")
-    right.set_xlabel("step")
-    right.set_ylabel("κ")
+    step_axes(right, records, KAPPA)
     if layers:
-        right.legend(fontsize=6, ncol=max(1, len(layers) // 3))
-    return _save(fig, path)
+        handles = [Line2D([], [], color="black", ls=style, label=label) for _, label, style in _BANDS]
+        if unfreeze is not None:
+            handles.append(Line2D([], [], color="grey", lw=0.8, ls="-.", label=UNFROZEN))
+        if cmap:
+            bar = fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(layers[0], layers[-1])), ax=right)
+            bar.set_label("MoE layer")
+        else:
+            handles = [Line2D([], [], color=f"C{i}", label=f"layer {layer}") for i, layer in enumerate(layers)] + handles
+        right.legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+    return fig
 
 
-def alpha_b_figure(records, path, unfreeze=None):
+def alpha_b_figure(records, unfreeze=None):
     layers = layers_of(records, "kappa")
     keys = ("alpha_pos_mean", "bias_pos_mean", "alpha_s_abs", "bias_routed_abs")
-    labels = ("mean of positive α", "mean of positive b", "|α·s| (routed)", "|b| (routed)")
+    labels = ("mean of positive α", "mean of positive b", "mean |α·s| (routed)", "mean |b| (routed)")
     layers = [l for l in layers if any(series(records, f"kappa/layer{l}/{k}")[0] for k in keys)]
     if not layers:
         return None
-    fig, axes = _grid(len(layers), "α and b: positive means; |α·s| against |b| inside κ's tanh")
+    fig, axes = grid(len(layers), "α and b: positive means; |α·s| against |b|, the two terms inside κ's tanh")
     for ax, layer in zip(axes, layers):
         for i, (key, label) in enumerate(zip(keys, labels)):
             x, y = series(records, f"kappa/layer{layer}/{key}")
@@ -165,63 +190,76 @@ def alpha_b_figure(records, path, unfreeze=None):
                 ax.plot(x, y, "-" if i < 2 else "--", color=f"C{i}", label=label)
         _mark_unfreeze(ax, unfreeze)
         ax.set_title(f"layer {layer}")
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=7)
-    return _save(fig, path)
+        step_axes(ax, records, "value (unitless)")
+    legend_below(fig, axes, max_columns=5)
+    return fig
 
 
-def load_figure(records, path):
-    layers = layers_of(records, "load")
+def load_figure(records):
+    """Tokens per expert against their mean, all three ratios on one scale (1 = balanced)."""
+    layers = [l for l in layers_of(records, "load") if series(records, f"load/layer{l}/cv")[0]]
     if not layers:
         return None
-    fig, axes = _grid(len(layers), "router load: tokens per expert (last micro-batch of each rank)")
+    fig, axes = grid(len(layers), "router load: tokens per expert against the mean (last micro-batch of each rank)")
     for ax, layer in zip(axes, layers):
-        steps, cv = series(records, f"load/layer{layer}/cv")
-        ax.plot(steps, cv, color="C0", label="CV")
         rows = [r for r in records if r.get(f"load/layer{layer}/mean")]
-        if rows:
-            ax2 = ax.twinx()
-            for i, stat in ((1, "max"), (2, "min")):
-                ax2.plot([r["step"] for r in rows], [r[f"load/layer{layer}/{stat}"] / r[f"load/layer{layer}/mean"]
-                                                     for r in rows], color=f"C{i}", label=f"{stat} / mean")
-            ax2.legend(fontsize=7, loc="upper right")
-        x, dropped = series(records, f"load/layer{layer}/dropped_frac")
-        if x:
-            ax.plot(x, dropped, "--", color="C3", label="dropped fraction")
+        for i, stat in ((1, "max"), (2, "min")):
+            ax.plot([r["step"] for r in rows], [r[f"load/layer{layer}/{stat}"] / r[f"load/layer{layer}/mean"]
+                                                for r in rows], color=f"C{i}", label=f"{stat} / mean")
+        ax.plot(*series(records, f"load/layer{layer}/cv"), color="C0", label="CV (std / mean)")
+        ax.axhline(1.0, color="black", lw=0.6, label="balanced: max = min = mean")
         ax.set_title(f"layer {layer}")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7, loc="upper left")
-    return _save(fig, path)
+        step_axes(ax, records, "ratio to the mean (unitless)")
+    legend_below(fig, axes)
+    return fig
 
 
-def checkpoint_figures(run_dir: Path, out: Path) -> list[Path]:
-    """Histograms at the latest checkpoint: router–gate cosines, and α, b."""
+def dropped_figure(records):
+    layers = [l for l in layers_of(records, "load") if series(records, f"load/layer{l}/dropped_frac")[0]]
+    if not layers:
+        return None
+    fig, axes = grid(len(layers), "dropped by the expert capacity (model.moe.capacity_factor)")
+    for ax, layer in zip(axes, layers):
+        ax.plot(*series(records, f"load/layer{layer}/dropped_frac"), color="C3", label="dropped")
+        ax.set_title(f"layer {layer}")
+        step_axes(ax, records, "fraction of (token, expert) pairs")
+        ax.set_ylim(bottom=0)
+    legend_below(fig, axes)
+    return fig
+
+
+def checkpoint_figures(run_dir: Path) -> dict:
+    """Histograms at the latest checkpoint: router–gate cosines, and α, b (one scale per figure)."""
     from megatron_kappa.checkpoint.listing import CheckpointDir
-    if CheckpointDir(run_dir).latest() is None:
-        return []
+    step = CheckpointDir(run_dir).latest()
+    if step is None:
+        return {}
     from megatron_kappa.evaluation.loading import consolidated_state
     tables = final_tables(consolidated_state(run_dir))
     if not tables:
-        return []
-    written = []
-    fig, axes = _grid(len(tables), "router–gate alignment at the last checkpoint: cos(r_e, w_e,j)")
+        return {}
+    figures = {}
+    fig, axes = grid(len(tables), f"router–gate alignment at step {step} (the last checkpoint)")
     for ax, (layer, t) in zip(axes, sorted(tables.items())):
         ax.hist(t["cos"].reshape(-1).numpy(), bins=50, color="C0", histtype="stepfilled")  # one patch: fast
         ax.set_title(f"layer {layer}")
-        ax.set_xlabel("cosine")
-    written.append(_save(fig, out / "alignment_final.png"))
+        ax.set(xlabel="cos(r_e, w_e,j) (unitless)", ylabel="gate rows (count)")
+        ax.grid(alpha=0.3)
+    figures["alignment_final.png"] = fig
     kappa = {l: t for l, t in tables.items() if t["alpha"] is not None or t["bias"] is not None}
     if kappa:
-        fig, axes = _grid(len(kappa), "α and b at the last checkpoint")
+        fig, axes = grid(len(kappa), f"α and b at step {step} (the last checkpoint)")
         for ax, (layer, t) in zip(axes, sorted(kappa.items())):
             for i, name in enumerate(("alpha", "bias")):
                 if t[name] is not None:
                     ax.hist(t[name].reshape(-1).numpy(), bins=50, alpha=0.6, color=f"C{i}", histtype="stepfilled",
                             label="α" if name == "alpha" else "b")
             ax.set_title(f"layer {layer}")
-            ax.legend(fontsize=7)
-        written.append(_save(fig, out / "kappa_params_final.png"))
-    return written
+            ax.set(xlabel="value (unitless)", ylabel="entries (count)")
+            ax.grid(alpha=0.3)
+        legend_below(fig, axes)
+        figures["kappa_params_final.png"] = fig
+    return figures
 
 
 def final_tables(state: dict) -> dict:
@@ -248,27 +286,37 @@ def _float(t):
     return None if t is None else t.float()
 
 
-def make_plots(run_dir, out=None, checkpoint: bool = True) -> list[Path]:
-    """Write every figure the run's metrics allow; returns the files written."""
+def build_figures(run_dir, checkpoint: bool = True) -> dict:
+    """{file name: matplotlib Figure} of every figure the run's metrics allow (not saved)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    out = Path(out) if out else run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
     unfreeze = unfreeze_step(run_dir, records)
-    written = [overview_figure(records, out / "overview.png", unfreeze, title=str(run_dir)),
-               loss_figure(records, out / "loss.png"),
-               band_figure(records, "kappa", "κ dynamics per MoE layer", "κ", out / "kappa.png", unfreeze, 1.0),
-               alpha_b_figure(records, out / "alpha_b.png", unfreeze),
-               band_figure(records, "align", "router–gate alignment cos(r_e, w_e,j)", "cosine",
-                           out / "alignment.png", unfreeze, 0.0),
-               band_figure(records, "gate_bias", "confidence-induced gate bias (w_e,jᵀ r̂_e)(r̂_eᵀ x), routed tokens",
-                           "gate bias", out / "gate_bias.png", unfreeze, 0.0),
-               band_figure(records, "token_cos", "cos(x, r_e) of routed tokens", "cosine",
-                           out / "token_cos.png", unfreeze, 0.0),
-               load_figure(records, out / "load.png")]
+    kappa_one = (1.0, "κ = 1 (SwiGLU)")
+    figures = {
+        "overview.png": overview_figure(records, unfreeze, title=run_title(run_dir, run_config(run_dir))),
+        "loss.png": loss_figure(records),
+        "kappa.png": band_figure(records, "kappa", "κ dynamics per MoE layer (routed tokens, every gate unit)", KAPPA,
+                                 unfreeze, kappa_one),
+        "alpha_b.png": alpha_b_figure(records, unfreeze),
+        "alignment.png": band_figure(records, "align", "router–gate alignment cos(r_e, w_e,j) over experts e and "
+                                     "gate rows j", COSINE, unfreeze, (0.0, None)),
+        "gate_bias.png": band_figure(records, "gate_bias", "confidence-induced gate bias (w_e,jᵀ r̂_e)(r̂_eᵀ x), "
+                                     "routed tokens", "gate bias (gate pre-activation units)", unfreeze, (0.0, None)),
+        "token_cos.png": band_figure(records, "token_cos", "cos(x, r_e) of routed tokens x and their experts' "
+                                     "router vectors", COSINE, unfreeze, (0.0, None)),
+        "load.png": load_figure(records),
+        "dropped.png": dropped_figure(records)}
     if checkpoint:
-        written += checkpoint_figures(run_dir, out)
-    return [p for p in written if p is not None]
+        figures.update(checkpoint_figures(run_dir))
+    return {name: fig for name, fig in figures.items() if fig is not None}
+
+
+def make_plots(run_dir, out=None, checkpoint: bool = True) -> list[Path]:
+    """Write every figure the run's metrics allow; returns the files written."""
+    figures = build_figures(run_dir, checkpoint)
+    out = Path(out) if out else Path(run_dir) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    return [save(fig, out / name) for name, fig in figures.items()]
 
 
 def main(argv=None) -> int:
@@ -280,7 +328,7 @@ def main(argv=None) -> int:
     try:
         for path in make_plots(args.run_dir, args.out, checkpoint=not args.no_checkpoint):
             print(path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

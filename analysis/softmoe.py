@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from analysis.figure_axes import legend_below, step_axes
 from analysis.plots import layers_of, read_metrics, series
 
 
@@ -30,27 +31,34 @@ def plot_allocation(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{run_dir}: metrics.jsonl has no softmoe/ metrics (not a model.moe.router: softmoe run)")
     out = Path(out) if out else run_dir / "plots" / "softmoe.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_k, ax_run, ax_hist) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig = allocation_figure(records, layers)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def allocation_figure(records: list[dict], layers: list[int]):
+    """The three panels (not saved): k_l and the budget, experts run per token, their histogram."""
+    fig, (ax_k, ax_run, ax_hist) = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
     for layer in layers:
         ax_k.plot(*series(records, f"softmoe/layer{layer}/k"), label=f"layer {layer}")
         ax_run.plot(*series(records, f"softmoe/layer{layer}/active_mean"), label=f"layer {layer}")
     ax_k.plot(*series(records, "softmoe/k_mean"), "k--", linewidth=1, label="budget (mean)")
-    ax_k.set(title="learned mean active experts k_l", xlabel="step", ylabel="k_l")
-    ax_run.set(title="experts run per token (mean)", xlabel="step", ylabel="experts")
+    ax_k.set_title("learned mean active experts k_l")
+    step_axes(ax_k, records, "k_l (experts per token)")
+    ax_run.set_title("experts run per token (mean)")
+    step_axes(ax_run, records, "experts per token (count)")
     last = next(r for r in reversed(records) if f"softmoe/layer{layers[0]}/active_hist" in r)
     width = 0.8 / len(layers)
     for i, layer in enumerate(layers):
         hist = last[f"softmoe/layer{layer}/active_hist"]
         ax_hist.bar([c + (i - (len(layers) - 1) / 2) * width for c in range(len(hist))], hist, width,
                     label=f"layer {layer}")
-    ax_hist.set(title=f"experts run per token, step {last['step']}", xlabel="experts", ylabel="fraction of tokens")
-    for ax in (ax_k, ax_run, ax_hist):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    ax_hist.set(title=f"experts run per token, step {last['step']}", xlabel="experts run (count)",
+                ylabel="fraction of tokens (0 to 1)")
+    ax_hist.grid(alpha=0.3)
+    legend_below(fig, (ax_k, ax_hist))  # the layers' colours, and the budget, once for the three panels
+    return fig
 
 
 def main(argv=None) -> int:

@@ -270,7 +270,11 @@ def test_training_run_logs_the_analyses(world1, tmp_path):
     from megatron_kappa.evaluation.loading import consolidated_state
     written = {p.name for p in plots.make_plots(tmp_path)}
     assert written == {"overview.png", "loss.png", "kappa.png", "alpha_b.png", "alignment.png", "gate_bias.png",
-                       "token_cos.png", "load.png", "alignment_final.png", "kappa_params_final.png"}
+                       "token_cos.png", "load.png", "dropped.png", "alignment_final.png", "kappa_params_final.png"}
+    from test_plots import problems  # every axis labelled with its unit, tokens beside steps, no path in a title
+    for name, fig in plots.build_figures(tmp_path).items():
+        assert problems(fig) == [], name
+        plots.plt.close(fig)
     assert all((tmp_path / "plots" / name).stat().st_size > 1000 for name in written)
     tables = plots.final_tables(consolidated_state(tmp_path))
     assert sorted(tables) == [1, 2, 3]

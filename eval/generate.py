@@ -52,6 +52,13 @@ def main(argv=None) -> int:
     from megatron_kappa.evaluation.loading import load_model
     from megatron_kappa.parallel.groups import teardown
     from megatron_kappa.tokenizer import Tokenizer
+    if args.json:  # checked now, not after every prompt was continued
+        from megatron_kappa.paths import folder_problem
+        problem = folder_problem(os.path.dirname(os.path.abspath(args.json))) or (
+            f"{args.json} is a folder" if os.path.isdir(args.json) else None)
+        if problem:
+            print(f"error: --json: {problem}", file=sys.stderr)
+            return 2
     try:
         if args.weights is None:  # which checkpoint: a step asked for is read or refused, never replaced
             from megatron_kappa.checkpoint.listing import locate
@@ -65,6 +72,11 @@ def main(argv=None) -> int:
         return 2
     prompts = [([tokenizer.bos] if cfg.data.bos else []) + tokenizer.encode(text) for text in args.prompt]
     for text, prompt in zip(args.prompt, prompts):  # all checked before any is continued
+        if not prompt:  # generation's ValueError traceback, it was
+            print(f"error: --prompt: {text!r} has no tokens, and this model's documents start without a BOS token "
+                  "(data.bos false) to continue from: give some text", file=sys.stderr)
+            teardown(peers_alive=True)
+            return 2
         if len(prompt) >= cfg.model.seq_length:  # no room for a new token: it used to return none, silently
             print(f"error: --prompt: {text[:40]!r}{'…' if len(text) > 40 else ''} is {len(prompt)} tokens; the "
                   f"model's context (model.seq_length) is {cfg.model.seq_length}: shorten it", file=sys.stderr)

@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="replace an existing --output file")
     args = ap.parse_args(argv)
     folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # before reading any checkpoint
+    from megatron_kappa.paths import folder_problem  # a file made and removed there (root, /proc)
+    if not os.path.isdir(folder) or folder_problem(folder):  # before reading any checkpoint
         print(f"error: --output: {folder} is not a writable folder", file=sys.stderr)
         return 2
     if os.path.lexists(args.output) and not (args.force and os.path.isfile(args.output)):

@@ -33,7 +33,7 @@ def parse_args(argv=None):
     ap.add_argument("--check", type=positive_int, metavar="WORLD", default=None,
                     help="only check the config and its inputs for a launch of WORLD processes (the preflight: "
                          "no process group, nothing written) and exit: 0, or 2 with one line. Run it before "
-                         "torchrun, whose own report wraps a rank's one line in forty")
+                         "torchrun, which finds a bad config only once every rank has started")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 

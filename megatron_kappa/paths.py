@@ -3,6 +3,7 @@ the study's --dir and the export's --output, before any work)."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def folder_problem(path) -> str | None:
@@ -16,4 +17,12 @@ def folder_problem(path) -> str | None:
         return f"{existing} is a file, not a folder" + ("" if existing == path else f" (under which {path} would go)")
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
+    # access() grants root everything, and knows nothing of file systems that take no files
+    # (/proc, /sys): a file made and removed there says it for sure
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kappa-write-check-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"{existing} is not writable ({e.strerror or e})"
     return None

@@ -66,6 +66,38 @@ def test_json_under_a_file_is_one_line_before_the_evaluation(tmp_path, script):
         done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script", ["eval/loss.py", "eval/core.py", "eval/generate.py"])
+def test_json_where_no_file_can_be_made_is_one_line_before_the_evaluation(tmp_path, script):
+    """--json in /proc: access() lets root write anywhere, a probe file says it cannot (the
+    evaluation ran, then the write failed); generate's --json is checked up front too."""
+    extra = {"eval/loss.py": ["--data", "none"], "eval/core.py": ["--bundle", "none"],
+             "eval/generate.py": ["--prompt", "x"]}[script]
+    done = cli(script, "--checkpoint", str(tmp_path / "no_run"), *extra, "--json", "/proc/out.json")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: --json: /proc is not writable ("), done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_an_empty_prompt_is_continued_from_bos_or_refused_in_one_line(trained, tmp_path):
+    """An empty --prompt continues the start-of-document token where the documents have one;
+    where they have none (data.bos false) there is nothing to continue: one line (it was
+    generation's ValueError traceback)."""
+    import shutil
+    ok = cli("eval/generate.py", "--checkpoint", str(trained), "--prompt", "", "--max-new-tokens", "3")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    nobos = tmp_path / "run"
+    shutil.copytree(trained, nobos)
+    config = (nobos / "config.yaml").read_text()
+    assert "  bos: true\n" in config or "  bos: null\n" in config
+    (nobos / "config.yaml").write_text(config.replace("  bos: true\n", "  bos: false\n").replace("  bos: null\n",
+                                                                                                  "  bos: false\n"))
+    done = cli("eval/generate.py", "--checkpoint", str(nobos), "--prompt", "")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == ("error: --prompt: '' has no tokens, and this model's documents "
+                                                    "start without a BOS token (data.bos false) to continue from: "
+                                                    "give some text")
+
+
 def test_junk_or_wrong_shape_init_weights_are_one_line(world1, tmp_path):
     """train.init_weights: a junk file is refused by the preflight (no torch: the zip magic), a
     state dict of another model by the trainer, naming the tensor; the right one loads (control)."""

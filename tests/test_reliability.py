@@ -24,11 +24,36 @@ from megatron_kappa.train.run_lock import RunLock
     ("model.kappa.l2_bias=-0.01", "model.kappa.l2_bias: must not be negative"),
     ("model.kappa.l2_alpha=-0.02", "model.kappa.l2_alpha: must not be negative"),
     ("data.paths=[a,b", "--set 'data.paths=\\[a,b': the value is not valid YAML"),
+    # issue 53's new-user pass over the newer keys and --set mistakes (docs/reliability.md)
+    ("data.packing=foo", r"data.packing: expected one of \['concat', 'bestfit'\], got 'foo'"),
+    ("model.moe.capacity=-1", r"model.moe.capacity: expected one of \['megatron', 'authors'\], got -1"),
+    ("model.kappa.alpha_optimizer=muon", r"model.kappa.alpha_optimizer: expected one of \['adamw', 'matrix'\]"),
+    ("train.grad_accum_dtype=fp16", r"train.grad_accum_dtype: expected one of \['fp32', 'bf16'\], got 'fp16'"),
+    ("model.moe.drop_order=random", r"model.moe.drop_order: expected one of"),
+    ("train.steps=abc", "train.steps: expected an integer, got 'abc'"),
+    ("train.steps=1.5", "train.steps: expected an integer, got 1.5"),
+    ("model.num_layers=[1]", r"model.num_layers: expected an integer, got \[1\]"),
+    ("model.kappa.enabled=maybe", "model.kappa.enabled: expected true/false, got 'maybe'"),
+    ("train=5", "train: expected a mapping, got 5"),
+    ("train.lr", "--set 'train.lr': expected key=value"),
+    ("trian.lr=1e-3", r"unknown key 'trian' \(did you mean 'train'\? expected one of"),
+    ("model.moe.num_expert=8", r"unknown key 'model.moe.num_expert' \(did you mean 'model.moe.num_experts'\?"),
 ])
 def test_numbers_and_values_are_checked_up_front(setting, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config("configs/tiny.yaml", [setting])
     assert "\n" not in str(e.value)
+
+
+def test_a_config_that_is_a_folder_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=f"^config: {tmp_path}: is a folder, not a YAML config file$"):
+        load_config(tmp_path)  # it said "no such file"
+
+
+def test_an_unknown_key_far_from_any_gets_no_guess():  # negative control of "did you mean"
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["zzzz=1"])
+    assert "did you mean" not in str(e.value) and "unknown key 'zzzz' (expected one of:" in str(e.value)
 
 
 def test_the_checked_values_accept_what_is_valid():  # negative control of the checks above
@@ -294,10 +319,54 @@ def test_consolidate_output_under_a_file_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "--output: " in err and "is not a writable folder" in err
 
 
+def test_a_folder_that_takes_no_files_is_found_before_any_work(tmp_path, capsys):
+    """/proc (or a read-only mount) passes access() for root: a file made and removed there is
+    the check (paths.folder_problem), so consolidate and the export refuse it in one line before
+    any checkpoint is read (the export found it only at its last rename, consolidate called it a
+    full disk: '0 MiB free in /proc'). A folder that takes files passes (control)."""
+    from launch import consolidate
+    from megatron_kappa.export import writer
+    from megatron_kappa.paths import folder_problem
+    assert folder_problem("/proc/hf").startswith("/proc is not writable")
+    assert folder_problem(tmp_path / "new" / "hf") is None and list(tmp_path.iterdir()) == []  # the probe is gone
+    assert consolidate.main(["--checkpoint", str(tmp_path / "no_run"), "--output", "/proc/full.pt"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --output: /proc is not a writable folder\n", err
+    with pytest.raises(ConfigError, match=r"^--output: /proc is not writable \(.*\)$"):
+        writer.export(tmp_path / "no_run", "/proc/hf")
+
+
+def test_only_a_full_disk_is_called_one(monkeypatch):
+    """write_failure says "no space left" for ENOSPC, or torch's wording with (nearly) no space
+    left; not for torch's "open file failed ... No such file or directory", nor in /proc."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from megatron_kappa.checkpoint.listing import write_failure
+    usage = namedtuple("usage", "total used free")
+    assert "no space left" not in write_failure(FileNotFoundError(errno.ENOENT, "No such file or directory"), "/proc")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))  # nearly full
+    missing = RuntimeError("[enforce fail at inline_container.cc:747] . open file failed with strerror: "
+                           "No such file or directory")
+    assert write_failure(missing, "/x").startswith("[enforce fail")
+    full = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    assert write_failure(full, "/x").startswith("no space left on the device (1 MiB free in /x")  # control
+    assert write_failure(OSError(errno.ENOSPC, "No space left on device"), "/x").startswith("no space left")
+
+
+def test_consolidating_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
+    from launch import consolidate
+    assert consolidate.main(["--checkpoint", str(tmp_path / "nowhere"), "--output", str(tmp_path / "f.pt")]) == 2
+    err = capsys.readouterr().err  # it said "<nowhere>/checkpoints: no complete checkpoint"
+    assert err.startswith(f"error: --checkpoint: {tmp_path / 'nowhere'}: no such folder") and err.count("\n") == 1
+
+
 def test_consolidate_refuses_an_existing_output_unless_forced(tmp_path, capsys, monkeypatch):
     """An existing --output is refused in one line before any checkpoint is read, its bytes kept;
     --force replaces it (the control: the same call goes on to read the checkpoint)."""
     from launch import consolidate
+    (tmp_path / "run").mkdir()  # a run without checkpoints
     out = tmp_path / "full.pt"
     out.write_bytes(b"earlier work")
     assert consolidate.main(["--checkpoint", str(tmp_path / "run"), "--output", str(out)]) == 2

@@ -2,6 +2,7 @@
 plots and evaluation all ask; megatron_kappa.checkpoint.store writes them)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -37,6 +38,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 FULL_BELOW = 64 << 20  # a failed write with less free space than this is read as a full disk
+OTHER_CAUSE = re.compile(r"No such file|Permission denied|Read-only file system|Not a directory|Is a directory")
 
 
 def write_failure(error: BaseException, folder) -> str:
@@ -45,11 +47,15 @@ def write_failure(error: BaseException, folder) -> str:
     writing ...", which say nothing to a user; with (nearly) no space left in `folder`, it is said."""
     first = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__
     try:
-        free = shutil.disk_usage(folder).free
+        usage = shutil.disk_usage(folder)
     except OSError:
         return first
-    if getattr(error, "errno", None) == 28 or free < FULL_BELOW:  # ENOSPC, or torch's wording of it
-        return f"no space left on the device ({free / 2**20:.0f} MiB free in {folder}; torch said: {first[:120]})"
+    code = getattr(error, "errno", None)
+    # torch's wording hides the errno; a folder of a size-less file system (/proc, /sys) or an
+    # error that names another cause is no full disk (it was called one: "0 MiB free in /proc")
+    worded = code is None and usage.total > 0 and usage.free < FULL_BELOW and not OTHER_CAUSE.search(first)
+    if code == errno.ENOSPC or worded:
+        return f"no space left on the device ({usage.free / 2**20:.0f} MiB free in {folder}; torch said: {first[:120]})"
     return first
 
 
@@ -199,6 +205,9 @@ def locate(path: str | Path, step: int | None = None, flag: str = "--checkpoint"
     which is read or refused (CheckpointDir.pick): never another in its place. `need_config`: the
     run must have its config.yaml (every tool but consolidation builds the model from it)."""
     run, step = run_of(path, step, flag)
+    if not need_config and not run.is_dir():  # consolidation said "<path>/checkpoints: no complete checkpoint"
+        raise ConfigError(f"{flag}: {path}: no such folder (expected a training run directory, or one of its "
+                          "checkpoints/step_<N> folders)")
     if need_config and not (run / "config.yaml").is_file():
         raise ConfigError(f"{flag}: {path}: no config.yaml (expected a training run directory, or one of its "
                           "checkpoints/step_<N> folders)")

@@ -11,6 +11,7 @@ import math
 import sys
 
 import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -75,7 +76,9 @@ def _build(cls, data: dict, prefix: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(f"config: unknown key '{prefix}{key}' (expected one of: {', '.join(sorted(names))})")
+            near = difflib.get_close_matches(str(key), names, n=1)  # a typo's likely key, as git and Hydra say
+            hint = f"did you mean '{prefix}{near[0]}'? " if near else ""
+            raise ConfigError(f"config: unknown key '{prefix}{key}' ({hint}expected one of: {', '.join(sorted(names))})")
     values = {k: _check(v, hints[k], prefix + k) for k, v in data.items()}
     return cls(**values)
 
@@ -115,6 +118,8 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     """A config file's mapping, with its `extends:` chain resolved (not yet validated)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config: {path}: is a folder, not a YAML config file")
     if not path.is_file():
         raise ConfigError(f"config: {path}: no such file")
     try:

@@ -113,6 +113,7 @@ def validate(cfg: Config):
              f"must be null with the {' or '.join(routers.names(lambda r: not r.capacity))} router or the "
              "sorted dispatcher (they drop no tokens)")
     _validate_muon(cfg.train, need)
+    _validate_qk_clip(cfg, need)
     if cfg.precision == "fp8":
         _validate_fp8(cfg, need)
     _validate_profile(cfg.profile, need)
@@ -249,6 +250,24 @@ def _validate_muon(t: TrainConfig, need):
     need(t.optimizer == "adamw" or t.clip == 0, "train.grad_clip",
          f"must be 0 or null with train.optimizer={t.optimizer}: DeepSpeed's ZeRO would clip the "
          f"orthogonalised update, not the gradient (got {t.grad_clip})")
+
+
+def _validate_qk_clip(cfg: Config, need):
+    """train.qk_clip: the step's largest logits are measured in the project's SDPA core attention,
+    and the clip scales the query/key projections of megatron's SelfAttention (gqa) or
+    MLASelfAttention (mla), the two layouts megatron-core's clip knows (megatron_kappa.optim.qk_clip)."""
+    if cfg.train.qk_clip is None:
+        return
+    m = cfg.model
+    need(m.attention == "sdpa", "train.qk_clip",
+         f"needs model.attention sdpa (the step's largest logits are measured in the project's SDPA core "
+         f"attention), got {m.attention}")
+    kind = attention_kinds.name_of(m)
+    need(kind in ("gqa", "mla"), "train.qk_clip",
+         f"scales the query/key weights of gqa or mla attention (megatron-core's two layouts), not {kind}")
+    need(kind != "gqa" or not m.qk_layernorm, "train.qk_clip",
+         "needs model.qk_layernorm false with gqa attention: the per-head query/key norms undo any scaling of "
+         "the projection weights (MLA's norms sit on the latents, before the scaled up-projections)")
 
 
 def _validate_recompute(m, need):

@@ -19,14 +19,14 @@ import dataclasses
 import typing
 from dataclasses import field
 
-POSITIVE, NON_NEGATIVE, FRACTION, OPEN_FRACTION, PROBABILITY, BEYOND_ONE, AT_LEAST_ONE = (
-    "> 0", ">= 0", "[0, 1)", "(0, 1]", "[0, 1]", "> 1", ">= 1")
+POSITIVE, NON_NEGATIVE, FRACTION, OPEN_FRACTION, PROBABILITY, BEYOND_ONE, AT_LEAST_ONE, OPEN_UNIT = (
+    "> 0", ">= 0", "[0, 1)", "(0, 1]", "[0, 1]", "> 1", ">= 1", "(0, 1)")
 WORDS = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", FRACTION: "must be in [0, 1)",
          OPEN_FRACTION: "must be in (0, 1]", PROBABILITY: "must be in [0, 1]", BEYOND_ONE: "must be > 1",
-         AT_LEAST_ONE: "must be at least 1"}
+         AT_LEAST_ONE: "must be at least 1", OPEN_UNIT: "must be in (0, 1)"}
 TESTS = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1,
          OPEN_FRACTION: lambda v: 0 < v <= 1, PROBABILITY: lambda v: 0 <= v <= 1, BEYOND_ONE: lambda v: v > 1,
-         AT_LEAST_ONE: lambda v: v >= 1}
+         AT_LEAST_ONE: lambda v: v >= 1, OPEN_UNIT: lambda v: 0 < v < 1}
 
 
 def key(default, help: str, *, range: str | None = None, allowed: str | None = None, state: bool = False,

@@ -14,7 +14,7 @@ from typing import Literal, Optional
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import recompute as selective
 from megatron_kappa.config.facts import (AT_LEAST_ONE, BEYOND_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION,
-                                         POSITIVE, PROBABILITY)
+                                         OPEN_UNIT, POSITIVE, PROBABILITY)
 from megatron_kappa.config.facts import key as _f
 from megatron_kappa.config.facts import section as _section
 from megatron_kappa.kappa import DEFAULTS as KAPPA
@@ -448,6 +448,16 @@ class TrainConfig:
                                  "logging and checkpoint steps: megatron_kappa/train/divergence.py)", range=NON_NEGATIVE)
     grad_clip: Optional[float] = _f(None, "global gradient-norm clip (0: off; null: 1.0 for adamw, off for "
                                           "muon/aurora, which refuse a nonzero clip)", range=NON_NEGATIVE)
+    qk_clip: Optional[float] = _f(
+        None, "QK-Clip τ (Kimi K2's MuonClip, arXiv 2507.20534 §2.1; megatron-core's qk_clip_threshold; K2: 100): "
+              "after each optimizer step, the query/key weights of a head whose largest pre-softmax logit in the "
+              "step's training forwards S exceeds τ are scaled so that its logits shrink by γ = τ/S (GQA: the "
+              "group's largest, its key being shared; MLA: q_C × γ^α, k_C × γ^(1-α), q_R × γ, the shared k_R "
+              "untouched), in the weights and in ZeRO's fp32 master copy; any optimizer; model.attention sdpa, "
+              "and for gqa model.qk_layernorm false (megatron_kappa/optim/qk_clip.py). null: off",
+        range=POSITIVE)
+    qk_clip_alpha: float = _f(0.5, "QK-Clip's split α of γ between query (γ^α) and key (γ^(1-α)) weights "
+                                   "(megatron-core's qk_clip_alpha; K2: 0.5, √γ each)", range=OPEN_UNIT)
     grad_accum_dtype: Literal["fp32", "bf16"] = _f(
         "fp32", "precision bf16/fp8: dtype in which the micro-batches' gradients are summed and reduced over "
                 "data-parallel ranks (fp32 precision: fp32 always). fp32, Megatron-LM's default: every optimizer "

@@ -111,6 +111,8 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
         )
         # the router kind's own: score function, load balancing (megatron_kappa.routers)
         kwargs.update(routers.lookup(moe.router).megatron(cfg))
+    if cfg.train.qk_clip is not None:  # QK-Clip: the core attention records each head's largest logit
+        kwargs.update(qk_clip=True, qk_clip_threshold=cfg.train.qk_clip, qk_clip_alpha=cfg.train.qk_clip_alpha)
     if m.mtp.num_layers:  # multi-token prediction: the block on the last stage, its loss × λ into the objective
         kwargs.update(mtp_num_layers=m.mtp.num_layers, mtp_loss_scaling_factor=m.mtp.loss_weight)
     # the attention kind's own (megatron_kappa.attention_kinds): its heads' settings, its config class

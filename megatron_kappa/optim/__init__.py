@@ -13,6 +13,10 @@ Modules:
                 optimizer, and the library patch they need (docs/optimizer.md; fp32 gradient
                 accumulation has its own, megatron_kappa.parallel.grad_precision)
   optimizer.py  The optimizer: the paper's parameter groups and the optimizer built from them
+  qk_clip.py    QK-Clip (Kimi K2's MuonClip, `train.qk_clip`): after each optimizer step, the
+                query/key weights of every head whose largest attention logit in the step exceeded τ
+                scaled down, in the model's weights and in ZeRO's fp32 master copy
+                (docs/optimizer.md)
   schedule.py   The learning-rate and weight-decay schedules of every optimizer group, and their
                 peak values
 """

@@ -42,7 +42,7 @@ from megatron_kappa.parallel.groups import dp_mean, init_distributed, merge_stag
 from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, read_full_state_dict
 from megatron_kappa.summary import count
-from megatron_kappa.optim import muon, optimizer as optim, schedule
+from megatron_kappa.optim import muon, optimizer as optim, qk_clip, schedule
 from megatron_kappa.metrics import paper_analyses, throughput
 from megatron_kappa.metrics.log import MetricsLog
 from megatron_kappa.metrics.memory import peak_memory
@@ -276,6 +276,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
             recipe.set_aux_loss_weight(model, aux_weight * recipe.aux_loss_scale(step, cfg.model.moe))
         lrs = schedule.set_learning_rates(optimizer, step, steps, cfg.train, cfg.model)
         step_loss, l2 = train_step(engine, model, cfg, train_ds, step, device, position_ids)
+        # QK-Clip (train.qk_clip): the step's largest logits scale the query/key weights it just updated
+        max_logit = qk_clip.clip(model) if cfg.train.qk_clip is not None else None
         bad_steps.observe(step_loss, engine.get_global_grad_norm(), engine.skipped_steps)
         if after_step is not None:
             after_step(model, cfg.model.moe)
@@ -311,6 +313,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
                       **throughput.throughput(tokens_per_s, flops_token, world, peak),
                       **step_metrics(engine, model, cfg, l2, device, histograms), **peak_memory(device),
                       "time": time.time(), "elapsed_s": now - loop_start}
+            if cfg.train.qk_clip is not None:  # before the clip, as megatron logs it
+                record["max_attention_logit"] = qk_clip.world_max(max_logit, device)
             if cfg.eval.valid_every and (done % cfg.eval.valid_every == 0 or done == steps):
                 record["valid_loss"] = validate(engine, valid_ds, cfg, device, position_ids).item()
             if core is not None and (done % cfg.eval.core_every == 0 or done == steps):

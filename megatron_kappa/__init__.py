@@ -14,6 +14,11 @@ Modules:
                       / bits per byte
   export/             A trained run as a Hugging Face model folder, for transformers, serving tools
                       and lm-eval
+  import_hf/          A Hugging Face model as a run's starting weights: `train.init_weights:
+                      <folder>` takes a folder of one of the export's classes (this project's κ
+                      model, transformers' Qwen3-MoE, Mixtral and DeepSeek-V3) and loads it into any
+                      parallel layout, through the export's own name maps read backwards
+                      (megatron_kappa.export.adapter)
   kappa/              κ-SwiGLU: SwiGLU whose SiLU sharpness κ is set per token and gate unit by the
                       router logit
   launcher_exit.py    The launchers' own endings in one line: Ctrl-C to the deepspeed runner, and

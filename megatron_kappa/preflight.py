@@ -257,9 +257,13 @@ def preflight(cfg: Config, world: int | None = None):
     check_precision(cfg)
     check_attention(cfg.model)
     check_logging(cfg, world)
-    if cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
-        raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file")
-    if cfg.train.init_weights:  # a junk file, before any process group, without torch: its first bytes
+    if cfg.train.init_weights and os.path.isdir(cfg.train.init_weights):  # a Hugging Face folder: the model's
+        from megatron_kappa.import_hf.folder import HFFolder  # config against it (this imports torch)
+        HFFolder(cfg.train.init_weights, "config: train.init_weights").check(cfg)
+    elif cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
+        raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file or folder "
+                          "(expected a state dict file or a Hugging Face model folder)")
+    elif cfg.train.init_weights:  # a junk file, before any process group, without torch: its first bytes
         with open(cfg.train.init_weights, "rb") as f:
             if f.read(4) != b"PK\x03\x04":
                 raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: not a state dict file "

@@ -466,8 +466,10 @@ class TrainConfig:
                 "traffic). bf16 saves that memory and traffic but rounds every addition to 8 bits of mantissa "
                 "(DeepSpeed: not safe with many accumulation steps) and Muon/Aurora keep a bf16 momentum "
                 "(megatron_kappa/parallel/grad_precision.py, docs/optimizer.md)")
-    init_weights: Optional[str] = _f(None, "full-layout state dict (.pt) to start from instead of a "
-                                          "random init; ignored when resuming from a checkpoint", derived=True)
+    init_weights: Optional[str] = _f(None, "full-layout state dict (.pt, launch/consolidate.py's) or Hugging Face "
+                                          "model folder (the export's classes: python -m megatron_kappa.import_hf "
+                                          "prints the model settings it needs) to start from instead of a random "
+                                          "init; ignored when resuming from a checkpoint", derived=True)
     deterministic: bool = _f(False, "deterministic kernels (torch.use_deterministic_algorithms): "
                                     "bit-exact resume and reruns on GPUs, at some speed; CPU runs "
                                     "are deterministic anyway")

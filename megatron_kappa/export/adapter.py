@@ -2,8 +2,9 @@
 class's (torchtitan's `StateDictAdapter` is the model), and the hub layout most of them share.
 
 An adapter says what its class is (`architecture`, `model_type`, whether transformers ships it),
-what it can hold (`refusals`, the router score functions it runs), its config.json (`config`),
-and maps the tensors both ways: `to_hf` for the export, `from_hf`, its exact inverse, for reading
+what it can hold (`refusals`, the router score functions it runs), its config.json (`config`, and
+`settings`, the project's model settings read back from one: megatron_kappa.import_hf), and maps
+the tensors both ways: `to_hf` for the export, `from_hf`, its exact inverse, for reading
 a Hugging Face model back. Both directions are one table (`Rule`: a megatron tensor ↔ its Hugging
 Face tensors, a split and the join that undoes it), so neither can drift from the other.
 
@@ -60,6 +61,30 @@ def attention_refusal(adapter, model: ModelConfig, need):
 
 def rope(model: ModelConfig) -> dict:
     return {"rope_type": "default", "rope_theta": float(model.rotary_base)}
+
+
+def rotary_base(theta) -> int | float:
+    """model.rotary_base (an integer) for a Hugging Face RoPE θ; a fractional θ stays as it is, for
+    the config to refuse in one line."""
+    return int(theta) if theta is not None and float(theta).is_integer() else theta
+
+
+def rope_theta(hf) -> float | None:
+    """The θ of a Hugging Face config's default RoPE (rope_parameters, or the older rope_theta)."""
+    return (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
+
+
+def layout_settings(dense_layers: list[int], num_layers: int) -> dict:
+    """model.layout and model.first_dense whose pattern has exactly these dense layers (the first
+    of dense, moe with n dense layers first, sandwich that does); when none does, the moe guess,
+    which the import's comparison then refuses naming the field."""
+    from megatron_kappa.model.layout import moe_layer_pattern
+    candidates = [("dense", 0), ("moe", len(dense_layers)), ("sandwich", 0)]
+    for layout, first in candidates:
+        probe = ModelConfig(num_layers=num_layers, layout=layout, first_dense=first)
+        if [i for i, m in enumerate(moe_layer_pattern(probe)) if not m] == sorted(dense_layers):
+            return {"model.layout": layout, "model.first_dense": first}
+    return {"model.layout": "moe", "model.first_dense": len(dense_layers)}
 
 
 def _whole(t):
@@ -197,6 +222,32 @@ class StateDictAdapter:
                       pad_token_id=special["pad"], hidden_act="silu")
         return dict(common, architectures=[self.architecture], model_type=self.model_type,
                     **self.own_config(model, layout, kappa))
+
+    # --- the config read back (megatron_kappa.import_hf) ---------------------------------------------
+    def settings(self, hf) -> dict:
+        """The project's model settings ({dotted config key: value}) for a Hugging Face config of
+        this class (`hf`: its transformers config object): `config`'s inverse. The import checks
+        them the other way: `config` of the model they make must give `hf`'s fields back."""
+        heads = hf.num_attention_heads
+        kv = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        common = {"model.vocab_size": hf.vocab_size, "model.hidden_size": hf.hidden_size,
+                  "model.num_layers": hf.num_hidden_layers, "model.num_attention_heads": heads,
+                  "model.num_query_groups": None if kv == heads else kv,
+                  "model.head_dim": None if head_dim * heads == hf.hidden_size else head_dim,
+                  "model.norm_eps": hf.rms_norm_eps, "model.moe.topk": hf.num_experts_per_tok,
+                  "model.rotary_base": rotary_base(rope_theta(hf)),
+                  # what transformers' classes lack (kappa_moe sets its own)
+                  "model.block": "megatron", "model.kappa.enabled": False, "model.norm_gains": True,
+                  "model.value_embeddings": False, "model.embedding_norm": False, "model.residual_scalars": False,
+                  "model.logit_softcap": None, "model.mla.enabled": False, "model.attention_kind": None,
+                  "model.moe.route_scale": 1.0, "model.moe.num_groups": None, "model.moe.group_topk": None,
+                  "model.moe.shared_ffn_hidden_size": None}
+        return {**common, **self.own_settings(hf)}
+
+    def own_settings(self, hf) -> dict:
+        """`settings` beyond the keys every target writes: `own_config`'s inverse."""
+        raise NotImplementedError
 
     # --- names and tensors, both ways --------------------------------------------------------------
     def hf_name(self, hub: str) -> str:

@@ -41,6 +41,7 @@ from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed, merge_stages
 from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, read_full_state_dict
+from megatron_kappa.import_hf import weights as hf_import
 from megatron_kappa.summary import count
 from megatron_kappa.optim import muon, optimizer as optim, qk_clip, schedule
 from megatron_kappa.metrics import paper_analyses, throughput
@@ -209,7 +210,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     paper_analyses.watch_routers(model)  # the analyses read each router's last input on logging steps
     destroy_moe_metrics_tracker()  # a process-wide singleton, sized by the model that records first
     ckpts = Checkpoints(run_dir, cfg.checkpoint.keep)
-    if cfg.train.init_weights and not start:
+    if cfg.train.init_weights and not start and os.path.isdir(cfg.train.init_weights):  # a Hugging Face folder
+        hf_import.load_into(model, cfg, cfg.train.init_weights)
+    elif cfg.train.init_weights and not start:
         load_full_state_dict(model, read_full_state_dict(cfg.train.init_weights, "config: train.init_weights"),
                              source=f"config: train.init_weights: {cfg.train.init_weights}")
     steps = total_steps(cfg, model)

@@ -41,3 +41,18 @@ class DeepseekV3(StateDictAdapter):
                     first_k_dense_replace=model.first_dense, **mla,
                     head_dim=mla["qk_rope_head_dim"], rope_interleave=True, rope_parameters=rope(model),
                     num_key_value_heads=model.num_attention_heads, attention_bias=False, num_nextn_predict_layers=0)
+
+    def own_settings(self, hf) -> dict:
+        expert, grouped = hf.moe_intermediate_size, (hf.n_group or 1) > 1
+        return {"model.ffn_hidden_size": hf.intermediate_size, "model.moe.ffn_hidden_size": expert,
+                "model.moe.num_experts": hf.n_routed_experts,
+                "model.moe.shared_ffn_hidden_size": (hf.n_shared_experts or 0) * expert or None,
+                "model.moe.route_scale": hf.routed_scaling_factor, "model.moe.router": "sigmoid",
+                "model.moe.num_groups": hf.n_group if grouped else None,
+                "model.moe.group_topk": hf.topk_group if grouped else None,
+                "model.layout": "moe", "model.first_dense": hf.first_k_dense_replace, "model.qk_layernorm": True,
+                # MLA: one latent for all heads (no query groups); head_dim is its RoPE part's
+                "model.mla.enabled": True, "model.mla.q_lora_rank": hf.q_lora_rank,
+                "model.mla.kv_lora_rank": hf.kv_lora_rank, "model.mla.qk_head_dim": hf.qk_nope_head_dim,
+                "model.mla.qk_pos_emb_head_dim": hf.qk_rope_head_dim, "model.mla.v_head_dim": hf.v_head_dim,
+                "model.head_dim": None, "model.num_query_groups": None}

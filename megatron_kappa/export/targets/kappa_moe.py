@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ConfigError, ModelConfig
-from megatron_kappa.export.adapter import StateDictAdapter, attention_refusal, ffn_sizes, router_refusal
+from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, layout_settings,
+                                           rotary_base, router_refusal)
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import ModelLayout, has_value_embedding
 
@@ -47,6 +48,46 @@ class KappaMoe(StateDictAdapter):
                                             if model.value_embeddings and has_value_embedding(i + 1, model.num_layers)],
                     logit_softcap=model.logit_softcap, rope_theta=float(model.rotary_base),
                     **attention_kinds.of(model).modeling(model))  # its keys there (mla: its widths, or None)
+
+
+    def own_settings(self, hf) -> dict:
+        types = list(hf.mlp_layer_types)
+        score = [name for name, r in routers.ROUTERS.items() if r.hf_score == hf.router_score and r.hf_score]
+        mla = dict(hf.mla or {})
+        return {"model.ffn_hidden_size": hf.intermediate_size, "model.moe.ffn_hidden_size": hf.moe_intermediate_size,
+                "model.moe.shared_ffn_hidden_size": hf.shared_expert_intermediate_size,
+                "model.moe.num_experts": hf.num_experts, **({"model.moe.router": score[0]} if score else {}),
+                "model.moe.route_scale": hf.route_scale, "model.moe.num_groups": hf.n_group,
+                "model.moe.group_topk": hf.topk_group, "model.qk_layernorm": hf.qk_norm, "model.norm_gains": hf.norm_gains,
+                "model.embedding_norm": hf.embedding_norm, "model.residual_scalars": hf.residual_scalars,
+                "model.value_embeddings": bool(hf.value_embedding_layers), "model.logit_softcap": hf.logit_softcap,
+                "model.rotary_base": rotary_base(hf.rope_theta),
+                **layout_settings([i for i, t in enumerate(types) if t == "dense"], hf.num_hidden_layers),
+                **{f"model.mla.{k}": v for k, v in mla.items()}, **kappa_settings(hf.kappa)}
+
+
+def kappa_settings(kappa: dict | None) -> dict:
+    """model.kappa's keys for the modeling file's `kappa` entry: the registered input variant whose
+    own scales these are (scaled: 0.15 and 2), else the variant whose scales are the config's."""
+    if not kappa:
+        return {"model.kappa.enabled": False}
+    out = {"model.kappa.enabled": True, "model.kappa.U": float(kappa["U"]), "model.kappa.use_alpha": kappa["use_alpha"],
+           "model.kappa.use_bias": kappa["use_bias"]}
+    scales = (float(kappa["logit_scale"]), float(kappa["tanh_gain"]))
+    kinds = {name: v for name, v in kappa_inputs.VARIANTS.items() if _kind_or_none(name) == kappa["input"]}
+    own = [name for name, v in kinds.items() if not v.config_scales and (v.logit_scale, v.tanh_gain) == scales]
+    free = [name for name, v in kinds.items() if v.config_scales]
+    if own:  # the variant's own scales: the config's keys stay at their defaults
+        return {**out, "model.kappa.input": own[0], "model.kappa.logit_scale": 1.0, "model.kappa.tanh_gain": 1.0}
+    return {**out, "model.kappa.input": (free or [kappa["input"]])[0], "model.kappa.logit_scale": scales[0],
+            "model.kappa.tanh_gain": scales[1]}
+
+
+def _kind_or_none(name: str):
+    try:
+        return kappa_input_kind(name)
+    except ConfigError:  # a variant registered at run time: not one the modeling file implements
+        return None
 
 
 def kappa_input_kind(name: str) -> str:

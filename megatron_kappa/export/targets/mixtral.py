@@ -20,3 +20,8 @@ class Mixtral(Qwen3Moe):
     def own_config(self, model: ModelConfig, layout: ModelLayout, kappa) -> dict:
         return dict(intermediate_size=ffn_sizes(model)[1], num_local_experts=model.moe.num_experts,
                     rope_parameters=rope(model), router_jitter_noise=0.0, sliding_window=None)
+
+    def own_settings(self, hf) -> dict:
+        return {"model.moe.ffn_hidden_size": hf.intermediate_size, "model.moe.num_experts": hf.num_local_experts,
+                "model.moe.router": "softmax", "model.qk_layernorm": False, "model.layout": "moe",
+                "model.first_dense": 0}

@@ -3,8 +3,8 @@ q/k norms with gains, no nanochat parts; dense layers are its `mlp_only_layers`.
 from __future__ import annotations
 
 from megatron_kappa.config import ModelConfig
-from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, native_refusals, rope,
-                                           router_refusal)
+from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, layout_settings,
+                                           native_refusals, rope, router_refusal)
 from megatron_kappa.model.layout import ModelLayout
 
 
@@ -37,3 +37,7 @@ class Qwen3Moe(StateDictAdapter):
                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=dense_layers,
                     rope_parameters=rope(model), use_sliding_window=False, attention_bias=False)
 
+    def own_settings(self, hf) -> dict:
+        return {"model.ffn_hidden_size": hf.intermediate_size, "model.moe.ffn_hidden_size": hf.moe_intermediate_size,
+                "model.moe.num_experts": hf.num_experts, "model.moe.router": "softmax", "model.qk_layernorm": True,
+                **layout_settings(list(hf.mlp_only_layers or []), hf.num_hidden_layers)}

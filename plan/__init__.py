@@ -11,6 +11,8 @@ is a tool beside the trainer (this top-level package) rather than a part of mega
 
 Modules:
   __main__.py     `python -m plan`: the planner's command line
+  accepted.py     Whether the trainer runs a plan: its layout and settings through the trainer's own
+                  config reading and checks
   activations.py  The activations one rank of a pipeline stage keeps for backward: an estimate, per
                   recompute mode
   dualpipe.py     DeepSeek-V3's DualPipe as the planner models it (planned only: the trainer runs

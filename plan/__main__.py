@@ -71,6 +71,9 @@ def main(argv=None) -> int:
                          help="DeepSeek-V3's DualPipe in place of 1F1B (even PP, no VPP; searched beside 1F1B)")
     planned.add_argument("--fused-swiglu", action="store_true",
                          help="megatron's fused SwiGLU in the dense MLPs and shared experts: silu(gate) not kept")
+    planned.add_argument("--planned-layouts", action="store_true",
+                         help="with --search: also rank the layouts and settings the trainer refuses (its own config "
+                              "checks, as pretrain --check runs them), each row labelled with the refusal")
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (plan.published)")
     ap.add_argument("--rank", action="store_true",
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
         return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank, not args.no_progress)
     if args.rank or args.markdown:
         ap.error(f"--{'rank' if args.rank else 'markdown'} goes with --published")
+    if args.planned_layouts and not args.search:
+        ap.error("--planned-layouts goes with --search")
     for name in ("config", "world"):
         if getattr(args, name) is None:
             ap.error(f"--{name} is required (but with --published)")
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
         if args.search:
             rows = search.search(cfg, args.world, gpu_mem_gib=args.gpu_mem, gpus_per_node=args.gpus_per_node,
                                  top=args.top, rates=rates, imbalance=args.expert_imbalance, planned=extra,
-                                 progress=not args.no_progress)
+                                 planned_layouts=args.planned_layouts, progress=not args.no_progress)
             print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else planner.render_search(rows))
             return 0 if rows else 1
         layout = planner.layout_of(cfg, args.world)

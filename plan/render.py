@@ -43,11 +43,12 @@ def render(p: Plan) -> str:
 def render_search(rows: list[Plan]) -> str:
     if not rows:
         return "no layout fits"
-    out = [f"{'layout':<50}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node"]
-    for p in rows:
+    out = [f"{'layout':<50}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node  planned only"]
+    for p in rows:  # "planned only": what of the row the trainer does not run (none: "-")
         w, v = p.most_loaded, p.speed
         out.append(f"{p.label:<50}{v.tokens_per_s:>12,.0f}{v.seconds:>8.2f}  {p.micro_batch:>5}  "
-                   f"{w.recompute:<9} {w.total_bytes / GIB:>6.1f}  {'yes' if p.ep_inside_node else 'no'}")
+                   f"{w.recompute:<9} {w.total_bytes / GIB:>6.1f}  {'yes' if p.ep_inside_node else 'no':<10}  "
+                   f"{', '.join(p.planned_only) or '-'}")
     return "\n".join(out)
 
 

@@ -1,7 +1,12 @@
 """`--search`: the layouts that fit, fastest first, each at its fastest micro-batch and recompute
-mode (the step-time estimate of plan.speed). Virtual stages and context
-parallelism are searched too, and with --dualpipe DualPipe beside 1F1B (both planned only:
-plan.planned)."""
+mode (the step-time estimate of plan.speed). Virtual stages and context parallelism are searched
+too, and with --dualpipe DualPipe beside 1F1B (planned only: plan.planned).
+
+Only what the trainer runs is proposed: each layout and setting is written into the config and
+read by the trainer's own loader and checks (plan.accepted), so a factor the trainer refuses or
+lacks is left out, and one it gains (parallel.cp) comes in with no change here. `planned_layouts`
+(--planned-layouts) keeps the refused ones too, each row labelled with the refusal; the planner's
+own settings (plan.planned) are applied only when asked for, and labelled in every row."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +16,7 @@ from tqdm import tqdm
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import model_layout
 from plan import speed
+from plan.accepted import refusal, refused_label
 from plan.estimate import Plan, plan
 from plan.layout import Layout, check, model_shape
 from plan.planned import Planned
@@ -69,21 +75,28 @@ def schedules(planned: Planned, layout: Layout) -> list[Planned]:
 
 def search(cfg: Config, world: int, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, top: int | None = 10,
            rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned(),
-           progress: bool = False) -> list[Plan]:
+           planned_layouts: bool = False, progress: bool = False) -> list[Plan]:
     """The layouts that fit, fastest first (estimated tokens/s, plan.speed), each
     with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes.
-    `planned`: the planned-only settings every layout gets; `top` None: all of them; `progress`: a
-    bar on stderr over the candidate layouts (a large world takes tens of seconds)."""
+    Only layouts and settings the trainer accepts (plan.accepted), or with `planned_layouts` also
+    those it refuses, labelled. `planned`: the planned-only settings every layout gets; `top` None:
+    all of them; `progress`: a bar on stderr over the candidate layouts (a large world takes tens of
+    seconds)."""
     best = {}
     layouts = list(candidates(cfg, world, gpus_per_node))
     for layout in tqdm(layouts, desc="layouts", unit="layout", disable=not progress, leave=False):
         for variant in settings(cfg, layout):
+            refused = refusal(variant, layout)
+            if refused and not planned_layouts:
+                continue
             for schedule in schedules(planned, layout):
                 try:
                     p = plan(variant, layout, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node, rates=rates,
                              imbalance=imbalance, planned=schedule)
                 except ConfigError:  # e.g. a global batch the layout's data-parallel ranks cannot split
                     continue
+                if refused:
+                    p = dataclasses.replace(p, planned_only=[*p.planned_only, refused_label(refused)])
                 if p.fits and (layout not in best or p.speed.tokens_per_s > best[layout].speed.tokens_per_s):
                     best[layout] = p
     return sorted(best.values(), key=lambda p: -p.speed.tokens_per_s)[:top]

@@ -71,8 +71,11 @@ def _check(value, kind, key: str):
     raise TypeError(f"schema type {kind} of {key} not handled")
 
 
+_HINTS: dict = {}  # schema class → its type hints (typing.get_type_hints is most of a config's reading time)
+
+
 def _build(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
+    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
@@ -144,6 +147,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     data = read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(list(overrides)):
         _merge(data, key, value)
+    return from_mapping(data)
+
+
+def from_mapping(data: dict) -> Config:
+    """A config from its merged mapping (a YAML file's, or to_dict's of another config), read and
+    validated as load_config reads a file: unknown keys, types, presets, the cross-field checks."""
     cfg = _build(Config, presets.apply(data))  # model.block's preset, model.aspect_ratio's width
     validate(cfg)
     return cfg

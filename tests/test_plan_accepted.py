@@ -1,0 +1,107 @@
+"""`python -m plan --search` proposes only what the trainer runs (plan.accepted).
+
+Every row of the default search is written back into configs/tiny.yaml as --set overrides, as a
+user would launch it, and handed to the trainer's own preflight (megatron_kappa.preflight: the
+config read from the file, every check `launch/pretrain.py --check 8` runs): none is refused. The
+negative control: the same search with --planned-layouts proposes rows the preflight refuses
+(today: interleaved stages with fewer micro-batches than stages), and each of those is labelled.
+"""
+import subprocess
+import sys
+
+import pytest
+
+from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.preflight import preflight
+from plan import Layout, search
+from plan.accepted import refusal
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+WORLD = 8
+
+
+def launch_overrides(row, tmp_path) -> list[str]:
+    """The row as a user writes it for the trainer: its layout, micro-batch and recompute mode."""
+    lay = row.layout
+    sets = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.ep={lay.ep}", f"parallel.etp={lay.etp}",
+            f"parallel.vpp={lay.vpp}", f"train.micro_batch={row.micro_batch}",
+            f"model.recompute={row.most_loaded.recompute}", f"run.dir={tmp_path / 'run'}"]
+    return sets + [f"parallel.cp={lay.cp}"] * (lay.cp > 1)  # a key the trainer may not know: its refusal
+
+
+def trainer_refuses(row, tmp_path) -> str | None:
+    try:
+        preflight(load_config("configs/tiny.yaml", launch_overrides(row, tmp_path)), world=WORLD)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="module")
+def searches():
+    cfg = load_config("configs/tiny.yaml")
+    return {"default": search.search(cfg, WORLD, top=None),
+            "planned": search.search(cfg, WORLD, top=None, planned_layouts=True)}
+
+
+def test_default_search_proposes_nothing_the_trainer_refuses(searches, tmp_path):
+    rows = searches["default"]
+    assert len(rows) > 10
+    refused = {r.label: why for r in rows if (why := trainer_refuses(r, tmp_path))}
+    assert refused == {}
+    assert all(not r.planned_only for r in rows)  # nothing planned only unless asked for
+
+
+def test_negative_control_planned_layouts_propose_what_the_trainer_refuses(searches, tmp_path):
+    rows = searches["planned"]
+    refused = [r for r in rows if trainer_refuses(r, tmp_path)]
+    assert refused  # the unfiltered search proposes layouts and settings the trainer refuses
+    for r in rows:  # exactly those are labelled, in every row
+        marked = any(label.startswith("refused by the trainer") for label in r.planned_only)
+        assert marked == (r in refused), (r.label, r.planned_only)
+    # where a layout's fastest setting is refused, the default search keeps its best accepted one
+    accepted = {r.layout for r in searches["default"]}
+    assert all(r.layout in accepted or trainer_refuses(r, tmp_path) for r in rows)
+
+
+def test_a_factor_the_schema_lacks_is_refused_as_the_trainer_refuses_it():
+    """A layout factor that is not a config key (before parallel.cp existed, CP) is the loader's
+    unknown-key error, here shown with a key no schema has."""
+    import dataclasses
+
+    from plan import accepted
+    cfg = load_config("configs/tiny.yaml")
+    assert refusal(cfg, Layout(WORLD, tp=2, pp=2)) is None
+    original = accepted.to_dict
+
+    def with_unknown(c):
+        data = original(c)
+        data["parallel"]["ring"] = 2
+        return data
+    try:
+        accepted.to_dict = with_unknown
+        assert "unknown key 'parallel.ring'" in refusal(cfg, Layout(WORLD, tp=2, pp=2))
+    finally:
+        accepted.to_dict = original
+    # a layout the trainer's batch check refuses: 8 sequences, micro-batch 4 over DP 8
+    assert "train.global_batch" in refusal(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=4)),
+                                           Layout(WORLD))
+
+
+def test_command_line_marks_every_row():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "plan", "--config", "configs/tiny.yaml",  # noqa: E731
+                                     "--world", str(WORLD), "--search", "--no-progress", "--top", "100", *a],
+                                    cwd=ROOT, capture_output=True, text=True, timeout=300)
+    plain, moments, planned = run(), run("--optimizer-states", "bf16"), run("--planned-layouts")
+    assert plain.returncode == moments.returncode == planned.returncode == 0, plain.stderr + planned.stderr
+    head, *rows = plain.stdout.splitlines()
+    assert head.endswith("planned only") and rows and all(r.endswith("  -") for r in rows)
+    # a planned-only setting asked for is marked in every row
+    rows = moments.stdout.splitlines()[1:]
+    assert rows and all(r.endswith("bf16 optimizer moments") for r in rows)
+    # refused layouts only with --planned-layouts, each marked
+    rows = planned.stdout.splitlines()[1:]
+    assert any("refused by the trainer" in r for r in rows)
+    alone = subprocess.run([sys.executable, "-m", "plan", "--config", "configs/tiny.yaml", "--world", "8",
+                            "--planned-layouts"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "--planned-layouts goes with --search" in alone.stderr

@@ -12,8 +12,10 @@ calibration: gloo on one machine is one "link"; c is the per-step work the estim
 the optimizer step, Python, launches). Prints each layout's measured and estimated seconds, the
 fitted constants (as achieved TFLOP/s, GB/s and µs per message), and Spearman's rank correlation
 of the measured step times with the planner's estimate at its default rates and at the fitted
-ones. The layouts' order, not their absolute times, is what the planner's --search uses.
-`--measured earlier.json` refits without training again.
+ones, with Kendall's τ beside it and for a leave-one-out fit (each layout predicted by the
+constants fitted on the other eight: the held-out agreement). The layouts' order, not their
+absolute times, is what the planner's --search uses. `--measured earlier.json` refits without
+training again (bench/plan_calibration_measured.json: the measurements docs/plan.md records).
 """
 from __future__ import annotations
 
@@ -75,6 +77,27 @@ def spearman(x: list[float], y: list[float]) -> float:
     mx, my = statistics.mean(rx), statistics.mean(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def kendall(x: list[float], y: list[float]) -> float:
+    """Kendall's τ-b of two orderings: (concordant − discordant pairs) over the pairs not tied,
+    ties in either counted as Kendall's τ-b does (1: the same order, −1: reversed, 0: unrelated)."""
+    concordant = discordant = tied_x = tied_y = 0
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tied_x += 1
+            elif dy == 0:
+                tied_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    pairs = ((concordant + discordant + tied_x) * (concordant + discordant + tied_y)) ** 0.5
+    return (concordant - discordant) / pairs if pairs else float("nan")
 
 
 def fit(rows: list[dict]) -> dict[str, float]:
@@ -150,23 +173,37 @@ def main(argv=None) -> int:
                    nvlink_gbs=defaults.nvlink_gbs / k["traffic"] if k["traffic"] else 1e9,
                    ib_gbs=defaults.ib_gbs, latency_us=k["messages"] * 1e6,
                    hbm_tbs=defaults.hbm_tbs / k["compute"] if k["compute"] else 1e9)
-    for r in rows:
-        r["fitted"] = k["c"] + k["compute"] * r["compute"] + k["traffic"] * r["traffic"] + k["messages"] * r["messages"]
+    for i, r in enumerate(rows):
+        r["fitted"] = linear(k, r)
         r["calibrated"] = terms(configs[r["layout"]], fitted)["estimated"]
-    before = spearman([r["measured"] for r in rows], [r["estimated"] for r in rows])
-    after = spearman([r["measured"] for r in rows], [r["calibrated"] for r in rows])
-    print(f"{'layout':<10}{'measured s':>12}{'default s':>12}{'calibrated s':>14}{'messages':>10}")
+        # held out: the constants fitted on the other layouts, this one predicted
+        r["held_out"] = linear(fit(rows[:i] + rows[i + 1:]), r)
+    measured_s = [r["measured"] for r in rows]
+    before = spearman(measured_s, [r["estimated"] for r in rows])
+    after = spearman(measured_s, [r["calibrated"] for r in rows])
+    tau = {key: kendall(measured_s, [r[key] for r in rows]) for key in ("estimated", "calibrated", "held_out")}
+    print(f"{'layout':<10}{'measured s':>12}{'default s':>12}{'calibrated s':>14}{'held out s':>12}{'held out/measured':>19}"
+          f"{'messages':>10}")
     for r in rows:
         print(f"{r['layout']:<10}{r['measured']:>12.4f}{r['estimated']:>12.2e}{r['calibrated']:>14.4f}"
-              f"{r['messages']:>10.0f}")
-    print(f"fit: {k['c']:.4f} s per step not modelled; compute at {fitted.tflops:.4g} TFLOP/s, traffic at "
-          f"{fitted.nvlink_gbs:.4g} GB/s, {fitted.latency_us:.4g} µs per message")
+              f"{r['held_out']:>12.4f}{r['held_out'] / r['measured']:>19.2f}{r['messages']:>10.0f}")
+    print(f"fit (on all {len(rows)} layouts: {', '.join(LAYOUTS)}): {k['c']:.4f} s per step not modelled; compute at "
+          f"{fitted.tflops:.4g} TFLOP/s, traffic at {fitted.nvlink_gbs:.4g} GB/s, {fitted.latency_us:.4g} µs per message; "
+          "held out: each layout predicted by the fit on the other eight")
     print(f"Spearman rank correlation of the measured step times with the planner's estimate: {before:.2f} at its "
           f"default (GPU) rates, {after:.2f} at the fitted CPU rates")
+    print(f"Kendall's τ of the measured step times with the estimate: {tau['estimated']:.2f} at the default (GPU) "
+          f"rates, {tau['calibrated']:.2f} at the fitted CPU rates (in-sample), {tau['held_out']:.2f} held out")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "fit": k, "rates": dataclasses.asdict(fitted),
-                                               "spearman": {"default": before, "fitted": after}}, indent=1))
+                                               "spearman": {"default": before, "fitted": after}, "kendall": tau},
+                                              indent=1))
     return 0
+
+
+def linear(k: dict, row: dict) -> float:
+    """The fitted form c + a·compute + b·traffic + d·messages of one layout's terms."""
+    return k["c"] + k["compute"] * row["compute"] + k["traffic"] * row["traffic"] + k["messages"] * row["messages"]
 
 
 if __name__ == "__main__":

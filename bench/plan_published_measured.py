@@ -10,8 +10,9 @@ GPU, published.measured_seconds reads them as step times).
 
 Prints, for each layout, whether it fits, the estimate (default rates: 400 TFLOP/s, NVLink
 450 GB/s, InfiniBand 50 GB/s per GPU), the measured step time where the source gives one and the
-ratio of the two, Spearman's rank correlation of the estimated with the measured step times of the
-Qwen3-235B-A22B layouts at the same work (4,096 tokens, batch 2,048, 256 GPUs), and (without
+ratio of the two, Kendall's τ (and Spearman's ρ) of the estimated against the measured step times
+over each same-work set (the same model, tokens per sequence, batch and GPUs: the dropless rows,
+planned at published.DROPLESS_IMBALANCE, beside the forced ones of their length), and (without
 --no-rank) each layout's position among --search's layouts at its world size with its settings
 (the long-context rows are not searched); then the long-context runs with dropless routing: the
 expert-imbalance margin fitted at 16K, the dropless/forced step ratios that
@@ -27,8 +28,9 @@ import dataclasses
 import math
 import sys
 import time
+from pathlib import Path
 
-from bench.plan_calibration import spearman
+from bench.plan_calibration import kendall, spearman
 from megatron_kappa.cli_types import non_negative_float, positive_float
 from plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,
                             check_run, config_of, measured_seconds)
@@ -70,7 +72,41 @@ def main(argv=None) -> int:
     print(f"Spearman's rank correlation, estimated vs measured step time of the {len(measured)} Qwen3-235B-A22B "
           f"layouts at 4,096 tokens, batch 2,048, 256 GPUs: {spearman(measured, estimated):.2f}")
     dropless(args)
+    rank_agreement(args)
     return 0
+
+
+def measured_rows(args) -> list[tuple]:
+    """(run, estimated s, measured s) of every run with a measured step: the tuned and measured
+    groups at forced balance, the dropless rows at published.DROPLESS_IMBALANCE."""
+    rows = []
+    for run in TUNED + MEASURED + LONG_CONTEXT_DROPLESS:
+        seconds = measured_seconds(run)
+        if seconds:
+            imbalance = DROPLESS_IMBALANCE if run in LONG_CONTEXT_DROPLESS else run.imbalance
+            rows.append((run, step_seconds(rated(run, args), imbalance), seconds))
+    return rows
+
+
+def rank_agreement(args) -> None:
+    """Kendall's τ (Spearman's ρ beside it) of the estimate's order against the measured one, over
+    each set of runs that do the same work; a set of one orders nothing and is named only."""
+    sets: dict[tuple, list] = {}
+    for run, est, seconds in measured_rows(args):
+        sets.setdefault(same_work(run), []).append((run, est, seconds))
+    print("rank agreement of the estimated with the measured step times, by same-work set "
+          "(model, tokens per sequence, batch, GPUs):")
+    for (config, tokens, batch, world), rows in sets.items():
+        where = f"{Path(config).stem}, {tokens:,} tokens, batch {batch:,}, {world} GPUs"
+        if len(rows) < 2:
+            print(f"  {where}: 1 run ({rows[0][0].name}), no order to compare")
+            continue
+        est, seconds = [r[1] for r in rows], [r[2] for r in rows]
+        fitted = " (in-sample: published.DROPLESS_IMBALANCE was fitted on this pair)" \
+            if LONG_CONTEXT_DROPLESS and any(r[0] is LONG_CONTEXT_DROPLESS[0] for r in rows) else ""
+        print(f"  {where}: {len(rows)} runs, Kendall's τ {kendall(seconds, est):.2f}, Spearman's ρ "
+              f"{spearman(seconds, est):.2f} (each estimate over its measured step: {', '.join(f'{e / m:.2f}' for e, m in zip(est, seconds))})"
+              + fitted)
 
 
 def rated(run, args):
@@ -101,7 +137,9 @@ def dropless(args) -> None:
     pairs = [(rated(f, args), rated(d, args)) for f, d in zip(LONG_CONTEXT, LONG_CONTEXT_DROPLESS)]
     fitted = fit_imbalance(*pairs[0])
     print(f"dropless routing (ModelZoo's long-context runs): the expert-imbalance margin that gives the 16K "
-          f"runs' measured dropless/forced ratio: {fitted:.3f} (published.DROPLESS_IMBALANCE: {DROPLESS_IMBALANCE})")
+          f"runs' measured dropless/forced ratio: {fitted:.3f} (published.DROPLESS_IMBALANCE: {DROPLESS_IMBALANCE}; "
+          f"fitted on the 16K pair, held out: the {', '.join(f'{config_of(d).model.seq_length // 1024}K' for _, d in pairs[1:])} "
+          "pairs)")
     for forced, drop in pairs:
         est = step_seconds(drop, DROPLESS_IMBALANCE)
         ratio = est / step_seconds(forced, 1.0)

@@ -144,6 +144,12 @@ def test_the_comparison_bench_prints_every_measured_run(capsys):
     assert "over the 13 measured runs: 0.57 to 1.29" in plain and "256 GPUs: 0.10" in plain
     assert "measured dropless/forced ratio: 1.527" in plain and plain.count("dropless/forced 1.") == 5
     assert "Mixtral-8x22B (NVIDIA, H100): measured dropless/forced 1.045, the margin that gives it: 1.057" in plain
+    # Kendall's τ over each same-work set (docs/plan.md, "The criterion"): the five Qwen3 layouts at
+    # 4K unordered, the pairs ordered; the sets of one named; the margin's fit and its held-out pairs
+    assert "4,096 tokens, batch 2,048, 256 GPUs: 5 runs, Kendall's τ 0.00, Spearman's ρ 0.10" in plain
+    assert plain.count("2 runs, Kendall's τ 1.00") == 5 and plain.count("no order to compare") == 2
+    assert "fitted on the 16K pair, held out: the 32K, 64K, 128K pairs" in plain
+    assert plain.count("in-sample: published.DROPLESS_IMBALANCE was fitted on this pair") == 1
     assert main(["--no-rank", "--layer-ms", "2.5"]) == 0
     assert "over the 13 measured runs: 0.57 to 1.29" not in capsys.readouterr().out
 
@@ -180,3 +186,37 @@ def test_one_expert_imbalance_margin_gives_the_dropless_runs_at_every_length():
     control = [(dataclasses.replace(f, rates=fast), dataclasses.replace(d, rates=fast)) for f, d in pairs]
     meas, est = ratios(control, fit_imbalance(*control[0]))[3]
     assert abs(est / meas - 1) > 0.03, (meas, est)
+
+
+def test_kendall_tau_b_against_its_definition():
+    """bench.plan_calibration.kendall is Kendall's τ-b: Σ sign(Δx)·sign(Δy) over the pairs, over
+    the square root of the pairs not tied in x times those not tied in y (written here from the
+    definition, not from the bench's counting); scipy's kendalltau agrees where it is installed."""
+    import itertools
+    import random
+
+    from bench.plan_calibration import kendall
+
+    def sign(v):
+        return (v > 0) - (v < 0)
+
+    def tau_b(x, y):
+        pairs = list(itertools.combinations(range(len(x)), 2))
+        s = sum(sign(x[i] - x[j]) * sign(y[i] - y[j]) for i, j in pairs)
+        nx = sum(x[i] != x[j] for i, j in pairs)
+        ny = sum(y[i] != y[j] for i, j in pairs)
+        return s / (nx * ny) ** 0.5 if nx and ny else float("nan")
+    assert kendall([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0 and kendall([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall([19.7, 17.6, 29.0, 24.2, 20.8], [22.57, 13.73, 16.52, 19.83, 17.01]) == 0.0  # docs/plan.md
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        x, y = [rng.randint(0, 4) for _ in range(n)], [rng.randint(0, 4) for _ in range(n)]
+        want = tau_b(x, y)
+        assert (kendall(x, y) != kendall(x, y) and want != want) or kendall(x, y) == pytest.approx(want, abs=1e-12)
+    try:
+        from scipy.stats import kendalltau
+    except ImportError:
+        return
+    x, y = [rng.random() for _ in range(12)], [rng.random() for _ in range(12)]
+    assert kendall(x, y) == pytest.approx(kendalltau(x, y).statistic, abs=1e-12)

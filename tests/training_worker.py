@@ -4,7 +4,7 @@
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
 "x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p" | "mtp_stage_skips" |
-"cp_positions_not_offset" | "cp_unbalanced_split", "log": false,
+"cp_positions_not_offset" | "cp_unbalanced_split" | "alpha_per_shard", "log": false,
 "report_offload": false}; each
 entry is a full `megatron_kappa.train.run` of configs/tiny.yaml with those overrides ("log": print
 "== case <i>" and the run's log lines; "report_offload": print "== cpu_offload <flag>", DeepSpeed's
@@ -107,6 +107,11 @@ def main(plan_path):
                 return config
             build.transformer_config = batched
         undo_cp = context_parallel_negative(case.get("negative"))
+        from megatron_kappa.optim import sharded_alpha
+        whole_alpha = sharded_alpha.blocks
+        if case.get("negative") == "alpha_per_shard":
+            # negative control: each rank orthogonalises its own shard of κ's α (before sharded_alpha)
+            sharded_alpha.blocks = lambda: None
         initialize = engine.initialize
         if case.get("report_offload"):
             def reported(*a, **k):
@@ -120,6 +125,7 @@ def main(plan_path):
         build.transformer_config = tconfig
         embedding_copy.all_reduce_grads = sync
         undo_cp()
+        sharded_alpha.blocks = whole_alpha
     engine.wire_experts = wire
     groups.teardown()  # as launch/pretrain.py ends: every group's threads joined before the exit
 

@@ -32,9 +32,9 @@ groups, so its Q, K and V rows are three matrices; a SwiGLU fc1 shard [gate_t; u
 row-parallel shard [out, in/t] is one. With TP = ETP = 1 these are exactly the authors' matrices
 (separate q, k, v, gate, up, down); experts are whole on their EP rank, one matrix per expert.
 κ's α (model.kappa.alpha_optimizer matrix) is one [E, F] matrix per layer at 14c9b04, across the
-experts; a rank holds [E/EP, F/ETP] of it and orthogonalises that shard, so α's update is the
-authors' only at EP = ETP = 1 (gathering it would need a collective inside ZeRO's per-parameter
-loop; docs/optimizer.md says how far the blocks are from the whole).
+experts; a rank holds [E/EP, F/ETP] of it, and its blocks spec (megatron_kappa.optim.sharded_alpha)
+all-gathers the shard's momentum direction over the EP × ETP group and orthogonalises the whole
+matrix, as one process does, at any EP and ETP.
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ import inspect
 import torch
 
 from megatron_kappa.config import KappaConfig, ModelConfig, TrainConfig
-from megatron_kappa.model.params import is_embedding_or_output, is_router
+from megatron_kappa.model.params import is_embedding_or_output, is_kappa_alpha, is_router
+from megatron_kappa.optim import sharded_alpha
 from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind, in_kappa_group
 from megatron_kappa.optim.matrix import RowBlocks, as_blocks, matrix_update
 from megatron_kappa.optim.schedule import peak_weight_decays
@@ -65,8 +66,8 @@ def is_orthogonalised(name: str, p: torch.Tensor, routers: bool, kappa: KappaCon
     """Attention, dense-MLP and expert weight matrices, the routers if `routers`
     (train.router_optimizer matrix, as the authors' code), and κ's α with
     model.kappa.alpha_optimizer matrix (14c9b04: one [E, F] matrix per layer; `matrix_blocks`
-    leaves it whole). AdamW keeps embeddings, the output layer, norms, κ's b (and α), and
-    otherwise the routers (the paper's split)."""
+    makes it whole across its shards). AdamW keeps embeddings, the output layer, norms, κ's b
+    (and α), and otherwise the routers (the paper's split)."""
     return p.dim() >= 2 and not (is_embedding_or_output(name) or in_kappa_group(name, kappa)
                                  or (is_router(name) and not routers))
 
@@ -75,6 +76,8 @@ def matrix_blocks(name: str, param: torch.Tensor, config):
     """The separate matrices inside this rank's (possibly TP-sharded) parameter, as a RowBlocks,
     or None when it is one matrix (per leading index, for stacked experts). `config` is
     megatron's TransformerConfig (model.config)."""
+    if is_kappa_alpha(name):  # one matrix across the experts and their EP/ETP shards
+        return sharded_alpha.blocks()
     rows = param.shape[-2]
     if name.endswith("linear_qkv.weight"):
         kv = config.kv_channels
@@ -118,9 +121,13 @@ def update_fn(train: TrainConfig, compute_dtype: torch.dtype = torch.float32):
 
     def muon_update(grad, momentum, beta=0.95, ns_steps=None, nesterov=None, ns_method=None,
                     is_expert_group=False, num_heads=None, **_):
-        finite = torch.isfinite(grad).all()  # on the device: no synchronisation
         buf = momentum.clone()
         direction = matrix_update(grad, buf, beta, mu.nesterov, blocks=as_blocks(num_heads), **options)
+        # On the device: no synchronisation. The direction's finiteness too: a matrix gathered over
+        # ranks (sharded_alpha) comes out non-finite on every rank if one rank's shard is, so every
+        # rank keeps its momentum, as one process does. Elsewhere it adds nothing (the momentum
+        # is finite, so the direction is finite exactly when the gradient is).
+        finite = torch.isfinite(grad).all() & torch.isfinite(direction).all()
         momentum.copy_(torch.where(finite, buf, momentum))
         return torch.where(finite, direction.to(grad.dtype), grad)
     return muon_update

@@ -65,7 +65,7 @@ class KappaConfig:
         "adamw", "α's optimizer: adamw (κ's group with b: κ's schedule, freeze and learning rate; the paper's "
                  "prose and 02b8de3) or matrix (14c9b04: the 2-D α joins the matrices' group, their optimizer, "
                  "lr, weight decay and schedule, no κ warm-up; orthogonalised as one [E, F] matrix per layer, "
-                 "per EP×ETP shard when sharded; under train.optimizer adamw the AdamW matrix group); the freeze "
+                 "its EP×ETP shards gathered; under train.optimizer adamw the AdamW matrix group); the freeze "
                  "still holds α at 0 (docs/optimizer.md)", state=True)
     lr: Optional[float] = _f(None, "κ learning-rate peak, reached after `warmup` iterations past unfreezing "
                                    "(authors: before their width scaling and main-LR multiplier) "

@@ -54,7 +54,8 @@ def run(args, logits_fn, tokenizer, max_seq_len, bundle=None) -> dict:
         logits_fn, tokenizer, bundle, max_seq_len, max_per_task=args.max_per_task,
         baselines=args.baselines, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
         progress=not args.no_progress, dp_rank=dp_rank, dp_world=dp_world)
-    result.update(checkpoint=str(args.run_dir or args.checkpoint), step=args.step, bundle=bundle.source, max_per_task=args.max_per_task)
+    result.update(checkpoint=str(args.run_dir or args.checkpoint), step=args.step, bundle=bundle.source,
+                  max_per_task=args.max_per_task)
     if is_rank0():
         print(core_eval.format_table(result), flush=True)
         if args.json:

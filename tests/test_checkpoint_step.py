@@ -127,12 +127,12 @@ def test_export_of_step_k_is_the_consolidation_of_step_k(two_steps, tmp_path):
     assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
     # the export read back into megatron's names (the export's own inverse map) is step 1's consolidation
     cfg = load_config(run / "config.yaml")
-    layout, adapter = model_layout(cfg), targets.lookup(json.loads((tmp_path / "hf1/config.json").read_text())["model_type"])
+    layout = model_layout(cfg)
+    adapter = targets.lookup(json.loads((tmp_path / "hf1/config.json").read_text())["model_type"])
     back = adapter.outer_from_hf(cfg.model, {k: v for k, v in exported.items() if not k.startswith("model.layers.")})
     for i in range(cfg.model.num_layers):
-        p = f"model.layers.{i}."
-        back.update({f"decoder.layers.{i}.{k}": v for k, v in
-                     adapter.from_hf(cfg.model, layout, i, {k: v for k, v in exported.items() if k.startswith(p)}).items()})
+        layer = {k: v for k, v in exported.items() if k.startswith(f"model.layers.{i}.")}
+        back.update({f"decoder.layers.{i}.{k}": v for k, v in adapter.from_hf(cfg.model, layout, i, layer).items()})
 
     def same(state):
         v = cfg.model.vocab_size
@@ -148,12 +148,13 @@ def test_generate_and_the_evaluations_read_the_step_asked_for(two_steps, tmp_pat
     tool("launch/consolidate.py", "--checkpoint", run, "--step", 1, "--output", tmp_path / "full1.pt")
     prompt = ["--prompt", "The water cycle", "--max-new-tokens", 8]
     tool("eval/generate.py", "--checkpoint", run, "--step", 1, *prompt, "--json", tmp_path / "g1.json")
-    tool("eval/generate.py", "--checkpoint", run, "--weights", tmp_path / "full1.pt", *prompt, "--json", tmp_path / "w1.json")
+    tool("eval/generate.py", "--checkpoint", run, "--weights", tmp_path / "full1.pt", *prompt,
+         "--json", tmp_path / "w1.json")
     g1, w1 = (json.loads((tmp_path / f).read_text()) for f in ("g1.json", "w1.json"))
     assert g1["step"] == 1 and g1["results"][0]["ids"] == w1["results"][0]["ids"]
     loss = {}
-    for name, where in (("1", ["--checkpoint", run, "--step", 1]), ("folder1", ["--checkpoint", run / "checkpoints/step_1"]),
-                        ("latest", ["--checkpoint", run])):
+    for name, where in (("1", ["--checkpoint", run, "--step", 1]),
+                        ("folder1", ["--checkpoint", run / "checkpoints/step_1"]), ("latest", ["--checkpoint", run])):
         tool("eval/loss.py", *where, "--data", sample_shards["valid"][0], "--max-tokens", 2000, "--no-progress",
              "--json", tmp_path / f"loss{name}.json")
         loss[name] = json.loads((tmp_path / f"loss{name}.json").read_text())
@@ -188,5 +189,6 @@ def test_every_tool_refuses_a_damaged_or_missing_step_in_one_line(two_steps, tmp
                 (name, err)
         assert main(str(run), "--step", "7") == 2, name
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "no complete checkpoint at step 7" in err and "(available: 1, 2)" in err, (name, err)
+        assert err.count("\n") == 1 and "no complete checkpoint at step 7" in err and "(available: 1, 2)" in err, \
+            (name, err)
     assert not (tmp_path / "hf").exists() and not (tmp_path / "full.pt").exists()

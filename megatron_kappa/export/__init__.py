@@ -1,6 +1,7 @@
 """A trained run as a Hugging Face model folder, for transformers, serving tools and lm-eval.
 
-    python -m megatron_kappa.export --checkpoint RUN [--step N] --output DIR [--target auto|kappa_moe|qwen3_moe|mixtral|deepseek_v3]
+    python -m megatron_kappa.export --checkpoint RUN [--step N] --output DIR
+                                    [--target auto|kappa_moe|qwen3_moe|mixtral|deepseek_v3] [--license ID]
 
 Modules:
   __main__.py            python -m megatron_kappa.export --checkpoint RUN --output DIR: a run's

@@ -25,8 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="checkpoint", choices=list(DTYPES), help="weights' dtype (default: as trained)")
     ap.add_argument("--shard-mb", type=positive_int, default=2000, help="largest safetensors file, in MiB")
     ap.add_argument("--tokenizer", help="SentencePiece model (default: the run's data.tokenizer)")
-    ap.add_argument("--license", default="other", help="the model card's licence, a Hugging Face Hub identifier "
-                                                      "(apache-2.0, mit, cc-by-4.0, ...; default: other, i.e. not chosen)")
+    ap.add_argument("--license", default="other",
+                    help="the model card's licence, a Hugging Face Hub identifier (apache-2.0, mit, cc-by-4.0, ...; "
+                         "default: other, i.e. not chosen)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     from megatron_kappa.export.writer import export

@@ -21,6 +21,7 @@ from megatron_kappa.export.adapter import ffn_sizes
 from megatron_kappa.export.targets.kappa_moe import kappa_input_kind
 from megatron_kappa.model.layout import moe_layer_pattern
 
+NO_TOKENIZER = "\nNo tokenizer was exported (the run named none): encode with the one it was trained with.\n"
 LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's licence identifiers: apache-2.0, mit, cc-by-4.0, other
 
 
@@ -63,7 +64,8 @@ def evaluations(run_dir: Path, step: int, cfg) -> list[tuple[str, str, str]]:
                 and Path(str(result.get("checkpoint", ""))).resolve() == run_dir.resolve()):
             continue
         if "bits_per_byte" in result:
-            rows.append(("validation loss", f"{result['loss']:.4f}", f"{path.name}: eval/loss.py, {result['tokens']:,} tokens"))
+            rows.append(("validation loss", f"{result['loss']:.4f}",
+                         f"{path.name}: eval/loss.py, {result['tokens']:,} tokens"))
             rows.append(("bits per byte", f"{result['bits_per_byte']:.4f}", f"{path.name}: eval/loss.py"))
         if "core" in result:
             per = result.get("max_per_task")
@@ -129,7 +131,8 @@ def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, 
         trained.append(("layout", ", ".join(f"{k} {v}" for k, v in layout_record.items())))
     results = evaluations(run_dir, step, cfg)
     table = lambda pairs: "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in pairs)  # noqa: E731
-    evaluation = ("| result | value | from |\n|---|---|---|\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in results)
+    evaluation = ("| result | value | from |\n|---|---|---|\n"
+                  + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in results)
                   if results else
                   f"No evaluation was recorded at step {step}. `python eval/loss.py --checkpoint RUN --step {step} "
                   f"--data ... --json loss.json` and `python eval/core.py --checkpoint RUN --step {step} --bundle ... "
@@ -155,7 +158,7 @@ tokenizer = AutoTokenizer.from_pretrained("{name}"{remote})
 ids = tokenizer("The water cycle", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=30)[0]))
 ```
-{"" if tokenizer else chr(10) + "No tokenizer was exported (the run named none): encode with the one it was trained with." + chr(10)}
+{"" if tokenizer else NO_TOKENIZER}
 The tokenizer pads on the left (batched generation) and its `model_max_length` is the context the
 model was trained with, {m.seq_length} tokens.
 

@@ -56,7 +56,8 @@ class HFFolder:
         try:
             self.raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{source}: {self.folder}: no config.json (expected a Hugging Face model folder)") from None
+            raise ConfigError(f"{source}: {self.folder}: no config.json "
+                              "(expected a Hugging Face model folder)") from None
         except (OSError, ValueError) as e:
             raise ConfigError(f"{source}: {path}: not a JSON config ({str(e).splitlines()[0][:120]})") from None
         if not isinstance(self.raw, dict):

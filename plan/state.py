@@ -71,7 +71,8 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
     data-parallel group of each parameter: DP for the dense ones, EDP for the experts. fp32: fp32
     weights and gradients, no master copy. Moments: AdamW 2 fp32 per parameter; muon and aurora
     keep one momentum buffer for the matrices they orthogonalise (attention, MLPs, experts; the
-    router too under aurora) and AdamW's two for the rest. Planned only (`planned`): the moments
+    router too under aurora; κ's α under model.kappa.alpha_optimizer matrix) and AdamW's two for
+    the rest. Planned only (`planned`): the moments
     in bf16 (2 bytes each); the master copy and moments offloaded to the CPU ("offloaded", not on
     the GPU)."""
     half = value_bytes(cfg.precision) == 2
@@ -80,11 +81,19 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
     out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
     matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
         {"router"} if cfg.train.optimizer == "aurora" else set())
+    k = cfg.model.kappa  # "kappa" counts α and b alike; α's share is orthogonalised with `matrix`
+    alpha_share = (k.use_alpha / (k.use_alpha + k.use_bias)
+                   if cfg.train.optimizer != "adamw" and k.alpha_optimizer == "matrix" and k.use_alpha else 0.0)
     for kind, n in params.items():
         d = layout.edp if kind in EXPERT_KINDS else layout.zero_dp
         out["weights"] += value_bytes(cfg.precision) * n
         out["master"] += 4 * n / d if half else 0
-        moments = 1 if (cfg.train.optimizer != "adamw" and kind in matrices) else 2
+        if cfg.train.optimizer != "adamw" and kind in matrices:
+            moments = 1
+        elif kind == "kappa":
+            moments = 2 - alpha_share  # α one momentum an element, b AdamW's two
+        else:
+            moments = 2
         out["moments"] += moments * moment_bytes * n / d
     if planned.offload_optimizer:
         out["offloaded"] = out["master"] + out["moments"]

@@ -251,3 +251,27 @@ def test_alpha_gradient_is_exactly_zero_at_U_1(world1):
         lm_loss(model, batch, torch.arange(16).expand(2, -1)).backward()
         grads = [p.grad for n, p in model.named_parameters() if n.endswith("kappa_alpha")]
         assert all((gr.abs().max() == 0) == zero for gr in grads), U
+
+
+# ---- the planner's bytes ------------------------------------------------------------------------
+@pytest.mark.parametrize("world,ep", [(1, 1), (4, 2)])
+def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
+    """plan.state_bytes: with alpha_optimizer matrix under aurora, α (its elements counted from the
+    built model) holds the matrix optimizer's one fp32 momentum instead of AdamW's two, partitioned
+    over the expert-data-parallel ranks; b keeps two. Under train.optimizer adamw α's matrix group is
+    AdamW's, so nothing changes (control)."""
+    import plan as planner
+    from megatron_kappa.model.build import build_model
+
+    def moments(*sets):
+        cfg = load_config("configs/tiny.yaml", TINY + [f"parallel.ep={ep}", *sets])
+        layout = planner.layout_of(cfg, world)
+        return planner.state_bytes(planner.stage_params(cfg, layout, 0), cfg, layout)["moments"], layout
+    alphas = sum(p.numel() for n, p in build_model(load_config("configs/tiny.yaml", TINY), meta=True).named_parameters()
+                 if n.endswith("kappa_alpha"))
+    assert alphas == 3 * 4 * 256  # tiny: 3 MoE layers × [4, 256]
+    (adamw_place, layout), (matrix, _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
+    assert layout.edp == world // ep
+    assert adamw_place - matrix == pytest.approx(4 * (alphas / ep) / layout.edp)  # one fp32 moment less
+    plain = ["train.optimizer=adamw", "train.grad_clip=1"]
+    assert moments(*plain)[0] == moments(*plain, "model.kappa.alpha_optimizer=matrix")[0]

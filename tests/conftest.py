@@ -76,7 +76,7 @@ LONGEST_FIRST = ("test_preemption", "test_study", "test_multinode", "test_demo",
                  "test_reshard", "test_export", "test_training", "test_gpu_check", "test_optimizers",
                  "test_export_tools", "test_import_hf", "test_checkpoint_step", "test_mla_training", "test_mtp",
                  "test_parallel", "test_softmoe_training", "test_two_ranks_reliability", "test_kappa_aot",
-                 "test_offload", "test_fp8", "test_export_card", "test_analysis", "test_loss", "test_reliability",
+                 "test_sharded_alpha", "test_offload", "test_fp8", "test_export_card", "test_analysis", "test_loss", "test_reliability",
                  "test_launcher_exit", "test_slurm", "test_slurm_training")
 
 

@@ -3,6 +3,8 @@ reach the update compared to an independent float64 reference (tests/test_grad_a
 
     deepspeed --num_gpus 2 tests/grad_accum_worker.py PLAN.json OUT.json
 
+PLAN: a list of entries, each a list of config overrides or {"overrides": [...], "merge_fix": false}.
+
 The reference: a tensor hook on every parameter records each backward's gradient as autograd
 hands it over (bf16 under precision bf16), summed here in float64 over the micro-batches and
 all-reduced in float64 over the parameter's data-parallel group (the expert-data-parallel one for
@@ -27,8 +29,12 @@ from megatron_kappa.parallel.launch_env import exit_process  # noqa: E402
 from megatron_kappa.train import loop  # noqa: E402
 
 
-def case(overrides):
+def case(overrides, merge_fix=True):
+    """One entry: its overrides; `merge_fix` False runs it without grad_precision's item 4 (the
+    upstream merge that drops AdamW gradients under ZeRO-2 beside Muon groups: a control)."""
+    import functools
     from megatron.core import parallel_state as ps
+    from megatron_kappa.parallel import grad_precision
     from deepspeed.runtime.zero.muon import original_muon
     from megatron_kappa.optim import muon
     local, worst, dtypes, muon_grads = {}, [0.0], set(), []
@@ -84,10 +90,13 @@ def case(overrides):
         zero._optimizer_step = optimizer_step
         return eng, zero
     engine.initialize = started
+    keep_fp32 = grad_precision.keep_fp32
+    grad_precision.keep_fp32 = functools.partial(keep_fp32, merge_fix=merge_fix)
     try:
         loop.run(load_config("configs/tiny.yaml", overrides), log=lambda *a, **k: None)
     finally:
         engine.initialize = original
+        grad_precision.keep_fp32 = keep_fp32
         muon.uninstall()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (worst[0], sorted(dtypes)))
@@ -96,7 +105,8 @@ def case(overrides):
 
 def main(plan_path, out_path):
     from megatron_kappa.parallel import groups
-    results = [case(entry) for entry in json.loads(Path(plan_path).read_text())]
+    results = [case(**entry) if isinstance(entry, dict) else case(entry)
+               for entry in json.loads(Path(plan_path).read_text())]
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     # as launch/pretrain.py ends: a barrier, then every group's threads joined before the exit (a

@@ -1,9 +1,11 @@
 """train.grad_accum_dtype (megatron_kappa.parallel.grad_precision): with bf16 parameters the
 micro-batches' gradients are summed and reduced in fp32, and every update sees fp32.
 
-- N micro-batches' gradients, accumulated and reduced by DeepSpeed (DP2 ZeRO-1/2, EP2, PP2),
-  against the float64 sum of the gradients autograd handed over (tests/grad_accum_worker.py):
-  within fp32 rounding; bf16 accumulation (the negative control) misses it by orders of magnitude.
+- N micro-batches' gradients, accumulated and reduced by DeepSpeed (DP2 ZeRO-1/2, EP2, PP2;
+  AdamW, Aurora and Muon), against the float64 sum of the gradients autograd handed over
+  (tests/grad_accum_worker.py): within fp32 rounding; bf16 accumulation (the negative control)
+  misses it by orders of magnitude, and under ZeRO-2 beside Muon groups DeepSpeed's own
+  reduce-scatter merge (grad_precision item 4 left out: the control) loses AdamW gradients whole.
 - Hooks on the update (the patched muon_update and torch AdamW's step): fp32 gradients and fp32
   state in every call; the ZeRO optimizer, not BF16_Optimizer, at ZeRO-1; bf16 accumulation is
   the control (Muon/Aurora then see a bf16 gradient and momentum).
@@ -105,15 +107,19 @@ CASES = {"dp2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora"],
          "ep2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora", "parallel.ep=2"],
          "ep2 zero2 adamw": ["zero.stage=2", "train.optimizer=adamw", "parallel.ep=2"],
          "pp2 zero1 adamw": ["zero.stage=1", "train.optimizer=adamw", "parallel.pp=2"],
-         "pp2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora", "parallel.pp=2"]}
+         "pp2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora", "parallel.pp=2"],
+         "dp2 zero2 aurora": ["zero.stage=2", "train.optimizer=aurora"],
+         "ep2 zero2 muon": ["zero.stage=2", "train.optimizer=muon", "parallel.ep=2"]}
 CONTROLS = ("dp2 zero1 aurora", "dp2 zero2 adamw", "pp2 zero1 adamw")
+MERGE_CONTROL = "dp2 zero2 aurora"  # also run without grad_precision's item 4 (DeepSpeed's merge)
 
 
 @pytest.fixture(scope="module")
 def accumulated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("accum")
-    keys = [(k, "fp32") for k in CASES] + [(k, "bf16") for k in CONTROLS]
-    plan = [BASE + CASES[k] + [f"train.grad_accum_dtype={a}", f"run.dir={tmp / f'run{i}'}"]
+    keys = [(k, "fp32") for k in CASES] + [(k, "bf16") for k in CONTROLS] + [(MERGE_CONTROL, "upstream merge")]
+    plan = [{"overrides": BASE + CASES[k] + [f"train.grad_accum_dtype={'bf16' if a == 'bf16' else 'fp32'}",
+                                             f"run.dir={tmp / f'run{i}'}"], "merge_fix": a != "upstream merge"}
             for i, (k, a) in enumerate(keys)]
     (tmp / "plan.json").write_text(json.dumps(plan))
     proc = subprocess.run(deepspeed_cmd(ROOT / "tests/grad_accum_worker.py", str(tmp / "plan.json"),
@@ -133,3 +139,5 @@ def test_accumulated_gradients_equal_the_float64_sum(accumulated, case):
     assert all(d[1:] in (["torch.float32"], ["torch.float32", "torch.float32"]) for d in got["dtypes"]), got
     if case in CONTROLS:  # negative control: bf16 accumulation misses the float64 sum
         assert accumulated[(case, "bf16")]["worst"] > 1e-4, accumulated[(case, "bf16")]
+    if case == MERGE_CONTROL:  # negative control: DeepSpeed's own merge drops AdamW parameters' gradients
+        assert accumulated[(case, "upstream merge")]["worst"] > 0.5, accumulated[(case, "upstream merge")]

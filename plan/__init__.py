@@ -17,6 +17,10 @@ Modules:
                   recompute mode
   dualpipe.py     DeepSeek-V3's DualPipe as the planner models it (planned only: the trainer runs
                   1F1B or interleaved 1F1B)
+  ep_overlap.py   The trainer's expert-parallel overlap as the estimate counts it: megatron's
+                  combined 1F1B (`parallel.overlap_moe_expert_parallel_comm`, docs/ep_overlap.md)
+                  hides the all-to-all of one micro-batch behind another's compute, except in its
+                  warm-up and cool-down
   estimate.py     The plan of one layout: what the most-loaded rank holds (parameters, training
                   state, buckets, activations at the config's recompute mode), whether it fits, and
                   the step-time estimate
@@ -35,8 +39,8 @@ Modules:
   routing.py      The routed rows the busiest expert-parallel rank holds: read by the activation
                   estimate (the rows' saved tensors) and the step-time estimate (the experts' FLOPs
                   and the all-to-all)
-  search.py       `--search`: the layouts that fit, fastest first, each at its fastest micro-batch
-                  and recompute mode (the step-time estimate of plan.speed)
+  search.py       `--search`: the layouts that fit, fastest first, each at its fastest micro-batch,
+                  recompute mode and EP overlap (the step-time estimate of plan.speed)
   speed.py        A step-time estimate per layout: compute from FLOPs, the pipeline bubble, and the
                   traffic of tensor, expert, pipeline and data parallelism at stated bandwidths
   state.py        Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this

@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-mem", type=positive_float, default=80.0, help="GiB of memory per GPU")
     ap.add_argument("--gpus-per-node", type=positive_int, default=8)
     ap.add_argument("--search", action="store_true",
-                    help="rank the layouts that fit by estimated tokens/s (micro-batch and recompute searched too)")
+                    help="rank the layouts that fit by estimated tokens/s (micro-batch, recompute and the EP overlap, "
+                         "parallel.overlap_moe_expert_parallel_comm, searched too)")
     defaults = planner.speed.Rates()
     ap.add_argument("--tflops", type=positive_float, default=defaults.tflops,
                     help="achievable dense bf16 TFLOP/s per GPU (fp8 GEMMs: --fp8-speedup times that)")
@@ -64,7 +65,9 @@ def main(argv=None) -> int:
     planned.add_argument("--offload-activations", action="store_true",
                          help="saved activations in CPU memory, two chunks on the GPU")
     planned.add_argument("--overlap", type=overlap_terms, default=(), metavar="TERMS",
-                         help=f"traffic run beside the compute, comma-separated: {','.join(OVERLAP)}")
+                         help=f"traffic run beside the compute, comma-separated: {','.join(OVERLAP)} (expert: the "
+                              "whole all-to-all; the trainer's own EP overlap is "
+                              "parallel.overlap_moe_expert_parallel_comm)")
     planned.add_argument("--node-dispatch", action="store_true",
                          help="EP across nodes: a token crosses to each node once, then NVLink (DeepEP)")
     planned.add_argument("--dualpipe", action="store_true",

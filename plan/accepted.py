@@ -2,16 +2,18 @@
 reading and checks.
 
 The layout and settings are written into the config as a user would write them (`parallel.*`,
-`train.micro_batch`, `model.recompute`), then read by the trainer's loader and checked by the
-checks `launch/pretrain.py --check WORLD` runs on a layout (megatron_kappa.config.loading.
-from_mapping: unknown keys, types, the cross-field checks; megatron_kappa.preflight.check_parallel:
-the world, the batch, the micro-batches of virtual stages, empty pipeline entries).
+the EP overlap `parallel.overlap_moe_expert_parallel_comm` among them, `train.micro_batch`,
+`model.recompute`), then read by the trainer's loader and checked by the checks
+`launch/pretrain.py --check WORLD` runs on a layout (megatron_kappa.config.loading.from_mapping:
+unknown keys, types, the cross-field checks; megatron_kappa.preflight.check_parallel: the world,
+the batch, the micro-batches of virtual stages, empty pipeline entries).
 
 A factor the trainer's schema does not have is refused as the trainer refuses it: before
 `parallel.cp` existed, a context-parallel layout was "unknown key 'parallel.cp'"; once the key and
 its checks exist, the same layouts pass them or not with no change here. The planner's own
-settings beside the layout (plan.planned.Planned: DualPipe, overlap, fp8 activations, ...) are not
-config keys; they are asked for by flag and labelled in every row (Plan.planned_only).
+settings beside the layout (plan.planned.Planned: DualPipe, the planned-only overlap terms, fp8
+activations, ...) are not config keys; they are asked for by flag and labelled in every row
+(Plan.planned_only).
 """
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ class Plan:
     planned_only: list[str]  # what of the plan the trainer cannot run
     dualpipe: bool
     speed: speed.StepTime
+    ep_overlap: bool = False  # the config's parallel.overlap_moe_expert_parallel_comm (run by the trainer)
 
     def as_dict(self) -> dict:
         """For --json: the fields, the layout with its data-parallel sizes."""
@@ -109,4 +110,5 @@ def plan(cfg: Config, layout: Layout, *, gpu_mem_gib: float = 80.0, gpus_per_nod
                                       stage_params=[stage_params(cfg, layout, s) for s in range(layout.pp)] if dual
                                       else [r.params for r in stages],
                                       rates=rates, gpus_per_node=gpus_per_node, imbalance=imbalance,
-                                      overlap=planned.overlap, node_dispatch=planned.node_dispatch, dualpipe=dual))
+                                      overlap=planned.overlap, node_dispatch=planned.node_dispatch, dualpipe=dual),
+                ep_overlap=cfg.parallel.overlap_moe_expert_parallel_comm)

@@ -81,6 +81,10 @@ def check(cfg: Config, layout: Layout):
         raise ConfigError(f"plan: world size {layout.world} is not divisible by tp × pp × cp = "
                           f"{layout.tp} × {layout.pp} × {layout.cp}")
     split = with_layout(cfg, layout)
+    # the EP overlap is a schedule, not a split, and its checks need the layout's virtual stages,
+    # which the split leaves out: plan.accepted judges it in the config the trainer would read
+    split = dataclasses.replace(split, parallel=dataclasses.replace(
+        split.parallel, overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False))
     try:
         if cfg.model.seq_length % (2 * layout.cp):  # megatron's causal load balance: 2·cp chunks
             raise ConfigError(f"plan: model.seq_length {cfg.model.seq_length} is not divisible by 2 × cp")

@@ -2,7 +2,8 @@
 
 The published frontier runs use them (docs/plan.md's table cites which run used which):
   overlap (Planned.overlap)         traffic that runs beside the compute instead of after it
-                                    (plan.speed says how much of it stays exposed)
+                                    (plan.speed says how much of it stays exposed); the trainer's
+                                    own EP overlap is a config key (plan.ep_overlap)
   DualPipe (Planned.dualpipe)       DeepSeek-V3's bidirectional schedule in place of 1F1B
                                     (plan.dualpipe)
 and the memory savings of this dataclass. The trainer refuses none of them by config: they are
@@ -45,11 +46,13 @@ class Planned:
     back before its backward (Kimi K2): the GPU holds two chunks' worth, the one being computed and
     the one moving."""
     overlap: tuple[str, ...] = ()
-    """The traffic terms that run beside the compute (this trainer overlaps none): "data" ZeRO's
-    gradient reduce-scatter and parameter all-gather a layer at a time (megatron's
+    """The traffic terms that run beside the compute, as the trainer does not run them: "data"
+    ZeRO's gradient reduce-scatter and parameter all-gather a layer at a time (megatron's
     overlap_grad_reduce / overlap_param_gather, DeepSpeed's overlap_comm), "expert" the
-    dispatcher's all-to-all (DeepSeek-V3's DualPipe, Kimi K2's interleaved 1F1B with extra
-    warm-up micro-batches), "pipeline" the stage-to-stage sends (megatron's overlap_p2p_comm),
+    dispatcher's whole all-to-all, warm-up and cool-down included (DeepSeek-V3's DualPipe, Kimi
+    K2's interleaved 1F1B with extra warm-up micro-batches; the trainer's own overlap,
+    parallel.overlap_moe_expert_parallel_comm, hides less and is no planned-only setting:
+    plan.ep_overlap), "pipeline" the stage-to-stage sends (megatron's overlap_p2p_comm),
     "tensor" sequence parallelism's collectives (Transformer Engine's userbuffers), "context"
     the ring attention's K and V passing."""
     node_dispatch: bool = False

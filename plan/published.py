@@ -244,8 +244,10 @@ def check_run(run: Published, *, gpu_mem_gib: float = 80.0, gpus_per_node: int =
     if not ranked:
         return out
     # among every layout the planner models, those the trainer refuses too (labelled): a published run
-    # is placed among its own kind (context parallelism, stages without decoder layers, ...)
-    rows = search(cfg, run.layout.world, top=None, progress=progress, planned_layouts=True, **settings)
+    # is placed among its own kind (context parallelism, stages without decoder layers, ...), at its
+    # own all-to-all overlap (its planned-only terms; the trainer's setting is not varied)
+    rows = search(cfg, run.layout.world, top=None, progress=progress, planned_layouts=True, vary_overlap=False,
+                  **settings)
     own = p.speed.tokens_per_s
     # by_speed: where the run's own estimate falls among the searched layouts' best ones (also
     # for a stage split the search does not try, such as an uneven split with virtual stages)

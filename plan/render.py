@@ -17,7 +17,8 @@ def render(p: Plan) -> str:
     w = p.most_loaded
     lines = [f"layout        {p.label}  on {p.layout.world} GPUs ({p.gpus_per_node} per node)"
              + ("" if p.ep_inside_node else "  [EP × ETP crosses nodes]"),
-             f"precision     {p.precision}, ZeRO-{p.zero_stage}, recompute {w.recompute}",
+             f"precision     {p.precision}, ZeRO-{p.zero_stage}, recompute {w.recompute}"
+             + ", EP overlap (combined 1F1B)" * p.ep_overlap,
              f"most loaded   pipeline {where(w.stage, p.layout.pp, p.dualpipe)}: "
              f"{w.param_count / 1e9:.3f} B parameters",
              "  by kind     " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in w.params.items() if v)]
@@ -43,12 +44,13 @@ def render(p: Plan) -> str:
 def render_search(rows: list[Plan]) -> str:
     if not rows:
         return "no layout fits"
-    out = [f"{'layout':<50}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node  planned only"]
-    for p in rows:  # "planned only": what of the row the trainer does not run (none: "-")
-        w, v = p.most_loaded, p.speed
+    out = [f"{'layout':<50}{'tokens/s':>12}{'step s':>8}  micro  recompute {'GiB':>6}  EP in node  EP overlap  "
+           "planned only"]
+    for p in rows:  # "EP overlap": parallel.overlap_moe_expert_parallel_comm; "planned only": what of the
+        w, v = p.most_loaded, p.speed  # row the trainer does not run (none: "-")
         out.append(f"{p.label:<50}{v.tokens_per_s:>12,.0f}{v.seconds:>8.2f}  {p.micro_batch:>5}  "
                    f"{w.recompute:<9} {w.total_bytes / GIB:>6.1f}  {'yes' if p.ep_inside_node else 'no':<10}  "
-                   f"{', '.join(p.planned_only) or '-'}")
+                   f"{'on' if p.ep_overlap else 'off':<10}  {', '.join(p.planned_only) or '-'}")
     return "\n".join(out)
 
 

@@ -1,5 +1,6 @@
-"""`--search`: the layouts that fit, fastest first, each at its fastest micro-batch and recompute
-mode (the step-time estimate of plan.speed). Virtual stages and context parallelism are searched
+"""`--search`: the layouts that fit, fastest first, each at its fastest micro-batch, recompute
+mode and EP overlap (the step-time estimate of plan.speed). Virtual stages, context parallelism
+and the trainer's EP overlap (parallel.overlap_moe_expert_parallel_comm, on and off) are searched
 too, and with --dualpipe DualPipe beside 1F1B (planned only: plan.planned).
 
 Only what the trainer runs is proposed: each layout and setting is written into the config and
@@ -52,16 +53,29 @@ MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 
 
-def settings(cfg: Config, layout: Layout):
-    """`cfg` with each micro-batch (that divides the data-parallel share of the global batch) and
-    recompute mode the search tries for `layout`."""
+def ep_overlaps(cfg: Config, vary: bool = True) -> list[Config]:
+    """`cfg` with the trainer's EP overlap (parallel.overlap_moe_expert_parallel_comm) off and on,
+    for a MoE model (`vary` False, or a dense model: as the config has it). Off keeps no
+    delay_wgrad_compute (the trainer refuses it alone), on the config's. Where the trainer refuses
+    the overlap (EP 1, fp32, ZeRO-2, ...) plan.accepted drops the row."""
+    if not vary or not model_layout(cfg).has_moe:
+        return [cfg]
+    return [dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, overlap_moe_expert_parallel_comm=on, delay_wgrad_compute=on and cfg.parallel.delay_wgrad_compute))
+        for on in (False, True)]
+
+
+def settings(cfg: Config, layout: Layout, vary_overlap: bool = True):
+    """`cfg` with each micro-batch (that divides the data-parallel share of the global batch),
+    recompute mode and EP overlap (ep_overlaps) the search tries for `layout`."""
     share = cfg.train.global_batch // layout.dp if cfg.train.global_batch % layout.dp == 0 else 0
     for micro in (mb for mb in MICRO_BATCHES if share and share % mb == 0):
         for recompute in RECOMPUTE:  # the config's recompute modules go with selective recompute
             modules = cfg.model.recompute_modules if recompute == "selective" else None
-            yield dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro),
-                                      model=dataclasses.replace(cfg.model, recompute=recompute,
-                                                                recompute_modules=modules))
+            for base in ep_overlaps(cfg, vary_overlap):
+                yield dataclasses.replace(base, train=dataclasses.replace(base.train, micro_batch=micro),
+                                          model=dataclasses.replace(base.model, recompute=recompute,
+                                                                    recompute_modules=modules))
 
 
 def schedules(planned: Planned, layout: Layout) -> list[Planned]:
@@ -75,17 +89,17 @@ def schedules(planned: Planned, layout: Layout) -> list[Planned]:
 
 def search(cfg: Config, world: int, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8, top: int | None = 10,
            rates: speed.Rates = speed.Rates(), imbalance: float = 1.0, planned: Planned = Planned(),
-           planned_layouts: bool = False, progress: bool = False) -> list[Plan]:
+           planned_layouts: bool = False, progress: bool = False, vary_overlap: bool = True) -> list[Plan]:
     """The layouts that fit, fastest first (estimated tokens/s, plan.speed), each
-    with the micro-batch and recompute mode that make it fastest while it fits; EP may cross nodes.
-    Only layouts and settings the trainer accepts (plan.accepted), or with `planned_layouts` also
-    those it refuses, labelled. `planned`: the planned-only settings every layout gets; `top` None:
-    all of them; `progress`: a bar on stderr over the candidate layouts (a large world takes tens of
-    seconds)."""
+    with the micro-batch, recompute mode and EP overlap that make it fastest while it fits; EP may
+    cross nodes. Only layouts and settings the trainer accepts (plan.accepted), or with
+    `planned_layouts` also those it refuses, labelled. `planned`: the planned-only settings every
+    layout gets; `top` None: all of them; `progress`: a bar on stderr over the candidate layouts (a
+    large world takes tens of seconds); `vary_overlap` False: the config's EP overlap only."""
     best = {}
     layouts = list(candidates(cfg, world, gpus_per_node))
     for layout in tqdm(layouts, desc="layouts", unit="layout", disable=not progress, leave=False):
-        for variant in settings(cfg, layout):
+        for variant in settings(cfg, layout, vary_overlap):
             refused = refusal(variant, layout)
             if refused and not planned_layouts:
                 continue

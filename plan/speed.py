@@ -39,15 +39,18 @@ A group talks over NVLink when its ranks sit in one node, over InfiniBand otherw
 orders the ranks TP, CP, DP, PP for dense groups (CP ranks TP apart, DP ranks TP·CP apart, stages
 TP·CP·DP apart) and ETP, EP,
 EDP, PP for the experts' (EP ranks ETP apart, EDP ranks EP·ETP apart).
-This trainer overlaps nothing (its DeepSpeed runs without overlap_comm, and 1F1B does not hide the
-all-to-all): the step is compute + bubble + traffic. Planned only, `overlap` names the terms that
-run beside the compute (plan.planned.Planned.overlap):
+The trainer overlaps one term: with parallel.overlap_moe_expert_parallel_comm, megatron's combined
+1F1B hides the expert all-to-all of one micro-batch behind another's compute, but in its warm-up
+and cool-down (plan.ep_overlap: the stage saves min(expert, compute + memory) x the share of its
+passes that run paired). Otherwise the step is compute + bubble + traffic (its DeepSpeed runs
+without overlap_comm). Planned only, `overlap` names the terms that run beside the compute
+(plan.planned.Planned.overlap):
   tensor, context, expert, pipeline   hidden behind the stage's compute as far as it lasts: the
             stage is busy max(compute, those terms) + the others (an upper bound on the hiding)
   data      a layer at a time, while the rest computes: one layer's share stays exposed, as NeMo's
             documentation of megatron's overlap says, or what exceeds the stage's compute
 and the bubble is that busy time x (p - 1) / (v · m). The "overlapped" term (negative) is the
-traffic hidden, so that the terms, the traffic counted in full, still add up to the step.
+traffic hidden (by either), so that the terms, the traffic counted in full, still add up to the step.
 Bytes are 2 per value (bf16, and fp8 layers keep bf16 activations on the wire).
 
 Arithmetic only, like the memory plan; docs/plan.md gives the defaults' sources.
@@ -60,6 +63,7 @@ from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
 from plan import dualpipe as dual
+from plan import ep_overlap
 from plan.layout import model_shape
 from plan.params import EXPERT_KINDS
 from plan.planned import OVERLAP
@@ -303,8 +307,9 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
     the busiest EP rank's routed rows over the average (dropless routing); `overlap`: the terms
-    that run beside the compute, `node_dispatch`: each token crosses to a node once, `dualpipe`:
-    the pipeline runs DualPipe (planned only; see the module and plan.dualpipe)."""
+    that run beside the compute (planned only), `node_dispatch`: each token crosses to a node once,
+    `dualpipe`: the pipeline runs DualPipe (planned only; see the module and plan.dualpipe). The
+    config's parallel.overlap_moe_expert_parallel_comm hides the all-to-all as plan.ep_overlap says."""
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
     t, p, ep, etp, dp, edp = layout.tp, layout.pp, layout.ep, layout.etp, layout.dp, layout.edp
@@ -316,6 +321,7 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
     alpha = rates.latency_us * 1e-6
     hbm = rates.hbm_tbs * 1e12
+    ep_overlapped = ep_overlap.runs(cfg, overlap, dualpipe)  # the trainer's combined 1F1B
 
     # one pass of one MoE layer's local experts for one micro-batch: the same on every stage
     per_pass = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
@@ -353,7 +359,8 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
         per_stage.append({"compute": compute, "memory": memory, "fixed": fixed, "tensor": tensor, "context": context,
                           "expert": expert, "pipeline": pipeline, "data": data, "layers": len(layers),
                           "params": dense + experts,
-                          "forward": forward, "recomputed": compute - 3 * forward})
+                          "forward": forward, "recomputed": compute - 3 * forward,
+                          "paired": ep_overlap.paired_share(p, v, stage, micro) if ep_overlapped else 0.0})
     if dualpipe:
         per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha, WIRE_BYTES)
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
@@ -366,7 +373,7 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
     terms = {k: value for k, value in slowest.items() if k in TERMS}
     terms.update(bubble=bubble, data=max(r["data"] for r in per_stage))
     seconds = busy + bubble + waited
-    if overlap:
+    if overlap or ep_overlapped:
         terms["overlapped"] = seconds - sum(terms.values())
     return StepTime(seconds=seconds, terms=terms, micro_batches=micro, virtual_stages=v,
                     tokens_per_s=train.global_batch * m.seq_length / seconds,
@@ -387,10 +394,14 @@ def _seconds(cfg, shape, stage, tokens, tp, recompute, imbalance, rate, attentio
 
 def _busy(stage: dict, overlap: tuple[str, ...]) -> float:
     """A stage's compute and traffic per step, the `overlap` terms hidden behind its compute (the
-    GEMMs' time, memory-bound experts' included), and its fixed per-layer time, which hides nothing."""
+    GEMMs' time, memory-bound experts' included), less the all-to-all the trainer's EP overlap
+    hides (plan.ep_overlap; "paired" 0 without it, and in DualPipe's rows), and its fixed
+    per-layer time, which hides nothing."""
+    gemms = stage["compute"] + stage["memory"]
     hidden = sum(stage[k] for k in OVERLAPPABLE if k in overlap)
     exposed = sum(stage[k] for k in OVERLAPPABLE if k not in overlap)
-    return max(stage["compute"] + stage["memory"], hidden) + exposed + stage["fixed"]
+    trainer = ep_overlap.hidden(stage["expert"], gemms, hidden, stage.get("paired", 0.0))
+    return max(gemms, hidden) + exposed - trainer + stage["fixed"]
 
 
 def _exposed_data(stage: dict, overlap: tuple[str, ...]) -> float:

@@ -5,6 +5,9 @@ user would launch it, and handed to the trainer's own preflight (megatron_kappa.
 config read from the file, every check `launch/pretrain.py --check 8` runs): none is refused. The
 negative control: the same search with --planned-layouts proposes rows the preflight refuses
 (today: interleaved stages with fewer micro-batches than stages), and each of those is labelled.
+The EP overlap (parallel.overlap_moe_expert_parallel_comm) is a setting the search tries: in bf16
+it proposes rows with it on, each passing the preflight, and the same rows in tiny's fp32 are
+refused (the control); in fp32 the default search proposes none.
 """
 import subprocess
 import sys
@@ -21,27 +24,33 @@ WORLD = 8
 
 
 def launch_overrides(row, tmp_path) -> list[str]:
-    """The row as a user writes it for the trainer: its layout, micro-batch and recompute mode."""
+    """The row as a user writes it for the trainer: its layout, micro-batch, recompute mode and EP
+    overlap."""
     lay = row.layout
     sets = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.ep={lay.ep}", f"parallel.etp={lay.etp}",
             f"parallel.vpp={lay.vpp}", f"train.micro_batch={row.micro_batch}",
             f"model.recompute={row.most_loaded.recompute}", f"run.dir={tmp_path / 'run'}"]
+    sets += [f"parallel.overlap_moe_expert_parallel_comm={str(row.ep_overlap).lower()}"]
     return sets + [f"parallel.cp={lay.cp}"] * (lay.cp > 1)  # a key the trainer may not know: its refusal
 
 
-def trainer_refuses(row, tmp_path) -> str | None:
+def trainer_refuses(row, tmp_path, config_sets=()) -> str | None:
     try:
-        preflight(load_config("configs/tiny.yaml", launch_overrides(row, tmp_path)), world=WORLD)
+        preflight(load_config("configs/tiny.yaml", [*config_sets, *launch_overrides(row, tmp_path)]), world=WORLD)
     except ConfigError as e:
         return str(e)
     return None
+
+
+BF16 = ("precision=bf16",)  # the EP overlap needs bf16 or fp8 (tiny is fp32)
 
 
 @pytest.fixture(scope="module")
 def searches():
     cfg = load_config("configs/tiny.yaml")
     return {"default": search.search(cfg, WORLD, top=None),
-            "planned": search.search(cfg, WORLD, top=None, planned_layouts=True)}
+            "planned": search.search(cfg, WORLD, top=None, planned_layouts=True),
+            "bf16": search.search(load_config("configs/tiny.yaml", list(BF16)), WORLD, top=None)}
 
 
 def test_default_search_proposes_nothing_the_trainer_refuses(searches, tmp_path):
@@ -50,6 +59,36 @@ def test_default_search_proposes_nothing_the_trainer_refuses(searches, tmp_path)
     refused = {r.label: why for r in rows if (why := trainer_refuses(r, tmp_path))}
     assert refused == {}
     assert all(not r.planned_only for r in rows)  # nothing planned only unless asked for
+    assert not any(r.ep_overlap for r in rows)  # fp32: the trainer refuses the EP overlap
+
+
+def test_the_ep_overlap_is_searched_as_a_trainer_setting(searches, tmp_path):
+    rows = searches["bf16"]
+    on = [r for r in rows if r.ep_overlap]
+    assert on and len(on) < len(rows)  # where it pays and the trainer runs it
+    refused = {r.label: why for r in rows if (why := trainer_refuses(r, tmp_path, BF16))}
+    assert refused == {}
+    assert all(not r.planned_only for r in rows)  # the trainer runs it: not planned only
+    assert all(r.layout.ep >= 2 and r.layout.cp == 1 and (r.layout.pp == 1 or r.layout.vpp > 1) for r in on)
+    # the control: the same rows in tiny's own fp32 are refused, naming the overlap
+    for r in on:
+        assert "parallel.overlap_moe_expert_parallel_comm: needs precision bf16 or fp8" in trainer_refuses(r, tmp_path)
+
+
+def test_a_refused_overlap_drops_out_through_the_trainers_checks(monkeypatch):
+    """ZeRO-2 (refused with the overlap: config/checks.py) in bf16: no row has it; the control:
+    the same search with the trainer's checks judging each setting as ZeRO-1 proposes it. (64
+    sequences a step: ZeRO-2 allows no stages, and without them tiny's 8 leave too few
+    micro-batches to pair for the overlap to pay.)"""
+    import dataclasses
+    cfg = load_config("configs/tiny.yaml", [*BF16, "zero.stage=2", "train.global_batch=64"])
+    on = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_moe_expert_parallel_comm=True))
+    assert "zero.stage" in refusal(on, Layout(WORLD, ep=2))
+    assert not any(r.ep_overlap for r in search.search(cfg, WORLD, top=None))
+    as_zero1 = lambda variant, layout: refusal(dataclasses.replace(variant, zero=dataclasses.replace(  # noqa: E731
+        variant.zero, stage=1)), layout)
+    monkeypatch.setattr(search, "refusal", as_zero1)
+    assert any(r.ep_overlap for r in search.search(cfg, WORLD, top=None))
 
 
 def test_negative_control_planned_layouts_propose_what_the_trainer_refuses(searches, tmp_path):

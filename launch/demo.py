@@ -77,7 +77,9 @@ def main(argv=None) -> int:
             f"log.interval={max(1, args.steps // 20)}", f"checkpoint.interval={max(1, args.steps // 4)}",
             f"eval.valid_every={max(1, args.steps // 4)}", f"eval.core_every={args.steps}",
             f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=20"]
-    sh([py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+    # the launcher's own INFO lines (world info, each rank's full command) at warning: the command is above
+    sh([py, "-m", "deepspeed.launcher.runner", "--log_level", "warning", "--num_gpus", "2",
+        "--master_port", str(free_port()),
         "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets])
 
     stage("3/4 evaluate: validation loss / bits per byte, CORE bundle (one process, weights consolidated)")
@@ -99,8 +101,16 @@ def main(argv=None) -> int:
         "wall_s": round(time.time() - started, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary, indent=1))
-    print(f"""
+    layers = sorted({k.split("/")[1] for k in summary["kappa"] if k.startswith("kappa/layer")})
+    spread = "  ".join(f"{layer} {last[f'kappa/{layer}/bottom5']:.2f}–{last[f'kappa/{layer}/top5']:.2f}"
+                       for layer in layers if f"kappa/{layer}/bottom5" in last)
+    print(f"""step {summary['steps']}: train loss {summary['final_train_loss']:.4f}, \
+{summary['tokens_seen']:,} tokens at {summary['tokens_per_s']:.0f} tokens/s
+valid loss {valid['loss']:.4f} over the whole validation split ({valid['tokens']:,} tokens; \
+the step line's valid is a sample), {valid['bits_per_byte']:.4f} bits/byte
+CORE {core['core']:.4f} ({len(core['tasks'])} tasks; without BoolQ {core['core_no_boolq']:.4f})
+κ 5–95 % per MoE layer  {spread}
+
 run directory   {run_dir}
 metrics         {run_dir / 'metrics.jsonl'}
 TensorBoard     tensorboard --logdir {run_dir / 'tb'}

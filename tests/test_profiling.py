@@ -131,6 +131,9 @@ def test_the_step_line():
     assert step_line({**gpu, "step": 50}, 50, True, 1.0) == (
         "step 50/50 loss 5.1235 lr 3.00e-03 grad_norm 0.412 tokens/s 5210 TFLOP/s/GPU 412 MFU 41.7% "
         "mem 52.1/60.3 GiB 0:00:19 valid 4.9743")
+    # the validation sample says its size (it is not the whole split eval/loss.py reads)
+    assert step_line({**cpu, "valid_loss": 4.97431, "valid_tokens": 2048}, 50, False, 0.98).endswith(
+        "ETA 0:00:29 valid 4.9743 (2,048 tokens)")
     assert clock(3725) == "1:02:05" and clock(100 * 3600) == "100:00:00"
     assert done_line(50, 50, 48.2, "runs/x/checkpoints/step_50") == "done: step 50/50 in 0:00:48; checkpoint " \
                                                                     "runs/x/checkpoints/step_50"

@@ -1,6 +1,7 @@
 """The step line (one per logged step) and the line that ends a run, from a metrics.jsonl record.
 
     step 20/50 loss 5.1234 lr 3.00e-03 grad_norm 0.412 tokens/s 5210 rss 0.61 GiB 0:00:19 ETA 0:00:29
+    step 25/50 ... 0:00:24 ETA 0:00:24 valid 4.9743 (4,096 tokens)
     step 20/50 loss 5.1234 lr 3.00e-03 grad_norm 0.412 tokens/s 1210000 TFLOP/s/GPU 412 MFU 41.7% mem 52.1/60.3 GiB ...
     done: step 50/50 in 0:00:48; checkpoint runs/tiny/checkpoints/step_50
 
@@ -27,7 +28,10 @@ def step_line(record: dict, steps: int, on_gpu: bool, step_seconds: float) -> st
     return (f"step {done}/{steps} loss {record['loss']:.4f} lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
             f"tokens/s {record['tokens_per_s']:.0f}{speed} {memory_words(record)} {clock(record['elapsed_s'])}"
             + (f" ETA {clock((steps - done) * step_seconds)}" if done < steps else "")
-            + (f" valid {record['valid_loss']:.4f}" if "valid_loss" in record else ""))
+            + (f" valid {record['valid_loss']:.4f}" if "valid_loss" in record else "")
+            # a sample of the validation data, not the whole split that eval/loss.py and the demo's
+            # summary read: say how many tokens it averaged
+            + (f" ({record['valid_tokens']:,} tokens)" if "valid_tokens" in record else ""))
 
 
 def done_line(done: int, steps: int, elapsed_s: float, checkpoint) -> str:

@@ -320,6 +320,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
                 record["max_attention_logit"] = qk_clip.world_max(max_logit, device)
             if cfg.eval.valid_every and (done % cfg.eval.valid_every == 0 or done == steps):
                 record["valid_loss"] = validate(engine, valid_ds, cfg, device, position_ids).item()
+                record["valid_tokens"] = (cfg.eval.valid_iters * cfg.train.micro_batch
+                                          * ps.get_data_parallel_world_size() * cfg.model.seq_length)
             if core is not None and (done % cfg.eval.core_every == 0 or done == steps):
                 record.update(core.evaluate())
             metrics.write(record)

@@ -45,8 +45,8 @@ Modules:
                   traffic of tensor, expert, pipeline and data parallelism at stated bandwidths
   state.py        Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this
                   project configures it (megatron_kappa.parallel.engine.ds_config): weights,
-                  gradients at their two peaks, the fp32 master copy, the optimizer moments and the
-                  reduce bucket
+                  gradients at their two peaks (summed in bf16 or, train.grad_accum_dtype's default,
+                  in fp32), the fp32 master copy, the optimizer moments and the reduce bucket
   tables.py       docs/plan.md's tables of the published runs, generated from their plans
                   (`--published`)
   units.py        Units the planner counts in: GiB, and the bytes of one value in a precision

@@ -1,6 +1,7 @@
 """Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this project
-configures it (megatron_kappa.parallel.engine.ds_config): weights, gradients at their two peaks,
-the fp32 master copy, the optimizer moments and the reduce bucket."""
+configures it (megatron_kappa.parallel.engine.ds_config): weights, gradients at their two peaks
+(summed in bf16 or, train.grad_accum_dtype's default, in fp32), the fp32 master copy, the
+optimizer moments and the reduce bucket."""
 from __future__ import annotations
 
 from megatron_kappa.config import Config
@@ -12,12 +13,20 @@ from plan.units import value_bytes
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 
 
+def fp32_accumulation(cfg: Config) -> bool:
+    """bf16/fp8 weights whose gradients are summed and reduced in fp32 (train.grad_accum_dtype;
+    the trainer's megatron_kappa.parallel.grad_precision.fp32_accumulation, restated here because
+    the planner loads no torch)."""
+    return cfg.precision in ("bf16", "fp8") and cfg.train.grad_accum_dtype == "fp32"
+
+
 def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> list[dict]:
     """DeepSpeed's parameter groups on one rank, as this project forms them
     (megatron_kappa.optim.optimizer.param_groups, then DeepSpeed's split of the experts into
     groups of their own when they are reduced over the expert-data-parallel group, i.e. when
-    EP > 1 or ETP != TP): each group's elements, the data-parallel size `d` that partitions it
-    and its largest tensor."""
+    EP > 1 or ETP != TP): each group's elements, the data-parallel size `d` that partitions it,
+    its largest tensor and whether Muon/Aurora update it (`muon`: the matrices and the experts
+    under muon/aurora)."""
     apart = layout.ep > 1 or layout.etp != layout.tp
     routers_apart = cfg.train.optimizer != "adamw" and cfg.train.router_optimizer != "matrix"
     members = {"matrix": ["attention", "dense_mlp", "shared_experts"] + ([] if routers_apart else ["router"])
@@ -32,35 +41,62 @@ def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> lis
         if n:
             d = layout.edp if apart and name in ("experts", "kappa") else layout.zero_dp
             out.append({"name": name, "elements": n, "d": d,
-                        "largest": min(n, max(largest[k] for k in kinds if params.get(k, 0)))})
+                        "largest": min(n, max(largest[k] for k in kinds if params.get(k, 0))),
+                        "muon": cfg.train.optimizer != "adamw" and name in ("matrix", "experts")})
     return out
 
 
 def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
     """The gradient memory DeepSpeed's ZeRO-1/2 holds on one rank with this project's settings
     (contiguous_gradients, reduce_scatter, no overlap_comm: megatron_kappa.parallel.engine), at
-    its two peaks. Each group's gradient partition (its elements / d, in the parameters' dtype)
-    holds whole tensors, so a partition's two edges can add up to two tensors ("edges"; none
-    when d is 1).
+    its two peaks. Each group's gradient partition holds its elements / d; where ZeRO copies
+    whole tensors into it, the partition's two edges can add up to two tensors ("edges"; none
+    when d is 1). With bf16 accumulation (fp32 weights: the same, in fp32):
       backward  ZeRO-1: autograd's full gradients, until the boundary moves them through the
                 reduce bucket (DeepSpeed's reduce_gradients). ZeRO-2: the partitions, filled
                 bucket by bucket as backward runs, and the tensor just produced.
-      step      the partitions, and the fp32 gradient of the group being stepped (DeepSpeed
-                steps the groups one at a time: the largest group's partition is the peak).
+      step      the partitions with their edges, and the fp32 gradient of the group being
+                stepped (DeepSpeed steps the groups one at a time: the largest group's
+                partition is the peak, "largest_group").
+    With fp32 accumulation (`fp32_accumulation`, megatron_kappa.parallel.grad_precision): every
+    partition is fp32 (4 bytes); the AdamW groups' partitions are ZeRO's exact fp32 slices
+    (no edges), which their step reads in place (no copy); the Muon/Aurora groups' keep
+    whole tensors (edges) and are copied at their step, as with bf16 ("largest_group": the
+    largest of those, 0 when there are none).
+      backward  ZeRO-1: an fp32 accumulator for every parameter (grad_accum), and the bf16
+                gradient just produced, while it is added into its accumulator. A partition
+                larger than one reduce bucket: at the boundary the fp32 partitions are made
+                while the accumulators past the first bucket still exist (from DeepSpeed's
+                code; the runs measured fit one bucket). ZeRO-2: the fp32 partitions and the
+                bf16 tensor just produced.
+      step      the fp32 partitions, with the Muon groups' edges and the copy of the largest;
+                ZeRO-1 also holds a second fp32 copy of the Muon groups' partitions with their
+                edges, made as it flattens them at the boundary (DeepSpeed's get_flat_partition
+                runs the Muon update there). An upper bound where groups' order frees some
+                partitions first (they are released group by group as each steps).
     The reduce bucket (`bucket_bytes`) comes on top during backward. With the optimizer offloaded
     (planned only) the step's fp32 gradient is made in CPU memory: the step holds the partitions."""
     size = value_bytes(cfg.precision)
+    fp32 = fp32_accumulation(cfg)
+    grad = 4 if fp32 else size  # bytes of an accumulated gradient
     groups = optimizer_groups(params, cfg, layout)
+    copied = [g for g in groups if g["muon"] or not fp32]  # whole tensors in the partition, a copy at the step
     partitions = sum(g["elements"] / g["d"] for g in groups)
-    edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in groups)
-    largest_group = max((g["elements"] / g["d"] for g in groups), default=0)
-    step = size * (partitions + edges) + 4 * largest_group * (not planned.offload_optimizer)
-    if cfg.zero.stage == 1:
+    edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in copied)
+    largest_group = max((g["elements"] / g["d"] for g in copied), default=0)
+    muon_share = sum(g["elements"] / g["d"] for g in copied) if fp32 and cfg.zero.stage == 1 else 0
+    # ZeRO-1's second copy (fp32 accumulation; offloaded, the update runs on the CPU's copy: not measured)
+    updates = grad * (muon_share + edges) if muon_share and not planned.offload_optimizer else 0
+    step = grad * (partitions + edges) + updates + 4 * largest_group * (not planned.offload_optimizer)
+    produced = size * max((g["largest"] for g in groups), default=0)  # autograd's gradient of one tensor
+    if cfg.zero.stage == 1 and fp32:
+        backward = grad * sum(params.values()) + max(produced, grad * (partitions - REDUCE_BUCKET_ELEMENTS))
+    elif cfg.zero.stage == 1:
         backward = size * sum(params.values())
     else:
-        backward = size * (partitions + edges + max((g["largest"] for g in groups), default=0))
-    return {"backward": backward, "step": step, "partitions": size * partitions, "edges": size * edges,
-            "largest_group": largest_group}
+        backward = grad * (partitions + edges) + produced
+    return {"backward": backward, "step": step, "partitions": grad * partitions, "edges": grad * edges,
+            "largest_group": largest_group, "muon_updates": updates}
 
 
 def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
@@ -102,7 +138,9 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
 
 
 def bucket_bytes(cfg: Config) -> float:
-    """DeepSpeed's reduce bucket: `reduce_bucket_size` (5e8) elements in the gradients' dtype,
-    allocated whole at the first gradient of each backward pass and released after it. (The
-    updated weights are all-gathered in place, so there is no all-gather bucket.)"""
-    return REDUCE_BUCKET_ELEMENTS * value_bytes(cfg.precision)
+    """DeepSpeed's reduce bucket: `reduce_bucket_size` (5e8) elements in the dtype gradients are
+    reduced in (fp32 under fp32 accumulation), allocated whole at the first gradient of each
+    backward pass and released after it (under ZeRO-1 with fp32 accumulation, after the step:
+    the accumulators it reduced point into it until then). The updated weights are all-gathered
+    in place, so there is no all-gather bucket."""
+    return REDUCE_BUCKET_ELEMENTS * (4 if fp32_accumulation(cfg) else value_bytes(cfg.precision))

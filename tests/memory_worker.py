@@ -62,10 +62,12 @@ def reduce_buckets(zero) -> list:
 
 
 def gradient_storages(zero, model) -> dict:
-    """data_ptr → bytes of every storage that holds gradients: the parameters' .grad, DeepSpeed's reduce
-    bucket, its gradient partition (`grads_in_partition`, or by the step the views of it that
-    `averaged_gradients` lists) and the fp32 gradients of its fp32 partitions."""
-    tensors = [p.grad for p in model.parameters()]
+    """data_ptr → bytes of every storage that holds gradients: the parameters' .grad, ZeRO-1's fp32
+    accumulators under fp32 accumulation (`grad_accum`), DeepSpeed's reduce bucket, its gradient
+    partition (`grads_in_partition`, or by the step the views of it that `averaged_gradients`
+    lists: under fp32 accumulation, views of an fp32 partition) and the fp32 gradients of its fp32
+    partitions."""
+    tensors = [p.grad for p in model.parameters()] + [getattr(p, "grad_accum", None) for p in model.parameters()]
     tensors += reduce_buckets(zero)
     tensors += [zero.grads_in_partition]
     tensors += [t for grads in zero.averaged_gradients.values() if grads is not None for t in grads]
@@ -91,6 +93,8 @@ def count_first_step(engine, model, earlier: set, counts: dict):
       at_step     as ZeRO's step begins (gradients reduced into the partitions), with the
                   partitions' edges and each group's partition size;
       in_step     the largest count as the torch optimizer steps each group's fp32 partition;
+      freeing     the largest count as ZeRO's step frees a group's gradients (after it made the
+                  group's fp32 gradient, before it lets go of the partition it came from);
     and returns a function that undoes the wrapping."""
     zero = engine.optimizer
     originals = {}
@@ -121,9 +125,21 @@ def count_first_step(engine, model, earlier: set, counts: dict):
     def at_step():
         gc.collect()
         counts["at_step"] = census(model, earlier, zero)
+        # a reduce bucket still held (ZeRO-1 under fp32 accumulation: the accumulators point into
+        # it until the step ends); a bucket is new each backward, so it is known by its size
+        counts["bucket_at_step"] = sum(n for n in gradient_storages(zero, model).values() if n == counts.get("bucket"))
         counts["edges"] = deepspeed_edges(zero)
         counts["groups"] = [int(size) for size in zero.partition_size]
+        counts["muon_groups"] = [bool(g.get("use_muon")) for g in zero.optimizer.param_groups]
         counts["stage"] = ps.get_pipeline_model_parallel_rank()
+
+    def freeing(*_):
+        if "at_step" not in counts:  # ZeRO's step only
+            return
+        gc.collect()
+        now = census(model, earlier, zero)
+        if now["gradients"] > counts.get("freeing", {"gradients": -1})["gradients"]:
+            counts["freeing"] = now
 
     def in_step():
         gc.collect()
@@ -133,6 +149,7 @@ def count_first_step(engine, model, earlier: set, counts: dict):
     wrap(zero, "process_gradients", backward)  # DeepSpeed's hook on each parameter's gradient
     wrap(zero, "step", at_step)
     wrap(zero.optimizer, "step", in_step)  # the torch optimizer, called once per group
+    wrap(zero, "free_grad_in_param_list", freeing)
 
     def undo():
         for (owner, name), original in originals.items():

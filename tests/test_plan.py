@@ -150,8 +150,9 @@ def _counts_sum_to_full(cfg):
 
 
 def test_state_bytes_follow_zero_stage():
-    cfg1 = load_config("configs/tiny.yaml", ["precision=bf16", "zero.stage=1"])
-    cfg2 = load_config("configs/tiny.yaml", ["precision=bf16", "zero.stage=2"])
+    """bf16 accumulation (train.grad_accum_dtype bf16); fp32's: the next test."""
+    cfg1 = load_config("configs/tiny.yaml", ["precision=bf16", "zero.stage=1", "train.grad_accum_dtype=bf16"])
+    cfg2 = load_config("configs/tiny.yaml", ["precision=bf16", "zero.stage=2", "train.grad_accum_dtype=bf16"])
     params = {"attention": 1000, "experts": 4000}
     layout = Layout(8, 1, 1, 4, 1)  # DP 8, EDP 2
     one, two = planner.state_bytes(params, cfg1, layout), planner.state_bytes(params, cfg2, layout)
@@ -170,6 +171,47 @@ def test_state_bytes_follow_zero_stage():
     aurora = planner.state_bytes(params, load_config("configs/tiny.yaml", ["precision=bf16", "train.optimizer=aurora",
                                                                           "train.grad_clip=0"]), layout)
     assert aurora["moments"] == one["moments"] / 2  # one momentum buffer for the matrices
+    assert planner.bucket_bytes(cfg1) == 5e8 * 2
+
+
+def test_gradient_bytes_with_fp32_accumulation():
+    """train.grad_accum_dtype fp32 (the default) by hand, on the groups of the test above (DP 8,
+    EDP 2; attention 1000, experts 4000; tiny's tensors are larger than both, so a group's
+    largest tensor is the group): fp32 partitions; the AdamW groups' exact, the Muon/Aurora
+    groups' with their edges and the copy of the largest at the step; ZeRO-1's backward an fp32
+    accumulator per parameter and the bf16 tensor being added; an fp32 bucket. fp32 weights
+    and bf16 accumulation are unchanged by the key (the memory test below measures both)."""
+    params, layout = {"attention": 1000, "experts": 4000}, Layout(8, 1, 1, 4, 1)
+
+    def grads(*sets):
+        cfg = load_config("configs/tiny.yaml", ["precision=bf16", *sets])
+        return planner.gradient_bytes(params, cfg, layout), planner.bucket_bytes(cfg)
+    share = 1000 / 8 + 4000 / 2
+    for stage in (1, 2):
+        (g, bucket) = grads(f"zero.stage={stage}")  # AdamW: every group exact
+        assert g["partitions"] == 4 * share and g["edges"] == 0 and g["largest_group"] == 0
+        assert g["step"] == 4 * share and bucket == 5e8 * 4
+        assert g["backward"] == (4 * 5000 + 2 * 4000 if stage == 1 else 4 * share + 2 * 4000)
+        (a, _) = grads(f"zero.stage={stage}", "train.optimizer=aurora", "train.grad_clip=0")
+        edges = (1000 - 1000 / 8) + (4000 - 4000 / 2)  # both groups Aurora's, each under two tensors
+        assert a["edges"] == 4 * edges and a["largest_group"] == 4000 / 2
+        # ZeRO-1 keeps a second copy of the Aurora groups' partitions (here every group) to the step
+        assert a["muon_updates"] == (4 * (share + edges) if stage == 1 else 0)
+        assert a["step"] == 4 * (share + edges) + a["muon_updates"] + 4 * 4000 / 2
+        assert a["backward"] == (4 * 5000 + 2 * 4000 if stage == 1 else 4 * (share + edges) + 2 * 4000)
+        # the key's bf16 and fp32 weights: as before the key
+        (b, b_bucket) = grads(f"zero.stage={stage}", "train.grad_accum_dtype=bf16")
+        assert b["partitions"] == 2 * share and b_bucket == 5e8 * 2
+        for precision in ("fp32",):
+            keyed = [planner.gradient_bytes(params, load_config("configs/tiny.yaml", [
+                f"precision={precision}", f"zero.stage={stage}", f"train.grad_accum_dtype={d}"]), layout)
+                for d in ("fp32", "bf16")]
+            assert keyed[0] == keyed[1]
+    # a partition past one reduce bucket (5e8 elements): ZeRO-1 makes the fp32 partitions while
+    # the accumulators of all but the first bucket still exist
+    big, one = {"attention": 8 * 10 ** 9}, Layout(8)
+    cfg = load_config("configs/tiny.yaml", ["precision=bf16"])
+    assert planner.gradient_bytes(big, cfg, one)["backward"] == 4 * 8e9 + 4 * (1e9 - 5e8)
 
 
 def test_activations_by_recompute_and_pipeline_depth():
@@ -318,34 +360,46 @@ def test_command_line(tmp_path):
 
 # --- bytes against what DeepSpeed holds (slow) --------------------------------------------------
 
-# bf16 accumulation: what the planner's gradient_bytes counts (fp32 accumulation, train.grad_accum_dtype's
-# default since issue 52, keeps fp32 gradient buffers that the planner does not count yet: docs/plan.md)
-MEMORY_SHAPE = ["precision=bf16", "train.grad_accum_dtype=bf16", "train.steps=1", "data.mock=true",
-                "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "log.tensorboard=false",
+# every layout with the gradients summed in bf16 (one micro-batch a step) and in fp32 (train.grad_accum_dtype's
+# default; two or more micro-batches a step, so that the accumulators hold a sum), and two Aurora runs in fp32
+MEMORY_SHAPE = ["precision=bf16", "train.steps=1", "data.mock=true",
+                "model.seq_length=32", "train.micro_batch=2", "log.tensorboard=false",
                 "checkpoint.interval=100", "eval.valid_every=0", "model.hidden_size=256", "model.vocab_size=8192"]
 MEMORY_CASES = {  # name: (world, tp, pp, ep, etp, zero stage)
     "dp2_zero1": (2, 1, 1, 1, 1, 1), "dp2_zero2": (2, 1, 1, 1, 1, 2), "ep2_zero1": (2, 1, 1, 2, 1, 1),
     "ep2_zero2": (2, 1, 1, 2, 1, 2), "tp2_zero2": (2, 2, 1, 1, 2, 2), "pp2_zero1": (2, 1, 2, 1, 1, 1),
     "ep2_etp2_zero1": (4, 1, 1, 2, 2, 1), "pp2_ep2_zero1": (4, 1, 2, 2, 1, 1)}
+ACCUM = {"bf16": {name: [] for name in MEMORY_CASES},
+         "fp32": {**{name: [] for name in MEMORY_CASES},
+                  **{f"{name} aurora": ["train.optimizer=aurora", "train.grad_clip=0"] for name in ("dp2_zero1", "ep2_zero2")}}}
+
+
+def memory_cases(tmp) -> list[dict]:
+    out = []
+    for accum, names in ACCUM.items():
+        for name, sets in names.items():
+            w, tp, pp, ep, etp, z = MEMORY_CASES[name.split()[0]]
+            label = f"{name} {accum}"
+            out.append({"name": label, "world": w, "accum": accum, "overrides": MEMORY_SHAPE + sets + [
+                f"train.grad_accum_dtype={accum}", f"train.global_batch={(2 if accum == 'bf16' else 4) * w}",
+                f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}",
+                f"zero.stage={z}", f"run.dir={tmp / label.replace(' ', '_')}"]})
+    return out
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
     from test_training import env, free_port
     tmp = tmp_path_factory.mktemp("memory")
-    cases, results = [], {}
+    cases, results = memory_cases(tmp), {}
     for world in (2, 4):
-        mine = [{"name": name, "world": w, "overrides": MEMORY_SHAPE + [
-            f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}",
-            f"zero.stage={z}", f"run.dir={tmp / name}", f"train.global_batch={2 * world}"]}
-            for name, (w, tp, pp, ep, etp, z) in MEMORY_CASES.items() if w == world]
+        mine = [case for case in cases if case["world"] == world]
         (tmp / f"plan{world}.json").write_text(json.dumps(mine))
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                f"--nproc_per_node={world}", f"--master_port={free_port()}", "tests/memory_worker.py",
                                str(tmp / f"plan{world}.json"), str(tmp / f"out{world}.json")],
                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        cases += mine
         results.update(json.loads((tmp / f"out{world}.json").read_text()))
     return cases, results
 
@@ -356,40 +410,80 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
     moments (after the first step) within DeepSpeed's partition padding (1 %); the reduce bucket
     exactly; the gradients at both of their peaks (planner.gradient_bytes) within 1 %, given the
     edges of DeepSpeed's partitions as it drew them (which the planner bounds, not knows: the
-    order of the tensors decides which ones straddle an edge)."""
+    order of the tensors decides which ones straddle an edge). With bf16 and with fp32
+    accumulation (train.grad_accum_dtype); counting bf16's buffers for an fp32 run is the
+    negative control."""
     cases, results = held
-    assert len(cases) == len(MEMORY_CASES)
+    assert len(cases) == sum(len(names) for names in ACCUM.values())
     for case in cases:
         cfg = load_config("configs/tiny.yaml", case["overrides"])
         layout = planner.layout_of(cfg, case["world"])
+        fp32 = case["accum"] == "fp32"
+        size = 4 if fp32 else 2  # bytes of an accumulated gradient
         for rank in results[case["name"]]:
             name = (case["name"], rank["stage"])
             params = planner.stage_params(cfg, layout, rank["stage"])
             want = planner.state_bytes(params, cfg, layout)
             grads = planner.gradient_bytes(params, cfg, layout)
+            largest = max(planner.largest_tensors(cfg, layout).values())
             assert rank["after_step"]["weights"] == want["weights"], name
             kept = rank["after_step"]["other"]
-            assert kept == pytest.approx(want["master"] + want["moments"], rel=0.01), (name, kept, want)
+            if cfg.train.optimizer == "adamw":  # Muon's state under ZeRO: docs/plan.md, not counted here
+                assert kept == pytest.approx(want["master"] + want["moments"], rel=0.01), (name, kept, want)
 
             # the step: the partitions with their edges, then one group's fp32 gradient at a time
-            edges = 2 * rank["edges"]
+            # (fp32 accumulation: the AdamW groups' partitions are exact and stepped in place)
+            edges = size * rank["edges"]
             assert 0 <= edges <= grads["edges"], (name, edges, grads)
-            assert max(rank["groups"]) == pytest.approx(grads["largest_group"], rel=0.01), name
-            at_step, in_step = rank["at_step"], rank["in_step"]
-            assert at_step["gradients"] == pytest.approx(grads["partitions"] + edges, rel=0.01), (name, at_step, grads)
-            assert in_step["gradients"] == pytest.approx(grads["step"] - grads["edges"] + edges, rel=0.01), name
-            assert in_step["gradients"] <= grads["step"]
-            # nothing large goes uncounted: besides the gradients, the step holds the master copy
-            assert at_step["other"] - at_step["gradients"] == pytest.approx(want["master"], rel=0.02), name
+            copied = [n for n, muon in zip(rank["groups"], rank["muon_groups"]) if muon or not fp32]
+            assert max(copied, default=0) == pytest.approx(grads["largest_group"], rel=0.01), name
+            # ZeRO-1's fp32 accumulators point into the reduce bucket until the step ends (seen
+            # wherever DP > 1; the planner counts the bucket on top of the peaks either way)
+            bucket_held = rank["bucket_at_step"]
+            assert bucket_held == (rank["bucket"] if fp32 and cfg.zero.stage == 1 and layout.dp > 1 else 0), name
+            at_step, in_step, freeing = (rank[k]["gradients"] - bucket_held for k in ("at_step", "in_step", "freeing"))
+            # ZeRO-1 under fp32 accumulation: a second copy of the Muon groups' partitions (their updates)
+            muon = [n for n, m in zip(rank["groups"], rank["muon_groups"]) if m]
+            updates = size * (sum(muon) + rank["edges"]) if grads["muon_updates"] else 0
+            assert (updates > 0) == (fp32 and cfg.zero.stage == 1 and bool(muon)), name
+            assert at_step == pytest.approx(grads["partitions"] + edges + updates, rel=0.01), (name, at_step, grads)
+            # the peak as a group's fp32 gradient is made: the planner's with the edges drawn. With fp32
+            # accumulation the AdamW groups' partitions are released group by group as each steps, so
+            # the planner's (the largest copy beside every partition) bounds it: reached with one Muon group
+            with_drawn_edges = grads["step"] - grads["edges"] + edges - grads["muon_updates"] + updates
+            if fp32 and len(muon) != 1:
+                assert at_step + 4 * (muon[0] if muon else 0) <= freeing <= with_drawn_edges, (name, freeing, grads)
+            else:
+                assert freeing == pytest.approx(with_drawn_edges, rel=0.01), (name, freeing, grads)
+            assert in_step <= freeing <= grads["step"], name
+            # nothing large goes uncounted: besides the gradients, the step holds the master copy (and
+            # under 1 MiB of small tensors: 0.17 MB with four micro-batches through two stages; Muon's
+            # staged momentum is its state's, not counted here: docs/plan.md)
+            if cfg.train.optimizer == "adamw":
+                assert rank["at_step"]["other"] - rank["at_step"]["gradients"] == pytest.approx(
+                    want["master"], rel=0.02, abs=2 ** 20), name
             # a negative control: an fp32 gradient for every group at once is well off what is held
-            assert in_step["gradients"] < 0.9 * (grads["partitions"] + edges + 4 * sum(rank["groups"])), name
+            assert freeing < 0.9 * (grads["partitions"] + edges + updates + 4 * sum(rank["groups"])), name
 
-            # backward: the reduce bucket, and ZeRO-1's full gradients; ZeRO-2 has copied all but
-            # the last gradient into the bucket (the model is smaller than one bucket, so nothing
-            # was reduced into the partitions yet)
+            # backward: the reduce bucket; ZeRO-1's full gradients (fp32: an accumulator for every
+            # parameter, and the bf16 tensor just produced, as the last gradient hook fires); ZeRO-2
+            # has copied all but the last gradient into the bucket (the model is smaller than one
+            # bucket, so nothing was reduced into the partitions yet: with fp32 accumulation the
+            # AdamW groups' partitions hold the earlier micro-batches' sum)
             assert rank["bucket"] == planner.bucket_bytes(cfg), name
             backward = rank["backward"]["gradients"] - rank["bucket"]
-            if cfg.zero.stage == 1:
+            if cfg.zero.stage == 1 and not fp32:
                 assert backward == grads["backward"], (name, backward, grads)
+            elif cfg.zero.stage == 1:
+                assert 0 < backward - 4 * sum(params.values()) <= 2 * largest, (name, backward, grads)
+                assert backward <= grads["backward"]
             else:
-                assert 0 < backward <= 2 * max(planner.largest_tensors(cfg, layout).values()), (name, backward)
+                compact = 4 * sum(n for n, muon in zip(rank["groups"], rank["muon_groups"]) if fp32 and not muon)
+                assert 0 < backward - compact <= 2 * largest, (name, backward)
+                assert backward <= grads["backward"]
+            if fp32:  # the negative control: the planner counting bf16's buffers
+                as_bf16 = load_config("configs/tiny.yaml", case["overrides"] + ["train.grad_accum_dtype=bf16"])
+                bf16 = planner.gradient_bytes(params, as_bf16, layout)
+                assert rank["bucket"] == 2 * planner.bucket_bytes(as_bf16), name
+                if cfg.zero.stage == 1:
+                    assert backward > 1.5 * bf16["backward"], (name, backward, bf16)

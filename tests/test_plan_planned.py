@@ -151,10 +151,19 @@ def test_every_published_run_fits_with_its_published_settings():
     planned-only savings the two largest do not (what made the planner say "does NOT fit")."""
     from plan.published import RUNS, check_run
     assert [r.name for r in RUNS] == ["DeepSeek-V3", "Kimi K2", "Qwen3-235B-A22B", "Mixtral-8x22B"]
-    for run in RUNS:
+    for run in RUNS[1:]:
         got = check_run(run, ranked=False)
         assert got.fits, (run.name, got.gib)
         assert got.plan.label.startswith(f"TP{run.layout.tp} PP{run.layout.pp}")
+    # DeepSeek-V3 kept its gradients in FP32 (report §3.3.2), as the trainer sums them by default
+    # (train.grad_accum_dtype fp32): its ZeRO-1 rank, two stages under DualPipe, then holds an fp32
+    # accumulator for each of its 5.86 B parameters, 79.7 GiB: under the GPU's 80 but over the
+    # planner's 90 %. Summed in bf16 it fits (docs/plan.md)
+    deepseek = RUNS[0]
+    as_run, bf16_sums = (check_run(dataclasses.replace(deepseek, sets=deepseek.sets + (f"train.grad_accum_dtype={d}",)),
+                                   ranked=False) for d in ("fp32", "bf16"))
+    assert check_run(deepseek, ranked=False).gib == as_run.gib and not as_run.fits and 72 < as_run.gib < 80
+    assert bf16_sums.fits and bf16_sums.plan.label.startswith("TP1 PP16")
     for run in RUNS[:2]:
         bare = dataclasses.replace(run, planned=Planned())
         assert not check_run(bare, ranked=False).fits, run.name
@@ -174,13 +183,13 @@ def test_every_published_run_fits_with_its_published_settings():
         if got.fits:
             speeds[v] = got.speed.tokens_per_s
     assert len(speeds) > 1 and max(speeds, key=speeds.get) == chosen.vpp
-    # DeepSeek-V3 under DualPipe (two stages a rank) fits by §3.3.3's MoE savings: the SwiGLU's
-    # input in fp8 and its output recomputed; without them it does not
-    deepseek = RUNS[0]
+    # DeepSeek-V3 under DualPipe (two stages a rank) fits (gradients summed in bf16) by §3.3.3's MoE
+    # savings: the SwiGLU's input in fp8 and its output recomputed; without them it does not
     assert deepseek.planned.dualpipe and "DualPipe" in check_run(deepseek, ranked=False).plan.planned_only
-    without = dataclasses.replace(deepseek, planned=dataclasses.replace(deepseek.planned, fp8_activations="linear"),
-                                  sets=tuple(s.replace(",moe_act", "") for s in deepseek.sets))
-    assert without.sets != deepseek.sets and not check_run(without, ranked=False).fits
+    bf16_run = dataclasses.replace(deepseek, sets=deepseek.sets + ("train.grad_accum_dtype=bf16",))
+    without = dataclasses.replace(bf16_run, planned=dataclasses.replace(deepseek.planned, fp8_activations="linear"),
+                                  sets=tuple(s.replace(",moe_act", "") for s in bf16_run.sets))
+    assert without.sets != bf16_run.sets and not check_run(without, ranked=False).fits
 
 
 def test_nvidia_tuned_layouts_fit_as_they_ran():
@@ -231,8 +240,9 @@ def test_command_line_planned_flags():
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2")  # 8 sequences: micro-batch 4 × DP4 is 16
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "train.global_batch 8 is not divisible by train.micro_batch × DP = 4 × 4" in done.stderr
-    done = run("--published")
-    assert done.returncode == 0 and done.stdout.count("GiB, fits;") == 8, done.stdout + done.stderr
+    done = run("--published")  # DeepSeek-V3's does not, with fp32 gradient sums (test above): exit status 1
+    assert done.returncode == 1 and done.stdout.count("GiB, fits;") == 7, done.stdout + done.stderr
+    assert done.stdout.count("GiB, does NOT fit;") == 1
     assert "NVIDIA's tuned layouts, measured on H100" in done.stdout
     assert "TP4 PP8 VPP4 EP8 ETP1 DP8 (EDP4) on 256 GPUs" in done.stdout and "(measured: 29.0 s)" in done.stdout
     assert "DeepSeek-V3: TP1 PP16 EP64 ETP1 DP128 (EDP2) on 2048 GPUs" in done.stdout

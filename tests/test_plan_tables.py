@@ -26,10 +26,10 @@ def test_the_docs_tables_are_the_planners_output(generated):
 def test_a_changed_number_or_a_missing_row_is_found(generated):
     text = tables.DOCS.read_text()
     report = tables.blocks(text)["report"]
-    assert "| 66.2 GiB |" in report  # DeepSeek-V3's most-loaded rank
-    changed = text.replace("| 66.2 GiB |", "| 66.3 GiB |", 1)
+    assert "| 79.7 GiB |" in report  # DeepSeek-V3's most-loaded rank
+    changed = text.replace("| 79.7 GiB |", "| 79.8 GiB |", 1)
     found = tables.drift(changed, generated)
-    assert len(found) == 1 and "66.3 GiB" in found[0] and "66.2 GiB" in found[0]
+    assert len(found) == 1 and "79.8 GiB" in found[0] and "79.7 GiB" in found[0]
     dropped = text.replace(report.splitlines()[-1] + "\n", "", 1)
     assert "report: 3 rows written, 4 generated" in tables.drift(dropped, generated)
 
@@ -37,9 +37,9 @@ def test_a_changed_number_or_a_missing_row_is_found(generated):
 def test_rewrite_puts_the_tables_between_their_markers(generated):
     text = tables.DOCS.read_text()
     assert tables.rewrite(text, tables.blocks(text)) == text
-    stale = text.replace("| 66.2 GiB |", "| 66.3 GiB |", 1)
+    stale = text.replace("| 79.7 GiB |", "| 79.8 GiB |", 1)
     fresh = tables.rewrite(stale, {name: table for name, table in generated.items()})
-    assert tables.drift(fresh, generated) == [] and "| 66.2 GiB |" in fresh
+    assert tables.drift(fresh, generated) == [] and "| 79.7 GiB |" in fresh
     with pytest.raises(ValueError, match="no '<!-- generated: plan.tables other -->' line"):
         tables.rewrite(text, {"other": "| x |"})
 

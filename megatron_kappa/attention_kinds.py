@@ -135,6 +135,8 @@ class Kind:
     hf_qk_norms: bool = True  # q_layernorm / k_layernorm are q_norm / k_norm
     hf_config: Callable[[Any], dict] = lambda model: {}  # DeepSeek's config.json keys for it
     modeling: Callable[[Any], dict] = lambda model: {"mla": None}  # modeling_kappa_moe.py's config keys
+    # the import (both hf_config's and modeling's inverse): those keys → its --set settings
+    from_hf_config: Callable[[dict], dict] = lambda keys: {}
     export_refusal: str = ("no exported model computes this attention kind (its registry entry names no Hugging "
                            "Face tensors, hf_names); export a run of gqa or mla")
 
@@ -209,6 +211,12 @@ def described(model) -> str:
     switches = [kind.switch for kind in KINDS.values() if kind.switch]
     on = [s for s in switches if reduce(getattr, s.split("."), model)]
     return f"model.{on[0]} is true" if on else " and ".join(f"model.{s} is false" for s in switches)
+
+
+def settings_off() -> dict:
+    """--set settings that select the default kind: model.attention_kind null, every switch off
+    (an imported model's base, which its own kind's `from_hf_config` then overrides)."""
+    return {KEY: None, **{f"model.{kind.switch}": False for kind in KINDS.values() if kind.switch}}
 
 
 def check(model, par, need):
@@ -408,6 +416,13 @@ def _mla_hf_config(model) -> dict:
                 qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim)
 
 
+def _mla_settings(keys: dict) -> dict:
+    """DeepSeek's config.json widths (`_mla_hf_config`'s names) or modeling_kappa_moe.py's (the
+    section's own names) as model.mla settings."""
+    renamed = {"qk_nope_head_dim": "qk_head_dim", "qk_rope_head_dim": "qk_pos_emb_head_dim"}
+    return {"model.mla.enabled": True, **{f"model.mla.{renamed.get(k, k)}": v for k, v in keys.items()}}
+
+
 register("mla", Kind(
     help="mla: multi-head latent attention (model.mla; model.mla.enabled turns it on)",
     megatron=_mla_megatron, local_spec={"multi_latent_attention": True},
@@ -417,4 +432,5 @@ register("mla", Kind(
     recompute={"mla_up_proj": ("MLA's up-projections", ("mla_up",))},
     matrices=_mla_matrices, norm_gains=_mla_norm_gains, flops=_mla_flops, kv_elements=_mla_kv,
     tp_gathers=_mla_gathers, activations=_mla_activations, hf_names=MLA_NAMES, hf_qk_norms=False,
-    hf_config=_mla_hf_config, modeling=lambda model: {"mla": dataclasses.asdict(model.mla)}))
+    hf_config=_mla_hf_config, modeling=lambda model: {"mla": dataclasses.asdict(model.mla)},
+    from_hf_config=_mla_settings))

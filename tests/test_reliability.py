@@ -430,11 +430,11 @@ def test_a_zombie_or_a_reused_pid_does_not_hold_the_lock(tmp_path):
 def test_every_numeric_key_has_a_range_that_refuses_values_outside_it():
     """config/ranges.py covers every numeric schema key; for each, a value just outside its range
     is refused naming the key, and the default is inside it (control)."""
-    from megatron_kappa.config import Config, ranges
+    from megatron_kappa.config import Config, facts, ranges
     keys = dict(ranges.numeric_keys(Config))
     assert set(keys) == set(ranges.RANGES), set(keys) ^ set(ranges.RANGES)
     outside = {ranges.POSITIVE: 0, ranges.NON_NEGATIVE: -1, ranges.FRACTION: 1, ranges.OPEN_FRACTION: 0,
-               ranges.PROBABILITY: 1.5, ranges.BEYOND_ONE: 1, ranges.AT_LEAST_ONE: 0.5}
+               ranges.PROBABILITY: 1.5, ranges.BEYOND_ONE: 1, ranges.AT_LEAST_ONE: 0.5, facts.OPEN_UNIT: 1}
     for key, spec in ranges.RANGES.items():
         value = outside[spec] if keys[key] is float or float(outside[spec]).is_integer() else -1
         with pytest.raises(ConfigError, match=rf"config: {key}: "):

@@ -240,7 +240,7 @@ class StateDictAdapter:
                   # what transformers' classes lack (kappa_moe sets its own)
                   "model.block": "megatron", "model.kappa.enabled": False, "model.norm_gains": True,
                   "model.value_embeddings": False, "model.embedding_norm": False, "model.residual_scalars": False,
-                  "model.logit_softcap": None, "model.mla.enabled": False, "model.attention_kind": None,
+                  "model.logit_softcap": None, **attention_kinds.settings_off(),
                   "model.moe.route_scale": 1.0, "model.moe.num_groups": None, "model.moe.group_topk": None,
                   "model.moe.shared_ffn_hidden_size": None}
         return {**common, **self.own_settings(hf)}

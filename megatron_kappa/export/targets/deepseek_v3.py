@@ -52,7 +52,7 @@ class DeepseekV3(StateDictAdapter):
                 "model.moe.group_topk": hf.topk_group if grouped else None,
                 "model.layout": "moe", "model.first_dense": hf.first_k_dense_replace, "model.qk_layernorm": True,
                 # MLA: one latent for all heads (no query groups); head_dim is its RoPE part's
-                "model.mla.enabled": True, "model.mla.q_lora_rank": hf.q_lora_rank,
-                "model.mla.kv_lora_rank": hf.kv_lora_rank, "model.mla.qk_head_dim": hf.qk_nope_head_dim,
-                "model.mla.qk_pos_emb_head_dim": hf.qk_rope_head_dim, "model.mla.v_head_dim": hf.v_head_dim,
+                **attention_kinds.lookup("mla").from_hf_config(
+                    {k: getattr(hf, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                 "qk_rope_head_dim", "v_head_dim")}),
                 "model.head_dim": None, "model.num_query_groups": None}

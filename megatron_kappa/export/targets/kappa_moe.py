@@ -53,7 +53,7 @@ class KappaMoe(StateDictAdapter):
     def own_settings(self, hf) -> dict:
         types = list(hf.mlp_layer_types)
         score = [name for name, r in routers.ROUTERS.items() if r.hf_score == hf.router_score and r.hf_score]
-        mla = dict(hf.mla or {})
+        attention = attention_kinds.lookup("mla").from_hf_config(hf.mla) if hf.mla else {}
         return {"model.ffn_hidden_size": hf.intermediate_size, "model.moe.ffn_hidden_size": hf.moe_intermediate_size,
                 "model.moe.shared_ffn_hidden_size": hf.shared_expert_intermediate_size,
                 "model.moe.num_experts": hf.num_experts, **({"model.moe.router": score[0]} if score else {}),
@@ -64,7 +64,7 @@ class KappaMoe(StateDictAdapter):
                 "model.value_embeddings": bool(hf.value_embedding_layers), "model.logit_softcap": hf.logit_softcap,
                 "model.rotary_base": rotary_base(hf.rope_theta),
                 **layout_settings([i for i, t in enumerate(types) if t == "dense"], hf.num_hidden_layers),
-                **{f"model.mla.{k}": v for k, v in mla.items()}, **kappa_settings(hf.kappa)}
+                **attention, **kappa_settings(hf.kappa)}
 
 
 def kappa_settings(kappa: dict | None) -> dict:

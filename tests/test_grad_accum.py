@@ -109,8 +109,12 @@ CASES = {"dp2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora"],
          "pp2 zero1 adamw": ["zero.stage=1", "train.optimizer=adamw", "parallel.pp=2"],
          "pp2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora", "parallel.pp=2"],
          "dp2 zero2 aurora": ["zero.stage=2", "train.optimizer=aurora"],
-         "ep2 zero2 muon": ["zero.stage=2", "train.optimizer=muon", "parallel.ep=2"]}
-CONTROLS = ("dp2 zero1 aurora", "dp2 zero2 adamw", "pp2 zero1 adamw")
+         "ep2 zero2 muon": ["zero.stage=2", "train.optimizer=muon", "parallel.ep=2"],
+         # virtual stages (megatron's interleaved 1F1B) and fp8 (torchao's emulated GEMMs off CUDA)
+         "pp2 vpp2 zero1 aurora": ["zero.stage=1", "train.optimizer=aurora", "parallel.pp=2", "parallel.vpp=2"],
+         "ep2 zero1 adamw fp8": ["zero.stage=1", "train.optimizer=adamw", "parallel.ep=2", "precision=fp8"]}
+CONTROLS = ("dp2 zero1 aurora", "dp2 zero2 adamw", "pp2 zero1 adamw", "pp2 vpp2 zero1 aurora",
+            "ep2 zero1 adamw fp8")
 MERGE_CONTROL = "dp2 zero2 aurora"  # also run without grad_precision's item 4 (DeepSpeed's merge)
 
 

@@ -1,7 +1,7 @@
 """Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this project
 configures it (megatron_kappa.parallel.engine.ds_config): weights, gradients at their two peaks
 (summed in bf16 or, train.grad_accum_dtype's default, in fp32), the fp32 master copy, the
-optimizer moments and the reduce bucket."""
+optimizer moments (Muon's momentum with the copy ZeRO stages it in) and the reduce bucket."""
 from __future__ import annotations
 
 from megatron_kappa.config import Config
@@ -18,6 +18,13 @@ def fp32_accumulation(cfg: Config) -> bool:
     the trainer's megatron_kappa.parallel.grad_precision.fp32_accumulation, restated here because
     the planner loads no torch)."""
     return cfg.precision in ("bf16", "fp8") and cfg.train.grad_accum_dtype == "fp32"
+
+
+def reduced_bytes(cfg: Config) -> int:
+    """Bytes of one gradient value as ZeRO accumulates and reduces it: 4 under fp32 accumulation
+    (DeepSpeed's grad_accum_dtype and communication_data_type fp32), else the weights' (2 in bf16
+    and fp8, 4 in fp32). Muon's momentum takes the same dtype (muon_momentum_bytes)."""
+    return 4 if fp32_accumulation(cfg) else value_bytes(cfg.precision)
 
 
 def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> list[dict]:
@@ -78,11 +85,11 @@ def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned:
     (planned only) the step's fp32 gradient is made in CPU memory: the step holds the partitions."""
     size = value_bytes(cfg.precision)
     fp32 = fp32_accumulation(cfg)
-    grad = 4 if fp32 else size  # bytes of an accumulated gradient
+    grad = reduced_bytes(cfg)  # bytes of an accumulated gradient
     groups = optimizer_groups(params, cfg, layout)
     copied = [g for g in groups if g["muon"] or not fp32]  # whole tensors in the partition, a copy at the step
     partitions = sum(g["elements"] / g["d"] for g in groups)
-    edges = sum(min(g["elements"] - g["elements"] / g["d"], 2 * g["largest"]) for g in copied)
+    edges = sum(_edges(g) for g in copied)
     largest_group = max((g["elements"] / g["d"] for g in copied), default=0)
     muon_share = sum(g["elements"] / g["d"] for g in copied) if fp32 and cfg.zero.stage == 1 else 0
     # ZeRO-1's second copy (fp32 accumulation; offloaded, the update runs on the CPU's copy: not measured)
@@ -99,6 +106,41 @@ def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned:
             "largest_group": largest_group, "muon_updates": updates}
 
 
+def _edges(group: dict) -> float:
+    """Elements of whole tensors beyond a group's partition (ZeRO copies a tensor that straddles the
+    partition's edge whole): at most two tensors, at most the rest of the group."""
+    return min(group["elements"] - group["elements"] / group["d"], 2 * group["largest"])
+
+
+def muon_momentum_bytes(params: dict[str, int], cfg: Config, layout: Layout,
+                        planned: Planned = Planned()) -> dict[str, float]:
+    """The momentum DeepSpeed 0.19.8's ZeRO-1/2 keeps for the Muon/Aurora groups on one rank
+    (runtime/zero/stage_1_and_2.py): "committed", the optimizer state's flat momentum_buffer over
+    every whole tensor with elements in the rank's partition (the partition and its edges), in
+    the gradients' dtype (reduced_bytes: fp32 under fp32 accumulation, bf16 with bf16
+    accumulation; _muon_momentum_buffer sizes it so), and "staged", the copy of the same size the
+    boundary's Muon update writes into (_muon_staging_momentum) and step() commits once the step
+    survives; it is kept between steps, so both are held from the first step on. κ's α under
+    model.kappa.alpha_optimizer matrix is among the matrices (its edges not counted: α's
+    tensors are small). Planned only: bf16 moments (2 bytes); the optimizer offloaded, the
+    momentum is the fp32 partition in CPU memory, no staging ("offloaded", not on the GPU). 0
+    under adamw."""
+    if cfg.train.optimizer == "adamw":
+        return {"committed": 0.0, "staged": 0.0, "offloaded": 0.0}
+    muon = [g for g in optimizer_groups(params, cfg, layout) if g["muon"]]
+    k = cfg.model.kappa
+    alpha = 0.0
+    if k.alpha_optimizer == "matrix" and k.use_alpha and params.get("kappa"):
+        d = layout.edp if layout.ep > 1 or layout.etp != layout.tp else layout.zero_dp
+        alpha = params["kappa"] * k.use_alpha / (k.use_alpha + k.use_bias) / d
+    if planned.offload_optimizer:
+        partition = sum(g["elements"] / g["d"] for g in muon) + alpha
+        return {"committed": 0.0, "staged": 0.0, "offloaded": 4 * partition}
+    elements = sum(g["elements"] / g["d"] + _edges(g) for g in muon) + alpha
+    size = 2 if planned.optimizer_states == "bf16" else reduced_bytes(cfg)
+    return {"committed": size * elements, "staged": size * elements, "offloaded": 0.0}
+
+
 def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
     """Bytes of weights, gradients (the larger of `gradient_bytes`'s two peaks), the fp32 master
     copy and the optimizer moments on one rank under DeepSpeed's ZeRO-`zero.stage`.
@@ -106,33 +148,38 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
     bf16/fp8: bf16 weights; the master copy (fp32) and the moments are partitioned over the
     data-parallel group of each parameter: DP for the dense ones, EDP for the experts. fp32: fp32
     weights and gradients, no master copy. Moments: AdamW 2 fp32 per parameter; muon and aurora
-    keep one momentum buffer for the matrices they orthogonalise (attention, MLPs, experts; the
-    router too under aurora; κ's α under model.kappa.alpha_optimizer matrix) and AdamW's two for
-    the rest. Planned only (`planned`): the moments
-    in bf16 (2 bytes each); the master copy and moments offloaded to the CPU ("offloaded", not on
-    the GPU)."""
+    keep a momentum for the matrices they orthogonalise (the optimizer groups' Muon ones:
+    attention, MLPs, experts; the routers under train.router_optimizer matrix; κ's α under
+    model.kappa.alpha_optimizer matrix) with its staged copy (muon_momentum_bytes: the whole
+    tensors of the partition, in the gradients' dtype, twice) and AdamW's two for the rest.
+    Planned only (`planned`): the moments in bf16 (2 bytes each); the master copy and moments
+    offloaded to the CPU ("offloaded", not on the GPU)."""
     half = value_bytes(cfg.precision) == 2
     moment_bytes = 2 if planned.optimizer_states == "bf16" else 4
     grads = gradient_bytes(params, cfg, layout, planned)
     out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
-    matrices = {"attention", "dense_mlp", "shared_experts", "experts"} | (
-        {"router"} if cfg.train.optimizer == "aurora" else set())
+    # the kinds Muon/Aurora update, as the optimizer groups hold them (their moments: muon_momentum_bytes)
+    groups = {g["name"] for g in optimizer_groups(params, cfg, layout) if g["muon"]}
+    matrices = {"attention", "dense_mlp", "shared_experts"} | ({"experts"} if groups else set()) | (
+        {"router"} if "matrix" in groups and cfg.train.router_optimizer == "matrix" else set())
     k = cfg.model.kappa  # "kappa" counts α and b alike; α's share is orthogonalised with `matrix`
     alpha_share = (k.use_alpha / (k.use_alpha + k.use_bias)
-                   if cfg.train.optimizer != "adamw" and k.alpha_optimizer == "matrix" and k.use_alpha else 0.0)
+                   if groups and k.alpha_optimizer == "matrix" and k.use_alpha else 0.0)
     for kind, n in params.items():
         d = layout.edp if kind in EXPERT_KINDS else layout.zero_dp
         out["weights"] += value_bytes(cfg.precision) * n
         out["master"] += 4 * n / d if half else 0
-        if cfg.train.optimizer != "adamw" and kind in matrices:
-            moments = 1
+        if groups and kind in matrices:
+            moments = 0  # Muon's momentum, below
         elif kind == "kappa":
-            moments = 2 - alpha_share  # α one momentum an element, b AdamW's two
+            moments = 2 - 2 * alpha_share  # b AdamW's two, α Muon's momentum (below)
         else:
             moments = 2
         out["moments"] += moments * moment_bytes * n / d
+    muon = muon_momentum_bytes(params, cfg, layout, planned)
+    out["moments"] += muon["committed"] + muon["staged"]
     if planned.offload_optimizer:
-        out["offloaded"] = out["master"] + out["moments"]
+        out["offloaded"] = out["master"] + out["moments"] + muon["offloaded"]
         out["master"] = out["moments"] = 0.0
     return out
 
@@ -143,4 +190,4 @@ def bucket_bytes(cfg: Config) -> float:
     backward pass and released after it (under ZeRO-1 with fp32 accumulation, after the step:
     the accumulators it reduced point into it until then). The updated weights are all-gathered
     in place, so there is no all-gather bucket."""
-    return REDUCE_BUCKET_ELEMENTS * (4 if fp32_accumulation(cfg) else value_bytes(cfg.precision))
+    return REDUCE_BUCKET_ELEMENTS * reduced_bytes(cfg)

@@ -257,21 +257,28 @@ def test_alpha_gradient_is_exactly_zero_at_U_1(world1):
 @pytest.mark.parametrize("world,ep", [(1, 1), (4, 2)])
 def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
     """plan.state_bytes: with alpha_optimizer matrix under aurora, α (its elements counted from the
-    built model) holds the matrix optimizer's one fp32 momentum instead of AdamW's two, partitioned
-    over the expert-data-parallel ranks; b keeps two. Under train.optimizer adamw α's matrix group is
-    AdamW's, so nothing changes (control)."""
+    built model) leaves AdamW's two fp32 moments for the matrix optimizer's momentum and the copy
+    DeepSpeed stages it in (plan.state.muon_momentum_bytes: both in the gradients' dtype, fp32 for
+    tiny), partitioned over the expert-data-parallel ranks; b keeps two. (Before the staged copy was
+    counted, α held one momentum: 4 bytes an element less than AdamW's two; now 2 × 4, as many.)
+    Under train.optimizer adamw α's matrix group is AdamW's, so nothing changes (control)."""
     import plan as planner
-    from megatron_kappa.model.build import build_model
+    from plan.state import muon_momentum_bytes
 
     def moments(*sets):
         cfg = load_config("configs/tiny.yaml", TINY + [f"parallel.ep={ep}", *sets])
         layout = planner.layout_of(cfg, world)
-        return planner.state_bytes(planner.stage_params(cfg, layout, 0), cfg, layout)["moments"], layout
+        params = planner.stage_params(cfg, layout, 0)
+        muon = muon_momentum_bytes(params, cfg, layout)
+        return planner.state_bytes(params, cfg, layout)["moments"], muon["committed"] + muon["staged"], layout
+    from megatron_kappa.model.build import build_model
     alphas = sum(p.numel() for n, p in build_model(load_config("configs/tiny.yaml", TINY), meta=True).named_parameters()
                  if n.endswith("kappa_alpha"))
     assert alphas == 3 * 4 * 256  # tiny: 3 MoE layers × [4, 256]
-    (adamw_place, layout), (matrix, _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
+    (adamw_place, muon_before, layout), (matrix, muon_after, _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
     assert layout.edp == world // ep
-    assert adamw_place - matrix == pytest.approx(4 * (alphas / ep) / layout.edp)  # one fp32 moment less
+    share = (alphas / ep) / layout.edp  # α's elements on the rank
+    assert muon_after - muon_before == pytest.approx(2 * 4 * share)  # the momentum and its staged copy
+    assert (adamw_place - muon_before) - (matrix - muon_after) == pytest.approx(8 * share)  # AdamW's two moments
     plain = ["train.optimizer=adamw", "train.grad_clip=1"]
-    assert moments(*plain)[0] == moments(*plain, "model.kappa.alpha_optimizer=matrix")[0]
+    assert moments(*plain)[:2] == moments(*plain, "model.kappa.alpha_optimizer=matrix")[:2]

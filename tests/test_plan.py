@@ -170,7 +170,15 @@ def test_state_bytes_follow_zero_stage():
     assert one["gradients"] == max(g1["backward"], g1["step"]) and two["gradients"] == g2["step"]
     aurora = planner.state_bytes(params, load_config("configs/tiny.yaml", ["precision=bf16", "train.optimizer=aurora",
                                                                           "train.grad_clip=0"]), layout)
-    assert aurora["moments"] == one["moments"] / 2  # one momentum buffer for the matrices
+    # Muon/Aurora: a momentum over the whole tensors of each Muon group's partition (its edges: here
+    # every tensor, tiny's being larger than these groups) in the gradients' dtype (fp32 accumulation:
+    # 4 bytes), and DeepSpeed's staged copy of it (plan.state.muon_momentum_bytes; measured against
+    # DeepSpeed's buffers in tests/test_plan_muon_state.py): 2 × 4 × (1000 + 4000), where the count
+    # before the staged copy was found held one fp32 momentum of the partitions (one["moments"] / 2)
+    assert aurora["moments"] == 2 * 4 * ((1000 / 8 + (1000 - 1000 / 8)) + (4000 / 2 + (4000 - 4000 / 2)))
+    aurora_bf16 = planner.state_bytes(params, load_config("configs/tiny.yaml", [
+        "precision=bf16", "train.optimizer=aurora", "train.grad_clip=0", "train.grad_accum_dtype=bf16"]), layout)
+    assert aurora_bf16["moments"] == aurora["moments"] / 2  # bf16 gradients: a bf16 momentum
     assert planner.bucket_bytes(cfg1) == 5e8 * 2
 
 
@@ -428,7 +436,7 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
             largest = max(planner.largest_tensors(cfg, layout).values())
             assert rank["after_step"]["weights"] == want["weights"], name
             kept = rank["after_step"]["other"]
-            if cfg.train.optimizer == "adamw":  # Muon's state under ZeRO: docs/plan.md, not counted here
+            if cfg.train.optimizer == "adamw":  # Muon's state (its staged momentum): tests/test_plan_muon_state.py
                 assert kept == pytest.approx(want["master"] + want["moments"], rel=0.01), (name, kept, want)
 
             # the step: the partitions with their edges, then one group's fp32 gradient at a time
@@ -458,7 +466,7 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
             assert in_step <= freeing <= grads["step"], name
             # nothing large goes uncounted: besides the gradients, the step holds the master copy (and
             # under 1 MiB of small tensors: 0.17 MB with four micro-batches through two stages; Muon's
-            # staged momentum is its state's, not counted here: docs/plan.md)
+            # momentum and its staged copy are its state's: tests/test_plan_muon_state.py)
             if cfg.train.optimizer == "adamw":
                 assert rank["at_step"]["other"] - rank["at_step"]["gradients"] == pytest.approx(
                     want["master"], rel=0.02, abs=2 ** 20), name

@@ -15,6 +15,8 @@ Modules:
                   config reading and checks
   activations.py  The activations one rank of a pipeline stage keeps for backward: an estimate, per
                   recompute mode
+  context.py      Context parallelism's costs in the plan: the trainer's all-gather of keys and
+                  values, and (planned only) Transformer Engine's ring
   dualpipe.py     DeepSeek-V3's DualPipe as the planner models it (planned only: the trainer runs
                   1F1B or interleaved 1F1B)
   ep_overlap.py   The trainer's expert-parallel overlap as the estimate counts it: megatron's
@@ -46,7 +48,8 @@ Modules:
   state.py        Bytes of the training state one rank holds under DeepSpeed's bf16 ZeRO-1/2 as this
                   project configures it (megatron_kappa.parallel.engine.ds_config): weights,
                   gradients at their two peaks (summed in bf16 or, train.grad_accum_dtype's default,
-                  in fp32), the fp32 master copy, the optimizer moments and the reduce bucket
+                  in fp32), the fp32 master copy, the optimizer moments (Muon's momentum with the
+                  copy ZeRO stages it in) and the reduce bucket
   tables.py       docs/plan.md's tables of the published runs, generated from their plans
                   (`--published`)
   units.py        Units the planner counts in: GiB, and the bytes of one value in a precision

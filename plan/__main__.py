@@ -74,6 +74,9 @@ def main(argv=None) -> int:
                          help="DeepSeek-V3's DualPipe in place of 1F1B (even PP, no VPP; searched beside 1F1B)")
     planned.add_argument("--fused-swiglu", action="store_true",
                          help="megatron's fused SwiGLU in the dense MLPs and shared experts: silu(gate) not kept")
+    planned.add_argument("--ring-attention", action="store_true",
+                         help="CP passes K and V round a ring (Transformer Engine's p2p) instead of the trainer's "
+                              "all-gather: 3 (cp - 1) hops a layer, the rank's own K and V kept")
     planned.add_argument("--planned-layouts", action="store_true",
                          help="with --search: also rank the layouts and settings the trainer refuses (its own config "
                               "checks, as pretrain --check runs them), each row labelled with the refusal")
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
     extra = Planned(optimizer_states=args.optimizer_states, fp8_activations=args.fp8_activations,
                     recompute_norms=args.recompute_norms, offload_optimizer=args.offload_optimizer,
                     offload_activations=args.offload_activations, overlap=args.overlap,
-                    node_dispatch=args.node_dispatch, fused_swiglu=args.fused_swiglu, dualpipe=args.dualpipe)
+                    node_dispatch=args.node_dispatch, fused_swiglu=args.fused_swiglu, dualpipe=args.dualpipe,
+                    ring_attention=args.ring_attention)
     try:
         cfg = load_config(args.config, args.set)
         if args.search:

@@ -6,6 +6,10 @@ SDPA (no s² scores kept; but `local` below):
   attention  norm input, qkv input, q k v, core output: s·b·(3h + (heads + 2·groups)·d + heads·d)/tp
              (MLA: the latents, q and k of nope + rope width per head, v:
              s·b·(3h + latents + heads·(2·qk + 2·v))/tp)
+  context    with CP > 1 the trainer's all-gather keeps, in place of the rank's own K and V, the
+             gathered K and V its two query chunks see and their masks (plan.context:
+             (2cp + 1)/(2cp)·s·b·kv/tp + (2cp + 1)·(s/(2cp))², s the whole sequence here);
+             the ring (planned only) keeps the rank's own
   dense MLP  norm input, fc1 input, fc1 output [gate; up], and megatron's unfused glu (as this
              trainer runs it) keeps silu(gate), up + glu_linear_offset (a copy even at offset 0)
              and their product: s·b·(2h + 5·ffn/tp); a fused SwiGLU (planned only) keeps fc1's
@@ -21,7 +25,8 @@ SDPA (no s² scores kept; but `local` below):
              of each head, s·b·s·heads/tp in 4 bytes (fp32 softmax) and, in bf16, their 2-byte
              cast; GQA's key and value heads repeated: s·b·2·(heads − groups)·d/tp more
 in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
-core_attn the core's output, mla_up_proj MLA's q, k, v, moe_act the experts' activation, mlp a
+core_attn the core's output (and CP's gathered K/V and masks: its checkpoint keeps the rank's own
+q, k, v), mla_up_proj MLA's q, k, v (under CP's all-gather q alone: the own K and V are not kept), moe_act the experts' activation, mlp a
 dense MLP's fc1 output and glu's tensors, moe the routed rows' tensors and the shared expert's,
 shared_experts the shared expert's (core_attn also local's probabilities and repeated heads).
 Full keeps only each layer's input (s·b·h/tp; only the stage's first model.recompute_layers
@@ -44,6 +49,7 @@ from __future__ import annotations
 from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
+from plan import context
 from plan.layout import model_shape
 from plan.planned import Planned
 from plan.routing import routed_rows_per_rank
@@ -79,6 +85,9 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
         scores = tokens * m.seq_length * m.num_attention_heads / t * probability_bytes / size
         scores += kept["repeated"]
     norm_out = tokens * h / t  # a norm's output: the qkv input, the fc1 or router input
+    # CP's all-gather: the gathered K/V and masks beyond the rank's own K and V, which it does not keep
+    gathered = context.kept_values(cfg, tokens, t, layout.cp, planned.ring_attention)
+    own_kv = context.own_values(cfg, tokens, t, layout.cp, planned.ring_attention)
     rows = routed_rows_per_rank(cfg, layout, tokens, imbalance)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     glu = 3 if planned.fused_swiglu else 5  # F-wide tensors a dense MLP or shared expert keeps a token
@@ -93,8 +102,9 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     linear, moe_fp8 = "linear" in planned.fp8_activations, "moe" in planned.fp8_activations
     layers = []
     for is_moe in shape.stage_moe_layers(stage):
-        dropped = ((core + scores) * ("core_attn" in modules) + up * ("mla_up_proj" in modules)
-                   + 2 * norm_out * norms)
+        core_again = "core_attn" in modules
+        dropped = ((core + scores + gathered) * core_again + up * ("mla_up_proj" in modules)
+                   - own_kv * ("mla_up_proj" in modules) * (not core_again) + 2 * norm_out * norms)
         # tensors kept in fp8: counted again at -1/2 (1 byte instead of 2)
         fp8 = linear * (2 * norm_out * (not norms) + core * ("core_attn" not in modules))
         if is_moe:
@@ -113,7 +123,7 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
             mlp = tokens * (2 * h + glu * ffn / t)
             dropped += tokens * glu * ffn / t * ("mlp" in modules)
             fp8 += linear * tokens * ffn / t * ("mlp" not in modules)
-        full_layer = attention + scores + mlp
+        full_layer = attention + scores + gathered + mlp
         kept_layer = {"none": full_layer, "selective": full_layer - dropped}.get(recompute, full_layer)
         if size == 2 and recompute != "full":
             kept_layer -= fp8 / 2

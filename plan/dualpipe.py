@@ -87,12 +87,13 @@ def rank_activations(cfg, layout, rank: int, recompute: str, micro_batch: int, *
 
 
 def ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: float, ib: float, alpha: float,
-          wire_bytes: int) -> list[dict]:
+          grad_bytes: int) -> list[dict]:
     """Each pipeline rank's terms under DualPipe from its two stages' (the module's docstring):
     half the micro-batches through each, so half of each stage's compute and traffic; both stages'
     ZeRO traffic, and the two copies' gradients summed with the mirror rank (an all-reduce over 2
-    ranks: each sends its gradients once, 2 messages), on NVLink where the ranks of both stages,
-    and those between, fit in one node."""
+    ranks: each sends its gradients once, `grad_bytes` a value: 4 where they are accumulated in
+    fp32, 2 messages), on NVLink where the ranks of both stages, and those between, fit in one
+    node."""
     p, apart = layout.pp, layout.tp * layout.cp * layout.dp  # ranks between neighbouring stages
     out = []
     for rank in range(p):
@@ -102,7 +103,7 @@ def ranks(per_stage: list[dict], layout, gpus_per_node: int, nvlink: float, ib: 
                                               "pipeline", "forward", "recomputed")}
         one_node = h * apart // gpus_per_node == ((mirror + 1) * apart - 1) // gpus_per_node
         link = nvlink if one_node else ib
-        row["data"] = a["data"] + b["data"] + wire_bytes * (a["params"] + b["params"]) / link + 2 * alpha
+        row["data"] = a["data"] + b["data"] + grad_bytes * (a["params"] + b["params"]) / link + 2 * alpha
         row["layers"], row["params"] = a["layers"] + b["layers"], a["params"] + b["params"]
         out.append(row)
     return out

@@ -110,5 +110,6 @@ def plan(cfg: Config, layout: Layout, *, gpu_mem_gib: float = 80.0, gpus_per_nod
                                       stage_params=[stage_params(cfg, layout, s) for s in range(layout.pp)] if dual
                                       else [r.params for r in stages],
                                       rates=rates, gpus_per_node=gpus_per_node, imbalance=imbalance,
-                                      overlap=planned.overlap, node_dispatch=planned.node_dispatch, dualpipe=dual),
+                                      overlap=planned.overlap, node_dispatch=planned.node_dispatch, dualpipe=dual,
+                                      ring_attention=planned.ring_attention),
                 ep_overlap=cfg.parallel.overlap_moe_expert_parallel_comm)

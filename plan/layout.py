@@ -18,7 +18,7 @@ class Layout:
     pp: int = 1
     ep: int = 1
     etp: int = 1
-    cp: int = 1  # context parallelism (parallel.cp; the estimate prices a ring exchange: plan.speed)
+    cp: int = 1  # context parallelism (parallel.cp; the estimate prices the trainer's all-gather: plan.context)
     vpp: int = 1  # virtual pipeline stages per rank (parallel.vpp: interleaved 1F1B)
 
     @property

@@ -6,6 +6,9 @@ The published frontier runs use them (docs/plan.md's table cites which run used 
                                     own EP overlap is a config key (plan.ep_overlap)
   DualPipe (Planned.dualpipe)       DeepSeek-V3's bidirectional schedule in place of 1F1B
                                     (plan.dualpipe)
+  ring attention                    context parallelism's K and V passed round a ring
+  (Planned.ring_attention)          (Transformer Engine) instead of the trainer's all-gather
+                                    (plan.context)
 and the memory savings of this dataclass. The trainer refuses none of them by config: they are
 not config keys, only the planner's flags (`python -m plan --help`).
 """
@@ -54,7 +57,8 @@ class Planned:
     parallel.overlap_moe_expert_parallel_comm, hides less and is no planned-only setting:
     plan.ep_overlap), "pipeline" the stage-to-stage sends (megatron's overlap_p2p_comm),
     "tensor" sequence parallelism's collectives (Transformer Engine's userbuffers), "context"
-    the ring attention's K and V passing."""
+    context parallelism's K and V exchange (the ring attention's passing, ring_attention; the
+    trainer's all-gather runs before the attention, not beside it)."""
     node_dispatch: bool = False
     """Where EP crosses nodes, a token is sent over InfiniBand once per destination node and
     forwarded to its experts there over NVLink (DeepSeek-V3 §3.2.2, DeepEP; megatron's flex
@@ -65,6 +69,11 @@ class Planned:
     output and the product fc2 reads, 3·F a token, where this trainer's unfused glu also keeps
     silu(gate) and a copy of up (+ glu_linear_offset), 5·F (megatron_kappa/model/build.py turns
     the fusion off)."""
+    ring_attention: bool = False
+    """Context parallelism passes each rank's K and V chunk round the CP ring (megatron's default
+    cp_comm_type p2p, Transformer Engine's attention: the published runs' CP), 3 (cp − 1) hops a
+    layer, each rank keeping its own K and V, instead of the trainer's all-gather, which keeps the
+    gathered keys and values (plan.context)."""
     dualpipe: bool = False
     """The pipeline runs DeepSeek-V3's DualPipe instead of 1F1B where it can (even stages, no
     virtual stages, at least 2 × PP micro-batches): each rank holds two stages, a smaller bubble
@@ -80,13 +89,14 @@ class Planned:
 
     def labels(self, layout) -> list[str]:
         """What of this plan the trainer cannot run, for the output."""
-        # context parallelism (Layout.cp) runs in the trainer (parallel.cp): not planned only
+        # context parallelism (Layout.cp) runs in the trainer (parallel.cp): not planned only; its ring is
         out = ["bf16 optimizer moments"] * (self.optimizer_states == "bf16")
         out += [f"fp8 activations ({self.fp8_activations})"] * (self.fp8_activations != "none")
         out += ["norm recompute"] * self.recompute_norms
         out += ["optimizer offload"] * self.offload_optimizer + ["activation offload"] * self.offload_activations
         out += [f"overlap ({', '.join(self.overlap)})"] * bool(self.overlap)
         out += ["node-limited dispatch"] * self.node_dispatch
+        out += ["ring attention"] * (self.ring_attention and layout.cp > 1)
         out += ["DualPipe"] * (self.dualpipe and layout.pp > 1)
         out += ["fused SwiGLU"] * self.fused_swiglu
         return out

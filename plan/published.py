@@ -106,8 +106,11 @@ def load(path: Path) -> Published:
         raise ConfigError(f"{where}: layout: expected positive whole numbers, world among them, got {layout}")
     # every published run also ran a fused SwiGLU (NVIDIA's recipes set bias_activation_fusion,
     # Megatron-LM's default; DeepSeek's and Moonshot's own kernels), which this trainer does not
-    # (Planned.fused_swiglu): the default of a run's planned settings
-    planned = {"fused_swiglu": True, **fields_of(Planned, raw.get("planned", {}), f"{where}: planned")}
+    # (Planned.fused_swiglu), and those with context parallelism ran it through Transformer Engine's
+    # attention with megatron's default cp_comm_type p2p, the ring (Planned.ring_attention; the
+    # trainer all-gathers): the defaults of a run's planned settings
+    planned = {"fused_swiglu": True, "ring_attention": True,
+               **fields_of(Planned, raw.get("planned", {}), f"{where}: planned")}
     if isinstance(planned.get("overlap"), list):
         planned["overlap"] = tuple(planned["overlap"])
     rates = fields_of(Rates, raw.get("rates", {}), f"{where}: rates")

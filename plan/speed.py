@@ -16,9 +16,11 @@ Per step, for one rank of the slowest pipeline stage:
   bubble    1F1B's idle share: compute x (p - 1) / (v · m), m micro-batches per step, v virtual
             stages (parallel.vpp: megatron's interleaved schedule); planned only, DualPipe's
             (p/2 - 1)(F&B + B - 3W), each rank running two stages (plan.dualpipe)
-  context   context parallelism's ring attention (planned only): each layer passes the rank's K
-            and V chunk round the CP ring, cp - 1 hops forward, twice that in backward (K, V and
-            their gradients): 3 (cp - 1) x the rank's tokens x the TP-split K and V width
+  context   context parallelism's exchange of K and V (plan.context): the trainer all-gathers
+            them over CP in each layer's forward and reduce-scatters their gradient in backward,
+            once more where the core attention is recomputed: (2 + r)(cp - 1) x the rank's tokens
+            x the TP-split K and V width, r = 1 for a recomputed core; planned only, the ring
+            (Planned.ring_attention): 3 (cp - 1) x the same
   tensor    sequence parallelism's collectives of the rank's tokens x hidden: 5 per TP-split
             block, the embedding's and the output layer's (tensor_collectives)
   expert    the token dispatcher's all-to-all, dispatch and combine, forward and backward: 4 x
@@ -28,11 +30,15 @@ Per step, for one rank of the slowest pipeline stage:
             and with expert TP the rows' all-gather and reduce-scatter over ETP
   pipeline  each micro-batch's activation forward and its gradient backward between stages (v
             times with v virtual stages: each chunk boundary is crossed)
-  data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, 2 bytes
-            per parameter each, (D - 1) / D of it on the wire (dense over DP x CP, experts over EDP)
+  data      ZeRO-1: the gradients' reduce-scatter and the updated weights' all-gather, (D - 1) / D
+            of them on the wire (dense over DP x CP, experts over EDP), each in the dtype the
+            state holds (plan.state): the gradients 4 bytes a parameter where they are reduced
+            in fp32 (train.grad_accum_dtype fp32, the default with bf16/fp8 weights, as
+            DeepSpeed's communication_data_type; fp32 weights), 2 in bf16; the weights 2 bytes
+            (bf16/fp8), 4 in fp32
 Each collective also pays `Rates.latency_us` per message: a ring over n ranks, or an all-to-all
 among n, sends n - 1 (tensor: tensor_collectives per micro-batch, the loss's all-reduces with
-them; context: 3 (cp - 1) hops; expert: dispatcher_messages per MoE layer and micro-batch;
+them; context: one per step of its all-gathers and reduce-scatters, or the ring's hops; expert: dispatcher_messages per MoE layer and micro-batch;
 pipeline: one message per boundary crossing; data: a reduce-scatter and an all-gather per step).
 The tensor and expert counts are megatron's own (tests/test_plan.py counts its calls).
 A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron
@@ -51,7 +57,7 @@ without overlap_comm). Planned only, `overlap` names the terms that run beside t
             documentation of megatron's overlap says, or what exceeds the stage's compute
 and the bubble is that busy time x (p - 1) / (v · m). The "overlapped" term (negative) is the
 traffic hidden (by either), so that the terms, the traffic counted in full, still add up to the step.
-Bytes are 2 per value (bf16, and fp8 layers keep bf16 activations on the wire).
+Bytes are 2 per value (bf16, and fp8 layers keep bf16 activations on the wire), but ZeRO's (data).
 
 Arithmetic only, like the memory plan; docs/plan.md gives the defaults' sources.
 """
@@ -62,12 +68,15 @@ import dataclasses
 from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
+from plan import context as cp_exchange
 from plan import dualpipe as dual
 from plan import ep_overlap
 from plan.layout import model_shape
 from plan.params import EXPERT_KINDS
 from plan.planned import OVERLAP
 from plan.routing import routed_rows
+from plan.state import reduced_bytes
+from plan.units import value_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,12 +221,6 @@ def _span(group: int, stride: int, gpus_per_node: int) -> bool:
     return group > 1 and group * stride > gpus_per_node
 
 
-def kv_width(cfg: Config, tp: int) -> float:
-    """Elements of K and V per token on one TP rank (what ring attention passes round; MLA: the
-    up-projected K, nope + rope, and V)."""
-    return attention_kinds.of(cfg.model).kv_elements(cfg.model) / tp
-
-
 # hidden behind the stage's compute; ZeRO's traffic ("data") has its own rule (_exposed_data)
 OVERLAPPABLE = tuple(t for t in OVERLAP if t != "data")
 
@@ -303,12 +306,13 @@ class StepTime:
 
 def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates: Rates = Rates(),
               gpus_per_node: int = 8, imbalance: float = 1.0, overlap: tuple[str, ...] = (),
-              node_dispatch: bool = False, dualpipe: bool = False) -> StepTime:
+              node_dispatch: bool = False, dualpipe: bool = False, ring_attention: bool = False) -> StepTime:
     """Seconds per optimizer step by term on the slowest stage, and tokens per second.
     `stage_params`: each stage's parameters by kind on one rank (the memory plan's); `imbalance`:
     the busiest EP rank's routed rows over the average (dropless routing); `overlap`: the terms
     that run beside the compute (planned only), `node_dispatch`: each token crosses to a node once,
-    `dualpipe`: the pipeline runs DualPipe (planned only; see the module and plan.dualpipe). The
+    `dualpipe`: the pipeline runs DualPipe (planned only; see the module and plan.dualpipe),
+    `ring_attention`: CP passes K and V round a ring (planned only; plan.context). The
     config's parallel.overlap_moe_expert_parallel_comm hides the all-to-all as plan.ep_overlap says."""
     m, train = cfg.model, cfg.train
     shape = model_shape(cfg, layout)
@@ -322,6 +326,9 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
     alpha = rates.latency_us * 1e-6
     hbm = rates.hbm_tbs * 1e12
     ep_overlapped = ep_overlap.runs(cfg, overlap, dualpipe)  # the trainer's combined 1F1B
+    # ZeRO's traffic per parameter: its gradient reduce-scattered in the dtype it is reduced in
+    # (fp32 under fp32 accumulation), the updated weight all-gathered in the weights' dtype
+    zero_bytes = reduced_bytes(cfg) + value_bytes(cfg.precision)
 
     # one pass of one MoE layer's local experts for one micro-batch: the same on every stage
     per_pass = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
@@ -344,16 +351,19 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
         expert += 4 * sum(layers) * rows * (etp - 1) * m.hidden_size * WIRE_BYTES \
             / (ib if _span(etp, 1, gpus_per_node) else nvlink)
         expert += alpha * sum(layers) * micro * dispatcher_messages(ep, etp)
-        ring = 3 * (cp - 1) * len(layers) * tokens * kv_width(cfg, t) * WIRE_BYTES
-        context = ring / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * 3 * (cp - 1) * len(layers) * micro
+        # each exchange sends one share of the rank's K and V (plan.context); a recomputed core gathers again
+        steps = cp_exchange.exchanges([again(SCORES) > 0 for _, again in stage_layers(cfg, shape, stage, m.recompute)],
+                                      cp, ring_attention)
+        context = steps * tokens * cp_exchange.kv_width(cfg, t) * WIRE_BYTES \
+            / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * steps * micro
         boundaries = (stage > 0) + (stage < p - 1)
         pipeline = v * boundaries * (2 * act / t / (ib if _span(p, t * cp * dp, gpus_per_node) else nvlink)
                                      + alpha * 2 * micro) if p > 1 else 0.0
         params = stage_params[stage]
         dense = sum(n for k, n in params.items() if k not in EXPERT_KINDS)
         experts = sum(n for k, n in params.items() if k in EXPERT_KINDS)
-        data = (2 * WIRE_BYTES * dense * (zero_dp - 1) / zero_dp / (ib if _span(zero_dp, t, gpus_per_node) else nvlink)
-                + 2 * WIRE_BYTES * experts * (edp - 1) / edp
+        data = (zero_bytes * dense * (zero_dp - 1) / zero_dp / (ib if _span(zero_dp, t, gpus_per_node) else nvlink)
+                + zero_bytes * experts * (edp - 1) / edp
                 / (ib if _span(edp, ep * etp, gpus_per_node) else nvlink)
                 + alpha * 2 * ((zero_dp - 1) + (edp - 1) * (experts > 0)))
         per_stage.append({"compute": compute, "memory": memory, "fixed": fixed, "tensor": tensor, "context": context,
@@ -362,7 +372,7 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
                           "forward": forward, "recomputed": compute - 3 * forward,
                           "paired": ep_overlap.paired_share(p, v, stage, micro) if ep_overlapped else 0.0})
     if dualpipe:
-        per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha, WIRE_BYTES)
+        per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha, reduced_bytes(cfg))
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
     busy = _busy(slowest, overlap)
     if dualpipe:
@@ -381,6 +391,10 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
 
 
 TERMS = ("compute", "memory", "fixed", "tensor", "context", "expert", "pipeline", "data")
+# a layer_flops of the attention cores alone: what stage_layers' recompute function makes of it says
+# whether backward runs a layer's core attention again
+SCORES = {**dict.fromkeys(("attention", *attention_kinds.flop_parts(), "mlp", "router", "experts", "shared", "matmul"),
+                          0.0), "scores": 1.0}
 
 
 def _seconds(cfg, shape, stage, tokens, tp, recompute, imbalance, rate, attention) -> float:

@@ -117,7 +117,8 @@ def one_micro(cfg, layout, stage):
 def test_step_terms_by_hand():
     """tiny on 8 GPUs of one node, PP4 DP2: each rank's compute and traffic are the mean of its two
     stages' (half the micro-batches through each); its ZeRO traffic both stages', plus the mirror's
-    all-reduce of both stages' gradients (2 bytes each); the bubble DualPipe's. No latency, so that
+    all-reduce of both stages' gradients (4 bytes each: fp32 accumulation, the default); the bubble
+    DualPipe's. No latency, so that
     rank 0 (the embedding, the output layer) is the slowest."""
     cfg = tiny()
     layout = Layout(8, pp=4)
@@ -129,11 +130,12 @@ def test_step_terms_by_hand():
     compute = [speed.stage_flops(cfg, shape, s, tokens, 1, "none") / 100e12 for s in range(4)]
     ranks = [(compute[0] + compute[3]) / 2, (compute[1] + compute[2]) / 2]
     assert got.terms["compute"] == pytest.approx(max(ranks))
-    # ZeRO over DP2 on NVLink: reduce-scatter + all-gather, 2 bytes a parameter, half on the wire
-    # (the experts over EDP 2 alike); then the mirror's exchange of both stages
+    # ZeRO over DP2 on NVLink: the fp32 gradients' reduce-scatter (4 bytes a parameter) and the bf16
+    # weights' all-gather (2), half on the wire (the experts over EDP 2 alike); then the mirror's
+    # exchange of both stages' fp32 gradients
     def zero(p):
-        return 2 * 2 * sum(p.values()) / 2 / 200e9
-    data = [zero(params[h]) + zero(params[m]) + 2 * (sum(params[h].values()) + sum(params[m].values())) / 200e9
+        return (4 + 2) * sum(p.values()) / 2 / 200e9
+    data = [zero(params[h]) + zero(params[m]) + 4 * (sum(params[h].values()) + sum(params[m].values())) / 200e9
             for h, m in ((0, 3), (1, 2))]
     assert got.terms["data"] == pytest.approx(max(data))
     busy = sum(got.terms[k] for k in ("compute", "memory", "tensor", "context", "expert", "pipeline"))

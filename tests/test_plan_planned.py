@@ -9,6 +9,7 @@ import pytest
 import plan as planner
 from megatron_kappa.config import ConfigError, load_config
 from plan import Layout, speed
+from plan import context as plan_context
 from plan.activations import in_flight
 from plan.planned import Planned
 
@@ -25,8 +26,13 @@ def act(cfg, layout=Layout(1), stage=0, recompute="none", planned=Planned()):
 
 def test_context_parallelism_splits_the_tokens_and_joins_the_gradient_group():
     cfg = tiny("train.global_batch=8")
-    # each of the 2 CP ranks keeps half the sequence's activations (the loss chunk covers all its tokens)
-    assert act(cfg, Layout(2, cp=2)) == act(cfg, Layout(1)) / 2
+    # under the ring (planned only) each of the 2 CP ranks keeps half the sequence's activations (the
+    # loss chunk covers all its tokens); the trainer's all-gather keeps the gathered K/V and masks
+    # beside that (plan.context.kept_values, 4 layers; counted against the trainer's attention in
+    # tests/test_plan_context.py)
+    assert act(cfg, Layout(2, cp=2), planned=Planned(ring_attention=True)) == act(cfg, Layout(1)) / 2
+    gathered = plan_context.kept_values(cfg, TOKENS * 1 / 2, 1, 2)
+    assert gathered > 0 and act(cfg, Layout(2, cp=2)) == act(cfg, Layout(1)) / 2 + 4 * gathered * 2
     # DP × CP partitions the dense optimizer state: DP4 CP2 as DP8, the experts over EDP as before
     params = {"attention": 8000, "experts": 4000}
     cp2, dp8 = planner.state_bytes(params, cfg, Layout(8, cp=2)), planner.state_bytes(params, cfg, Layout(8))
@@ -37,18 +43,21 @@ def test_context_parallelism_splits_the_tokens_and_joins_the_gradient_group():
 
 
 def test_context_parallel_ring_traffic_by_hand():
-    """3 (cp − 1) hops of the rank's K and V per layer, inside a node; the rank's tokens are its
-    replica's over CP; the dense gradients cross DP × CP."""
+    """The ring (planned only: Planned.ring_attention): 3 (cp − 1) hops of the rank's K and V per
+    layer, inside a node; the rank's tokens are its replica's over CP; the dense gradients cross
+    DP × CP. (The trainer's all-gather: tests/test_plan_context.py.)"""
     cfg = tiny("train.global_batch=8")
     layout = Layout(8, cp=2)  # DP 4
     params = [planner.stage_params(cfg, layout, 0)]
     rates = speed.Rates(latency_us=0)  # and 3 (cp − 1) messages per layer and micro-batch at the latency
-    got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params)
+    got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params, ring_attention=True)
     tokens = 8 * TOKENS / (4 * 2)
     assert got.terms["context"] == 3 * 1 * 4 * tokens * (2 * HEADS_D) * 2 / 450e9
     ms = speed.step_time(cfg, layout, rates=speed.Rates(latency_us=1000), gpus_per_node=8,
-                         stage_params=params).terms["context"]
+                         stage_params=params, ring_attention=True).terms["context"]
     assert ms - got.terms["context"] == pytest.approx(1e-3 * 3 * 1 * 4 * 2)  # 2 micro-batches per step
+    assert Planned(ring_attention=True).labels(layout) == ["ring attention"]
+    assert Planned(ring_attention=True).labels(Layout(8)) == []  # no CP, no ring
     plain = speed.step_time(cfg, Layout(8), rates=rates, gpus_per_node=8, stage_params=params)
     assert plain.terms["context"] == 0 and plain.terms["data"] == got.terms["data"]  # both over 8
     # the compute: half the tokens per rank as DP 8 would give (same total), the same FLOPs
@@ -289,7 +298,8 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
         # either stage: test_plan_speed.test_memory_bound_experts_by_hand)
         gemms = t["compute"] + t["memory"]
         busy = max(gemms, t["expert"] + t["pipeline"]) + t["tensor"] + t["context"]
-        data = [2 * 2 * sum(p.values()) * 3 / 4 / (rates.ib_gbs * 1e9) for p in params]  # across nodes
+        # across nodes; tiny's fp32 weights: gradients reduced and weights gathered in fp32, 4 + 4 bytes
+        data = [(4 + 4) * sum(p.values()) * 3 / 4 / (rates.ib_gbs * 1e9) for p in params]
         compute = [speed.stage_flops(cfg, planner.model_shape(cfg, layout), s, 32 * 1024 / 4, 2, "none") / 100e12
                    for s in range(2)]
         assert compute[1] == t["compute"]

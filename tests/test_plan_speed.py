@@ -130,12 +130,43 @@ def test_step_terms_by_hand():
     # the bubble: (p - 1) / (v m) of the stage's busy time (the memory-bound experts' excess is
     # GEMM time: test_memory_bound_experts_by_hand)
     assert t["bubble"] == pytest.approx((compute + t["memory"] + tensor + expert + pipeline) * 1 / micro)
-    # data: ZeRO-1's reduce-scatter and all-gather, 2 bytes each per parameter, (D - 1)/D on the wire;
+    # data: ZeRO-1's reduce-scatter and all-gather, (D - 1)/D on the wire, tiny's fp32 weights: the
+    # gradients reduced and the weights gathered in fp32, 4 + 4 bytes a parameter (bf16: the next test);
     # DP4 ranks TP2 apart and EDP4 ranks EP x ETP = 2 apart both span 8 ranks: across nodes
-    data = [2 * 2 * sum(p.values()) * 3 / 4 / 25e9 for p in params]
+    data = [(4 + 4) * sum(p.values()) * 3 / 4 / 25e9 for p in params]
     assert t["data"] == pytest.approx(max(data))
     assert got.seconds == pytest.approx(sum(t.values()))
     assert got.tokens_per_s == pytest.approx(32 * 1024 / got.seconds)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_gradients_are_reduced_in_the_accumulation_dtype(zero_stage):
+    """bf16 weights, train.grad_accum_dtype: ZeRO's traffic is the gradients' reduce-scatter in the
+    dtype they are accumulated and reduced in (DeepSpeed's communication_data_type: fp32 by
+    default, 4 bytes; bf16, 2) and the updated bf16 weights' all-gather (2 bytes), (D − 1)/D of
+    each on the wire; the layout of test_step_terms_by_hand (DP4 and EDP4 across nodes, 25 GB/s).
+    From bf16 to fp32 accumulation the gradient term doubles and nothing else moves: the step
+    grows by exactly the bf16 gradients' reduce-scatter. Control: counting the gradients at the
+    weights' 2 bytes (what the estimate did) misses the fp32 figure."""
+    sets = ["precision=bf16", "model.seq_length=1024", "train.global_batch=32", "train.micro_batch=2",
+            "model.moe.capacity_factor=null", f"zero.stage={zero_stage}"]
+    layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
+    rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0)
+    got = {}
+    for accum in ("bf16", "fp32"):
+        cfg = load_config("configs/tiny.yaml", sets + [f"train.grad_accum_dtype={accum}"])
+        params = [planner.stage_params(cfg, layout, s) for s in range(2)]
+        got[accum] = speed.step_time(cfg, layout, rates=rates, gpus_per_node=4, stage_params=params)
+    gradients = [2 * sum(p.values()) * 3 / 4 / 25e9 for p in params]  # bf16 gradients' reduce-scatter
+    weights = [2 * sum(p.values()) * 3 / 4 / 25e9 for p in params]  # the bf16 weights' all-gather
+    worst = max(range(2), key=lambda s: sum(params[s].values()))
+    assert got["bf16"].terms["data"] == pytest.approx(gradients[worst] + weights[worst])
+    assert got["fp32"].terms["data"] == pytest.approx(2 * gradients[worst] + weights[worst])
+    assert got["fp32"].terms["data"] != pytest.approx(gradients[worst] + weights[worst])  # the control
+    assert got["fp32"].seconds - got["bf16"].seconds == pytest.approx(gradients[worst])
+    for term in speed.TERMS:
+        if term != "data":
+            assert got["fp32"].terms[term] == got["bf16"].terms[term], term
 
 
 def test_search_ranks_by_estimated_speed_and_lets_ep_cross_nodes():

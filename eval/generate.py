@@ -53,9 +53,8 @@ def main(argv=None) -> int:
     from megatron_kappa.parallel.groups import teardown
     from megatron_kappa.tokenizer import Tokenizer
     if args.json:  # checked now, not after every prompt was continued
-        from megatron_kappa.paths import folder_problem
-        problem = folder_problem(os.path.dirname(os.path.abspath(args.json))) or (
-            f"{args.json} is a folder" if os.path.isdir(args.json) else None)
+        from megatron_kappa.paths import output_file_problem
+        problem = output_file_problem(args.json)
         if problem:
             print(f"error: --json: {problem}", file=sys.stderr)
             return 2

@@ -1,5 +1,6 @@
 """Whether a folder can be made where a command line or a config says (one check for run.dir,
-the study's --dir and the export's --output, before any work)."""
+the study's --dir, the export's and consolidation's --output and the evaluations' --json, before
+any work)."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,11 @@ def folder_problem(path) -> str | None:
     except OSError as e:
         return f"{existing} is not writable ({e.strerror or e})"
     return None
+
+
+def output_file_problem(path) -> str | None:
+    """Why a file could not be written at `path` (its folder cannot take files, or `path` is a
+    folder), as the end of a one-line error; None when it can. For output files checked before
+    the work that fills them (the evaluation CLIs' --json)."""
+    return folder_problem(os.path.dirname(os.path.abspath(path))) or (
+        f"{path} is a folder" if os.path.isdir(path) else None)

@@ -46,9 +46,8 @@ def run_on_checkpoint(args, evaluate, prepare=lambda: None, errors=()) -> int:
             init_process_group(pick_device())
         json_path = getattr(args, "json", None)
         if json_path:  # checked now, not after the whole evaluation ran
-            from megatron_kappa.paths import folder_problem
-            problem = folder_problem(os.path.dirname(os.path.abspath(json_path))) or (
-                f"{json_path} is a folder" if os.path.isdir(json_path) else None)
+            from megatron_kappa.paths import output_file_problem
+            problem = output_file_problem(json_path)
             if problem:
                 raise ConfigError(f"--json: {problem}")
         prepared = prepare()

@@ -33,7 +33,8 @@ Modules:
   parallel/           Parallelism: how the model is spread over processes and how its gradients meet
                       again
   paths.py            Whether a folder can be made where a command line or a config says (one check
-                      for run.dir, the study's --dir and the export's --output, before any work)
+                      for run.dir, the study's --dir, the export's and consolidation's --output and
+                      the evaluations' --json, before any work)
   preflight.py        Every check of a run's inputs that can run before process groups and the model
                       exist
   quiet.py            The library messages known to be harmless here, kept out of every command's

@@ -42,12 +42,77 @@ def fresh_moe_metrics_tracker():
 
 # --- shared by several test modules: each made once per session --------------------------------
 
+# The disk a test file leaves behind: pytest removes a passed test's tmp_path when the test ends but
+# a module fixture's tmp_path_factory folder only when the whole session ends, so a session of
+# slow files held 15-18 GB of checkpoints at once and filled CI's disk. A file whose tests all pass
+# has its folders removed when it ends (a failed file keeps them to read); the session fixtures'
+# folders, made through session_dir, stay for the files after it.
+SESSION_DIRS: set[Path] = set()
+FAILED_FILES: set[str] = set()
+TMP_BYTES: dict[str, int] = {}  # a file's folders' bytes at its end: the summary names the largest
+
+
+def session_dir(tmp_path_factory, name: str) -> Path:
+    path = tmp_path_factory.mktemp(name)
+    SESSION_DIRS.add(path)
+    return path
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        FAILED_FILES.add(str(item.path))
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def file_folders_removed(request, tmp_path_factory):
+    import shutil
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    made = [path for path in set(base.iterdir()) - before if path not in SESSION_DIRS]
+    TMP_BYTES[request.path.stem] = sum(tree_bytes(path) for path in made)
+    if str(request.path) not in FAILED_FILES:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its files' sizes go to the controller
+        session.config.workeroutput["tmp_bytes"] = dict(TMP_BYTES)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node, error):
+    TMP_BYTES.update(getattr(node, "workeroutput", {}).get("tmp_bytes", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TMP_BYTES:
+        top = sorted(TMP_BYTES.items(), key=lambda kv: -kv[1])[:5]
+        terminalreporter.write_line("largest temporary folders at a file's end: " +
+                                    ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in top))
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """One Slurm cluster (slurmctld + slurmd on this machine) for every Slurm test of the session;
     skips, saying why, without Slurm or root (tests/slurm_cluster.py)."""
     from slurm_cluster import slurm_cluster
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+    with slurm_cluster(session_dir(tmp_path_factory, "slurm")) as c:
         yield c
 
 
@@ -58,7 +123,7 @@ def sample_shards(tmp_path_factory):
     import json
     import subprocess
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path_factory.mktemp("sample_shards")
+    out = session_dir(tmp_path_factory, "sample_shards")
     done = subprocess.run([sys.executable, "data_prep/fineweb_edu.py", "--input", "data_prep/sample", "--output", out,
                            "--train-tokenizer", "--vocab-size", "2048", "--workers", "1", "--max-docs", "400",
                            "--valid-fraction", "0.05", "--quiet"], cwd=root, capture_output=True, text=True)

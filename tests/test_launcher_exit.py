@@ -76,8 +76,10 @@ def environment(**extra):
 
 
 def ctrl_c(cmd, env):
+    # SIGINT at its default, as in a terminal: a suite started in the background by a
+    # non-interactive shell (`make test &`) inherits it ignored, and the runner would keep it so
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     before = []
     for line in proc.stdout:
         before.append(line)

@@ -318,7 +318,9 @@ def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1
                                 cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
     straight = launch(tmp_path / "straight")
     assert straight.wait(600) == 0
-    proc = launch(tmp_path / "stopped", start_new_session=True)
+    # SIGINT at its default, as in a terminal (a suite started by `make test &` inherits it ignored)
+    proc = launch(tmp_path / "stopped", start_new_session=True,
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
         if f"step 2/{steps}" in line:
             break

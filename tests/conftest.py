@@ -63,7 +63,7 @@ def tree_bytes(path: Path) -> int:
     for root, _, files in os.walk(path):
         for name in files:
             try:
-                total += os.lstat(os.path.join(root, name)).st_size
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512  # on the disk (sparse files)
             except OSError:
                 pass
     return total

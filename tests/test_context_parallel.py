@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.model.cp_attention import context_parallel_attention, rank_chunks, sequence_positions
+from megatron_kappa.model.cp_attention import context_parallel_attention, rank_chunks
 
 S, B, HEADS, D = 24, 2, 4, 8
 
@@ -19,6 +19,13 @@ def full_attention(q, k, v, scale, groups):
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     scores = scores.masked_fill(torch.triu(torch.ones(q.shape[0], q.shape[0], dtype=torch.bool), 1), float("-inf"))
     return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v)
+
+
+def sequence_positions(rank: int, size: int, seq_length: int) -> torch.Tensor:
+    """The positions in the full sequence of CP rank `rank`'s tokens, in its order: megatron's
+    load-balanced layout (chunks r and 2·CP−1−r of 2·CP), written out from its definition."""
+    chunk = seq_length // (2 * size)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(rank, size)])
 
 
 def split_attention(q, k, v, cp, scale, groups, positions=sequence_positions):

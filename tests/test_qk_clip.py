@@ -195,7 +195,8 @@ def test_context_parallel_chunks_give_the_whole_sequences_maxima():
     (GQA), here with the ranks simulated as iterations. Negative control: the chunks' keys
     without their mask see later tokens and give larger maxima."""
     from megatron_kappa.model.attention import head_max_logits
-    from megatron_kappa.model.cp_attention import context_parallel_attention, sequence_positions
+    from megatron_kappa.model.cp_attention import context_parallel_attention
+    from test_context_parallel import sequence_positions
     S, B, HEADS, GROUPS, HD, scale = 24, 2, 4, 2, 8, 8 ** -0.5
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(S, B, n, HD, generator=gen) for n in (HEADS, GROUPS, GROUPS))

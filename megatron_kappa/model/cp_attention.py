@@ -30,12 +30,6 @@ def rank_chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
-def sequence_positions(rank: int, size: int, seq_length: int) -> torch.Tensor:
-    """The positions in the full sequence of rank `rank`'s tokens, in its order (a long tensor)."""
-    chunk = seq_length // (2 * size)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(rank, size)])
-
-
 def _sequence_order(gathered: torch.Tensor, size: int, upto: int) -> torch.Tensor:
     """The first `upto` chunks in sequence order from the gathered [size · 2 chunks, ...] tensor,
     whose block r is rank r's [chunk r; chunk 2·size−1−r]."""

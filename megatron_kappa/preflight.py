@@ -25,7 +25,8 @@ from megatron_kappa.data.bos import documents_start_with_bos
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import largest_token_id, read_index
 from megatron_kappa.parallel import launch_env
-from megatron_kappa.parallel.layout import check_layout, layout_record
+from megatron_kappa.config.world import check_batch, check_world, data_parallel
+from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.paths import folder_problem
 
 # --- layout -------------------------------------------------------------------------------------
@@ -39,12 +40,10 @@ def world_size() -> int:
 def check_parallel(cfg: Config, world: int):
     from megatron_kappa.model.layout import model_layout
 
-    check_layout(cfg.parallel, world, model_layout(cfg).experts)
-    dp = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)  # the CP ranks read the same samples
+    check_world(cfg.parallel, world, model_layout(cfg).experts)
+    dp = data_parallel(cfg.parallel, world)
+    check_batch(cfg.train, dp)
     per_step = cfg.train.micro_batch * dp
-    if cfg.train.global_batch % per_step:
-        raise ConfigError(f"config: train.global_batch: {cfg.train.global_batch} is not a multiple of "
-                          f"micro_batch × data-parallel size = {cfg.train.micro_batch} × {dp}")
     pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
     empty = stage_layout.empty_entries(cfg.parallel.layout) if cfg.parallel.layout else []
     if empty:  # each stage's checkpoint and layer names count from its first decoder layer

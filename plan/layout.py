@@ -8,7 +8,7 @@ from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.config.checks import validate
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.parallel.layout import check_layout
+from megatron_kappa.config.world import check_batch, check_world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +89,8 @@ def check(cfg: Config, layout: Layout):
         if cfg.model.seq_length % (2 * layout.cp):  # megatron's causal load balance: 2·cp chunks
             raise ConfigError(f"plan: model.seq_length {cfg.model.seq_length} is not divisible by 2 × cp")
         validate(split)
-        check_layout(split.parallel, layout.world, shape.experts)  # experts span the CP ranks too (megatron)
-        train = cfg.train
-        if train.global_batch % (train.micro_batch * layout.dp):
-            raise ConfigError(f"plan: train.global_batch {train.global_batch} is not divisible by "
-                              f"train.micro_batch × DP = {train.micro_batch} × {layout.dp}")
+        check_world(split.parallel, layout.world, shape.experts)  # experts span the CP ranks too (megatron)
+        check_batch(cfg.train, layout.dp)
         if layout.vpp > max(model_shape(cfg, layout).stage_counts()):
             raise ConfigError(f"plan: {layout.vpp} virtual stages but no pipeline stage has that many layers")
     except ConfigError as e:

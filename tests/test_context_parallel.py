@@ -167,12 +167,13 @@ def test_config_refusals_are_one_line():
 def test_layout_counts_context_parallel_ranks():
     """The world must hold tp × pp × cp; the checkpoint's layout record names cp (absent at 1, so
     earlier checkpoints still match); the preflight's data-parallel size leaves the CP ranks out."""
-    from megatron_kappa.parallel.layout import check_layout, layout_record
+    from megatron_kappa.config.world import check_world
+    from megatron_kappa.parallel.layout import layout_record
     from megatron_kappa.preflight import check_parallel
     par = cfg_with("parallel.cp=2", "parallel.tp=2").parallel
     with pytest.raises(ConfigError, match=r"^config: parallel.cp: world size 6 is not divisible by tp × pp × cp"):
-        check_layout(par, 6)
-    check_layout(par, 8)
+        check_world(par, 6)
+    check_world(par, 8)
     assert layout_record(par, 4) == {"world": 4, "tp": 2, "ep": 1, "etp": 2, "cp": 2}
     assert "cp" not in layout_record(cfg_with().parallel, 4)
     # global batch 8 over micro-batches of 4: DP 2 (world 8 / (tp 2 × cp 2)) fits, DP 4 would not

@@ -248,7 +248,7 @@ def test_command_line_planned_flags():
     assert done.returncode == 2 and "--config is required (but with --published)" in done.stderr
     done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2")  # 8 sequences: micro-batch 4 × DP4 is 16
     assert done.returncode == 2 and done.stderr.count("\n") == 1
-    assert "train.global_batch 8 is not divisible by train.micro_batch × DP = 4 × 4" in done.stderr
+    assert "train.global_batch: 8 is not a multiple of micro_batch × data-parallel size = 4 × 4" in done.stderr
     done = run("--published")  # DeepSeek-V3's does not, with fp32 gradient sums (test above): exit status 1
     assert done.returncode == 1 and done.stdout.count("GiB, fits;") == 7, done.stdout + done.stderr
     assert done.stdout.count("GiB, does NOT fit;") == 1

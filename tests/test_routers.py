@@ -163,8 +163,8 @@ def test_every_built_in_piece_is_handed_over_by_its_module():
 
 def test_the_registry_and_the_config_import_no_torch():
     code = ("import sys; import plan; from megatron_kappa import routers; from megatron_kappa.config import load_config; "
-            "from megatron_kappa.parallel.layout import check_layout; "
-            "cfg = load_config(None, ['model.moe.router=softmoe']); check_layout(cfg.parallel, 1); "
+            "from megatron_kappa.config.world import check_world; "
+            "cfg = load_config(None, ['model.moe.router=softmoe']); check_world(cfg.parallel, 1); "
             "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")
     done = run_bare(code)
     assert "TORCH False 2" in done.stdout, done.stdout + done.stderr

@@ -29,6 +29,10 @@ Modules:
                    and help text
   stage_layout.py  `parallel.layout`: megatron's pipeline_model_parallel_layout string, unrolled and
                    checked
+  world.py         Whether a parallel layout fits a world of ranks, and the batch it then splits:
+                   the one place the trainer's preflight, its process groups, `python -m
+                   megatron_kappa.config --world N` and the planner's search check a world size and
+                   a global batch
 """
 from megatron_kappa.config.checks import validate
 from megatron_kappa.config.loading import load_config, load_config_for_cli, parse_overrides, read_yaml

@@ -12,6 +12,7 @@ import math
 
 from megatron_kappa.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
 from megatron_kappa.config.stage_layout import decoder_counts
+from megatron_kappa.config.world import check_batch, check_world, data_parallel
 
 
 def moe_layer_pattern(m: ModelConfig) -> list[int]:
@@ -57,14 +58,12 @@ def derived(cfg: Config, world: int | None = None) -> dict:
     layout or the batch does not divide is a one-line ConfigError, as the preflight says it."""
     par, t, m = cfg.parallel, cfg.train, cfg.model
     world = world or smallest_world(par)
-    for key, group, words in (("parallel.tp", par.tp * par.cp * par.pp, "tp × cp × pp"),
-                              ("parallel.ep", par.ep * par.expert_tp * par.pp, "ep × etp × pp")):
-        if world % group:
-            raise ConfigError(f"config: {key}: world size {world} is not divisible by {words} = {group}")
-    dp = world // (par.tp * par.cp * par.pp)  # the CP ranks of a sequence read the same samples
-    if t.global_batch % (t.micro_batch * dp):
-        raise ConfigError(f"config: train.global_batch: {t.global_batch} is not a multiple of micro_batch × "
-                          f"data-parallel size = {t.micro_batch} × {dp} (world {world})")
+    dp = data_parallel(par, world)
+    try:
+        check_world(par, world)
+        check_batch(t, dp)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (world {world})") from None
     pattern = moe_layer_pattern(m)
     tokens_per_step = t.global_batch * m.seq_length
     return {

@@ -15,9 +15,8 @@ Modules:
                      state
   launch_env.py      Rank, world size and rendezvous address of this process, from whichever
                      launcher started it
-  layout.py          A parallel layout (TP, EP, ETP, PP, CP over a world of ranks): whether it can
-                     be built, and the record of it that checkpoints keep (a resume must use the
-                     same one)
+  layout.py          A parallel layout (TP, EP, ETP, PP, CP over a world of ranks): the record of it
+                     that checkpoints keep (a resume must use the same one)
   network.py         The network interface gloo and NCCL use when a job spans several hosts
   roll_call.py       The roll call: who is still alive, asked through the rendezvous store
   sharding.py        Move weights between one full (single-process) state dict and any TP/EP/ETP/PP

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_kappa.config import ConfigError, ParallelConfig
 from megatron_kappa.parallel import compat, launch_env, network, roll_call
 from megatron_kappa.parallel.launch_env import DEVICE_ENV
-from megatron_kappa.parallel.layout import check_layout
+from megatron_kappa.config.world import check_world
 
 _device: torch.device | None = None
 _control: tuple | None = None  # (the default group it was made for, control group, barrier group, hosts)
@@ -89,7 +89,7 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
     compat.apply(_device)
     init_process_group(_device, timeout_s)
     control_group()  # now, while every rank is here: it must exist before anything can fail
-    check_layout(par, dist.get_world_size(), num_experts)
+    check_world(par, dist.get_world_size(), num_experts)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size(),

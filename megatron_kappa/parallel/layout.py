@@ -1,28 +1,11 @@
-"""A parallel layout (TP, EP, ETP, PP, CP over a world of ranks): whether it can be built, and the record
-of it that checkpoints keep (a resume must use the same one).
+"""A parallel layout (TP, EP, ETP, PP, CP over a world of ranks): the record of it that checkpoints
+keep (a resume must use the same one). Whether it can be built: megatron_kappa.config.world.
 
 Torch-free: the preflight checks a layout before any process group or heavy import exists.
 """
 from __future__ import annotations
 
-from megatron_kappa.config import ConfigError, ParallelConfig
-
-
-def check_layout(par: ParallelConfig, world: int, num_experts: int | None = None):
-    """One-line errors for a layout that cannot be built on `world` ranks."""
-    etp, pp = par.expert_tp, par.pp
-    if world % (par.tp * pp):
-        raise ConfigError(f"config: parallel.tp: world size {world} is not divisible by tp × pp = "
-                          f"{par.tp} × {pp}")
-    if world % (par.tp * pp * par.cp):
-        raise ConfigError(f"config: parallel.cp: world size {world} is not divisible by tp × pp × cp = "
-                          f"{par.tp} × {pp} × {par.cp}")
-    if world % (etp * par.ep * pp):
-        raise ConfigError(f"config: parallel.ep: world size {world} is not divisible by "
-                          f"ep × etp × pp = {par.ep} × {etp} × {pp} (start {par.ep * etp * pp} or a multiple of "
-                          f"processes, or lower parallel.ep)")
-    if num_experts is not None and num_experts % par.ep:
-        raise ConfigError(f"config: parallel.ep: {num_experts} experts are not divisible by ep={par.ep}")
+from megatron_kappa.config import ParallelConfig
 
 
 def layout_record(par: ParallelConfig, world: int) -> dict:

@@ -101,8 +101,8 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if TMP_BYTES:
-        top = sorted(TMP_BYTES.items(), key=lambda kv: -kv[1])[:5]
+    top = sorted(((name, size) for name, size in TMP_BYTES.items() if size >= 2 ** 26), key=lambda kv: -kv[1])[:5]
+    if top:  # files of 64 MiB or more
         terminalreporter.write_line("largest temporary folders at a file's end: " +
                                     ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in top))
 

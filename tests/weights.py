@@ -12,10 +12,14 @@ from megatron_kappa.config import load_config
 
 def save_init_weights(path: Path, overrides=(), config: str = "configs/tiny.yaml", seed: int = 3,
                       device: str = "cpu") -> Path:
-    """The full state dict of `config` + `overrides` built after `torch.manual_seed(seed)`, without
-    megatron's `_extra_state` entries. Needs megatron's parallel state of one process (world1)."""
+    """The full state dict of `config` + `overrides` built after seeding torch and megatron's RNG
+    tracker with `seed`, without megatron's `_extra_state` entries. Needs megatron's parallel state
+    of one process (world1). The tracker too: the experts draw their weights from its
+    expert-parallel state, which any earlier build in the process moved on, so after torch's seed
+    alone the same call drew other expert weights after other tests in the same pytest worker."""
     from megatron_kappa.model.build import build_model
-    torch.manual_seed(seed)
+    from megatron_kappa.parallel.groups import set_seed
+    set_seed(seed)
     model = build_model(load_config(config, list(overrides)), device)
     torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, path)
     return path

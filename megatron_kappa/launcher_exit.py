@@ -31,8 +31,10 @@ import sys
 
 DEEPSPEED_RUNNER = ("deepspeed.launcher.runner", "deepspeed", "ds")
 TORCHRUN = ("torch.distributed.run", "torch.distributed.launch", "torchrun")
-# torch's one-line log of the first failure, which the summary line below replaces
-_TORCHRUN_FAILED_LOG = ("torch.distributed.elastic.multiprocessing.api", "failed (exitcode: ")
+# torch's logger and its lines that the summary line below replaces: the first failure, and the
+# SIGTERM it sends each rank still running then (or on Ctrl-C), one warning per rank
+_TORCHRUN_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_TORCHRUN_REPLACED = ("failed (exitcode: ", "Sending process %s closing signal %s")
 
 _PYTHON_OPTIONS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
 
@@ -95,9 +97,9 @@ def torchrun_hook(kind, value, tb, default=sys.__excepthook__):
     return default(kind, value, tb)
 
 
-class _DropFirstFailureLog(logging.Filter):
+class _DropReplacedLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return _TORCHRUN_FAILED_LOG[1] not in str(record.msg)
+        return not any(line in str(record.msg) for line in _TORCHRUN_REPLACED)
 
 
 def install(argv: list[str] | None = None) -> str | None:
@@ -111,6 +113,6 @@ def install(argv: list[str] | None = None) -> str | None:
         return "deepspeed"
     if name in TORCHRUN:
         sys.excepthook = torchrun_hook
-        logging.getLogger(_TORCHRUN_FAILED_LOG[0]).addFilter(_DropFirstFailureLog())
+        logging.getLogger(_TORCHRUN_LOGGER).addFilter(_DropReplacedLines())
         return "torchrun"
     return None

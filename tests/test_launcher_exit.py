@@ -62,6 +62,24 @@ def test_the_torch_symbols_the_hook_reads_exist():
     assert ChildFailedError("x", {3: failure}).get_first_failure() == (3, failure)
 
 
+def test_the_torchrun_lines_replaced_are_torchs_and_only_they_are_dropped():
+    """The log lines the torchrun hook drops (its summary line says them) are still torch's own:
+    the first failure, and the SIGTERM sent to each rank still running then (a rank slower to fail
+    under load printed it in CI). Any other line of that logger passes."""
+    import inspect
+    import logging
+
+    from torch.distributed.elastic.multiprocessing import api
+    source = inspect.getsource(api)
+    assert all(line in source for line in launcher_exit._TORCHRUN_REPLACED)
+    assert api.logger.name == launcher_exit._TORCHRUN_LOGGER
+    keep = launcher_exit._DropReplacedLines().filter
+    record = lambda msg: logging.LogRecord(api.logger.name, logging.WARNING, "api.py", 1, msg, (), None)
+    assert not keep(record("Sending process %s closing signal %s"))
+    assert not keep(record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"))
+    assert keep(record("Starting elastic_operator with launch configs:"))  # control
+
+
 def launchers():
     from megatron_kappa.parallel.launch_env import free_port
     return {"deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",

@@ -210,13 +210,14 @@ def main(plan_path, out_path):
                 counts["after_step"] = census(model, earlier)  # the moments made, the gradients freed
             return out
         loop.train_step = step_and_count
-        loop.run(load_config("configs/tiny.yaml", case["overrides"]), log=lambda *a, **k: None)
+        cfg = load_config("configs/tiny.yaml", case["overrides"])
+        loop.run(cfg, log=lambda *a, **k: None)
         del kept_alive
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, counts)
         results[case["name"]] = every
         if dist.get_rank() == 0:  # its checkpoint is not read: the cases' checkpoints held 2-3 GB of disk at once
-            shutil.rmtree(load_config("configs/tiny.yaml", case["overrides"]).run.dir, ignore_errors=True)
+            shutil.rmtree(cfg.run.dir, ignore_errors=True)
     loop.train_step = original
     if dist.get_rank() == 0:
         json.dump(results, open(out_path, "w"))

@@ -26,9 +26,11 @@ rules, top-k or not, capacity, pipeline stages, the planner, the export) are dat
 functions, written here. Its pieces (the router and MoE-layer classes, the after-step hook, the
 metrics) need torch and megatron-core. A built-in router's pieces live in one module per router,
 megatron_kappa/model/routers/<name>.py, which imports this module and hands them over when it is
-imported (`implement`); the entry here holds a placeholder for each (`Given`) that calls what was
-handed over. Every arrow points down: this module imports nothing of the package and names no
-module of a later stage, in an import or in a string. Why this design:
+imported (`implement`); the entry here holds a placeholder for each (`ROUTERS.piece`, a `Given`)
+that calls what was handed over. The mechanism (register, placeholders, the handed-over table) is
+megatron_kappa.registry's, which every kind's registry uses. Every arrow points down: this module
+imports nothing of the package but that registry and names no module of a later stage, in an
+import or in a string. Why this design:
 - The facts stay here because the config, the preflight and the planner read them for every
   router, built-in or not, without importing torch (tests/test_routers.py checks it).
 - The pieces sit in model/ (the model's stage), one module per router, because build_model, the
@@ -51,47 +53,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megatron_kappa.registry import Registry
+
 DEFAULT = "softmax"  # the paper's; the config's default
-_HANDED: dict[tuple[str, str], Callable] = {}  # (router, piece) → what its module handed over
-
-
-class Given:
-    """A built-in router's piece that its module (megatron_kappa/model/routers/<router>.py) hands
-    over when imported (`implement`); calling it calls that."""
-
-    def __init__(self, router: str, piece: str):
-        self.router, self.piece = router, piece
-
-    def __call__(self, *args, **kwargs):
-        handed = _HANDED.get((self.router, self.piece))
-        if handed is None:
-            raise RuntimeError(f"model.moe.router: {self.router}: its {self.piece} comes from "
-                               f"model/routers/{self.router}.py, which is not imported yet (build_model imports it)")
-        return handed(*args, **kwargs)
-
-    def __eq__(self, other):
-        return isinstance(other, Given) and (self.router, self.piece) == (other.router, other.piece)
-
-    def __hash__(self):
-        return hash((self.router, self.piece))
-
-    def __repr__(self):
-        return f"Given({self.router!r}, {self.piece!r})"
-
-
-def implement(name: str, **pieces: Callable):
-    """Hand over the pieces of the built-in router `name` that its entry leaves to its module
-    (called once, by that module, when it is imported)."""
-    router = lookup(name)
-    for piece, handed in pieces.items():
-        if getattr(router, piece, None) != Given(name, piece) or not callable(handed):
-            raise ValueError(f"model.moe.router: {name}: {piece} is not a piece its entry leaves to its module")
-        _HANDED[(name, piece)] = handed
-
-
-def given(router: "Router") -> dict[str, Optional[Callable]]:
-    """{piece: what was handed over for it, None while not} of `router`'s placeholders (tests)."""
-    return {f: _HANDED.get((v.router, v.piece)) for f, v in vars(router).items() if isinstance(v, Given)}
 
 
 def _topk(moe) -> float:
@@ -135,42 +99,11 @@ class Router:
         return self.metrics(model, device) if self.metrics is not None else {}
 
 
-ROUTERS: dict[str, Router] = {}
-
-
-def register(name: str, router: Router) -> Router:
-    """Add a router kind (at import or at run time: a config validated after this accepts
-    `model.moe.router: <name>`). A name is registered once."""
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"model.moe.router: a router's name must be an identifier, got {name!r}")
-    if not isinstance(router, Router) or not (callable(router.megatron) and callable(router.router)
-                                              and callable(router.layer)):
-        raise TypeError(f"model.moe.router: {name}: expected a Router with callable megatron, router and "
-                        f"layer, got {router!r}")
-    if name in ROUTERS and ROUTERS[name] != router:
-        raise ValueError(f"model.moe.router: {name} is already registered")
-    ROUTERS[name] = router
-    return router
-
-
-def unregister(name: str):
-    """Remove a router registered at run time (tests)."""
-    if name == DEFAULT:
-        raise ValueError(f"model.moe.router: {name} is the default and stays registered")
-    ROUTERS.pop(name, None)
-
-
-def lookup(name: str) -> Router:
-    """The registered router `name` (ValueError naming model.moe.router otherwise)."""
-    try:
-        return ROUTERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"model.moe.router: expected one of {list(ROUTERS)}, got {name!r}") from None
-
-
-def names(where: Callable[[Router], bool] = lambda r: True) -> list[str]:
-    """The registered names, in registration order, of the routers `where` holds for."""
-    return [name for name, r in ROUTERS.items() if where(r)]
+ROUTERS: Registry[Router] = Registry("model.moe.router", Router, noun="router", needs=("megatron", "router", "layer"),
+                                    default=DEFAULT, pieces_in="model/routers")
+# the registry's verbs, under the names the modules of model/routers/ and a run-time router call
+register, unregister, lookup, names = ROUTERS.register, ROUTERS.unregister, ROUTERS.lookup, ROUTERS.names
+implement, given = ROUTERS.implement, ROUTERS.handed
 
 
 def router_help() -> str:
@@ -228,15 +161,16 @@ def _softmoe_rules(moe, need):
 
 
 register("softmax", Router(help="softmax top-k with aux loss (paper)", megatron=_softmax_megatron,
-                           router=Given("softmax", "router"), layer=Given("softmax", "layer"),
+                           router=ROUTERS.piece("softmax", "router"), layer=ROUTERS.piece("softmax", "layer"),
                            hf_score="softmax"))
 register("sigmoid", Router(help="sigmoid with an aux-loss-free bias (Trinity)", megatron=_sigmoid_megatron,
-                           router=Given("sigmoid", "router"), layer=Given("sigmoid", "layer"),
-                           after_step=Given("sigmoid", "after_step"), seq_aux_loss=True, hf_score="sigmoid"))
+                           router=ROUTERS.piece("sigmoid", "router"), layer=ROUTERS.piece("sigmoid", "layer"),
+                           after_step=ROUTERS.piece("sigmoid", "after_step"), seq_aux_loss=True, hf_score="sigmoid"))
 register("softmoe", Router(
     help="softmoe: truncated LapSum soft top-k with learned per-layer budgets (model.moe.softmoe)",
-    megatron=_softmoe_megatron, router=Given("softmoe", "router"), layer=Given("softmoe", "layer"),
-    metrics=Given("softmoe", "metrics"), active_experts=_softmoe_budget, validate=_softmoe_rules, topk=False, capacity=False,
+    megatron=_softmoe_megatron, router=ROUTERS.piece("softmoe", "router"), layer=ROUTERS.piece("softmoe", "layer"),
+    metrics=ROUTERS.piece("softmoe", "metrics"), active_experts=_softmoe_budget, validate=_softmoe_rules, topk=False,
+    capacity=False,
     pipeline_refusal="shares one expert budget over all MoE layers, which pipeline stages split",
     planned=False, export_refusal="the export does not implement the SoftMoE router (its variable experts per "
                                   "token and learned budgets); export a top-k router's run"))

@@ -156,7 +156,7 @@ def test_every_built_in_piece_is_handed_over_by_its_module():
                                                       "megatron_kappa.model.routers.softmax"), (name, piece, fn)
     with pytest.raises(RuntimeError, match=r"^model\.moe\.router: softmax: its after_step comes from "
                                            r"model/routers/softmax\.py, which is not imported yet"):
-        routers.Given("softmax", "after_step")(None, None)
+        routers.ROUTERS.piece("softmax", "after_step")(None, None)
     with pytest.raises(ValueError, match="softmax: after_step is not a piece its entry leaves to its module"):
         routers.implement("softmax", after_step=print)
 

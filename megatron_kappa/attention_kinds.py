@@ -44,9 +44,10 @@ Facts and pieces, as in megatron_kappa.routers: the facts (rules, counts, names)
 functions written here, read by the config, the preflight and the planner without torch. The
 pieces need megatron-core: a built-in kind's live in megatron_kappa/model/attention_kinds/<name>.py,
 which hands them over when imported (`implement`; build_model imports the package first); the
-entry holds a `Given` placeholder for each, so a copy made with dataclasses.replace still reaches
-them. gqa has no pieces (megatron's stock SelfAttention and TransformerConfig). This module
-imports nothing of the package. A kind registered at run time gives its pieces itself: one
+entry holds a placeholder for each (`KINDS.piece`: megatron_kappa.registry's mechanism, the one
+every kind's registry uses), so a copy made with dataclasses.replace still reaches them. gqa has
+no pieces (megatron's stock SelfAttention and TransformerConfig). This module imports nothing of
+the package but that registry. A kind registered at run time gives its pieces itself: one
 `register(name, Kind(...))`; what it leaves out is refused where it is needed (the planner, the
 export), in one line naming model.attention_kind.
 
@@ -60,42 +61,10 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any, Callable, Optional
 
+from megatron_kappa.registry import Registry
+
 DEFAULT = "gqa"
 KEY = "model.attention_kind"
-_HANDED: dict[tuple[str, str], Callable] = {}  # (kind, piece) → what its module handed over
-
-
-class Given:
-    """A built-in kind's piece that its module (megatron_kappa/model/attention_kinds/<kind>.py)
-    hands over when imported (`implement`); calling it calls that."""
-
-    def __init__(self, kind: str, piece: str):
-        self.kind, self.piece = kind, piece
-
-    def __call__(self, *args, **kwargs):
-        handed = _HANDED.get((self.kind, self.piece))
-        if handed is None:
-            raise RuntimeError(f"{KEY}: {self.kind}: its {self.piece} comes from model/attention_kinds/{self.kind}.py, "
-                               "which is not imported yet (build_model imports it)")
-        return handed(*args, **kwargs)
-
-    def __eq__(self, other):
-        return isinstance(other, Given) and (self.kind, self.piece) == (other.kind, other.piece)
-
-    def __hash__(self):
-        return hash((self.kind, self.piece))
-
-    def __repr__(self):
-        return f"Given({self.kind!r}, {self.piece!r})"
-
-
-def implement(name: str, **pieces: Callable):
-    """Hand over the pieces of the built-in kind `name` that its entry leaves to its module."""
-    kind = lookup(name)
-    for piece, handed in pieces.items():
-        if getattr(kind, piece, None) != Given(name, piece) or not callable(handed):
-            raise ValueError(f"{KEY}: {name}: {piece} is not a piece its entry leaves to its module")
-        _HANDED[(name, piece)] = handed
 
 
 QKV_LINEARS = {"linear_qkv": "column", "linear_proj": "row"}
@@ -149,37 +118,11 @@ class Kind:
         return self.hf_names is not None
 
 
-KINDS: dict[str, Kind] = {}
-
-
-def register(name: str, kind: Kind) -> Kind:
-    """Add an attention kind (a config validated after this accepts `model.attention_kind: <name>`)."""
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"{KEY}: a kind's name must be an identifier, got {name!r}")
-    if not isinstance(kind, Kind) or not callable(kind.megatron):
-        raise TypeError(f"{KEY}: {name}: expected a Kind with a callable megatron, got {kind!r}")
-    if name in KINDS and KINDS[name] != kind:
-        raise ValueError(f"{KEY}: {name} is already registered")
-    KINDS[name] = kind
-    return kind
-
-
-def unregister(name: str):
-    """Remove a kind registered at run time (tests)."""
-    if name == DEFAULT:
-        raise ValueError(f"{KEY}: {name} is the default and stays registered")
-    KINDS.pop(name, None)
-
-
-def lookup(name: str) -> Kind:
-    try:
-        return KINDS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"{KEY}: expected one of {names()}, got {name!r}") from None
-
-
-def names() -> list[str]:
-    return list(KINDS)
+KINDS: Registry[Kind] = Registry(KEY, Kind, noun="kind", needs=("megatron",), default=DEFAULT,
+                                 pieces_in="model/attention_kinds")
+# the registry's verbs, under the names model/attention_kinds/<kind>.py and a run-time kind call
+register, unregister, lookup, names, implement = KINDS.register, KINDS.unregister, KINDS.lookup, KINDS.names, \
+    KINDS.implement
 
 
 def _switched(model, kind: Kind) -> bool:
@@ -427,7 +370,7 @@ register("mla", Kind(
     help="mla: multi-head latent attention (model.mla; model.mla.enabled turns it on)",
     megatron=_mla_megatron, local_spec={"multi_latent_attention": True},
     fp8_linears=dict(linear_q_proj="column", linear_q_up_proj="column", linear_kv_up_proj="column", linear_proj="row"),
-    transformer_config=Given("mla", "transformer_config"), attention=Given("mla", "attention"),
+    transformer_config=KINDS.piece("mla", "transformer_config"), attention=KINDS.piece("mla", "attention"),
     switch="mla.enabled", section="mla", validate=_mla_rules, fp8_widths=_mla_fp8_widths,
     recompute={"mla_up_proj": ("MLA's up-projections", ("mla_up",))},
     matrices=_mla_matrices, norm_gains=_mla_norm_gains, flops=_mla_flops, kv_elements=_mla_kv,

@@ -141,7 +141,7 @@ def test_the_registry_and_the_config_import_no_torch():
 
 
 def test_a_piece_called_before_its_module_is_imported_says_so():
-    early = attention_kinds.Given("nowhere", "attention")
+    early = attention_kinds.KINDS.piece("nowhere", "attention")
     with pytest.raises(RuntimeError, match="model.attention_kind: nowhere: its attention comes from "
                                            "model/attention_kinds/nowhere.py, which is not imported yet"):
         early(None, None, None)

@@ -217,14 +217,11 @@ def test_a_wrong_name_map_is_seen(world1, folders, monkeypatch):
     from megatron_kappa.export import targets
     from megatron_kappa.export.targets.mixtral import Mixtral
     want = hf_logits(folders["mixtral"], "mixtral")
-    swapped = Mixtral()
-    swapped.renames = tuple((a, {"w1.": "w3.", "w3.": "w1."}.get(b, b)) for a, b in Mixtral.renames)
-    monkeypatch.setitem(targets.TARGETS, "mixtral", swapped)
+    mixtral = targets.lookup("mixtral")  # the registered target, its name map swapped for this test
+    monkeypatch.setattr(mixtral, "renames", tuple((a, {"w1.": "w3.", "w3.": "w1."}.get(b, b)) for a, b in Mixtral.renames))
     model, _ = imported_model(folders["mixtral"])
     assert (our_logits(model) - want).abs().max() > 1e-2
-    renamed = Mixtral()
-    renamed.renames = Mixtral.renames[:-1] + (("up_proj.", "w9."),)
-    monkeypatch.setitem(targets.TARGETS, "mixtral", renamed)
+    monkeypatch.setattr(mixtral, "renames", Mixtral.renames[:-1] + (("up_proj.", "w9."),))
     with pytest.raises(ConfigError, match=r"^config: train.init_weights: .*: layer 0: .*w9.weight missing"):
         imported_model(folders["mixtral"])
 

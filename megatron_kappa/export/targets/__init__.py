@@ -1,6 +1,7 @@
 """The export targets (`--target`), each one state-dict adapter (megatron_kappa.export.adapter) in
-one registry (`TARGETS`; `register` adds one). `auto` tries transformers' own classes in
-registration order and falls back to the project's code.
+one registry (`TARGETS`, a megatron_kappa.registry.Registry as every kind's; `TARGETS.register(name,
+adapter)` adds one). `auto` tries transformers' own classes in registration order and falls back
+to the project's code.
 
 Modules:
   deepseek_v3.py  transformers' DeepseekV3ForCausalLM as an export target: MLA with its latent
@@ -25,23 +26,16 @@ from megatron_kappa.export.targets.deepseek_v3 import DeepseekV3
 from megatron_kappa.export.targets.kappa_moe import KappaMoe
 from megatron_kappa.export.targets.mixtral import Mixtral
 from megatron_kappa.export.targets.qwen3_moe import Qwen3Moe
+from megatron_kappa.registry import Registry
 
-TARGETS: dict[str, StateDictAdapter] = {}
-
-
-def register(adapter: StateDictAdapter) -> StateDictAdapter:
-    """Add an export target (`--target <adapter.name>`). A name is registered once."""
-    if adapter.name in TARGETS and TARGETS[adapter.name] is not adapter:
-        raise ValueError(f"--target: {adapter.name} is already registered")
-    TARGETS[adapter.name] = adapter
-    return adapter
+TARGETS: Registry[StateDictAdapter] = Registry("--target", StateDictAdapter, noun="target", error=ConfigError)
 
 
 def lookup(name: str) -> StateDictAdapter:
-    try:
-        return TARGETS[name]
-    except KeyError:
-        raise ConfigError(f"--target: expected one of {['auto', *TARGETS]}, got {name!r}") from None
+    """The target `name` (the error lists `auto` too, --target's other value)."""
+    if name not in TARGETS:
+        raise ConfigError(f"--target: expected one of {['auto', *TARGETS]}, got {name!r}")
+    return TARGETS[name]
 
 
 def auto_order() -> list[StateDictAdapter]:
@@ -50,4 +44,4 @@ def auto_order() -> list[StateDictAdapter]:
 
 
 for _adapter in (KappaMoe(), Qwen3Moe(), Mixtral(), DeepseekV3()):
-    register(_adapter)
+    TARGETS.register(_adapter.name, _adapter)

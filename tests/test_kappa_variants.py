@@ -30,10 +30,12 @@ HALVED = kappa_inputs.Variant(halve, U=2.5, logit_scale=1.0, tanh_gain=1.0, rout
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """The registry, as a copy for one test: what the test registers is gone after it."""
-    monkeypatch.setattr(kappa_inputs, "VARIANTS", dict(kappa_inputs.VARIANTS))
-    return kappa_inputs
+def registry():
+    """The registry for one test: what the test registers is gone after it."""
+    before = list(kappa_inputs.VARIANTS)
+    yield kappa_inputs
+    for name in [n for n in kappa_inputs.VARIANTS if n not in before]:
+        kappa_inputs.VARIANTS.unregister(name)
 
 
 def test_built_in_variants():

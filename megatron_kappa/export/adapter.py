@@ -16,6 +16,7 @@ vocabulary padding (128 × TP) is cut off: the exported vocabulary is the tokeni
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -200,6 +201,10 @@ class StateDictAdapter:
     router_note: str = ""  # how its router scores, for the refusal of another
     # (hub fragment, this class's fragment) in the order they apply to a name; undone in reverse
     renames: tuple[tuple[str, str], ...] = ()
+
+    def code(self, name: str) -> str:
+        """The text of `code_files`' file `name` as exported (the package's file)."""
+        return Path(__file__).with_name(name).read_text(encoding="utf-8")
 
     # --- what it holds ---------------------------------------------------------------------------
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:

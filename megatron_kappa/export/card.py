@@ -18,7 +18,7 @@ import yaml
 from megatron_kappa.attention_kinds import name_of as attention_kind
 from megatron_kappa.config import ConfigError
 from megatron_kappa.export.adapter import ffn_sizes
-from megatron_kappa.export.targets.kappa_moe import kappa_input_kind
+from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import moe_layer_pattern
 
 NO_TOKENIZER = "\nNo tokenizer was exported (the run named none): encode with the one it was trained with.\n"
@@ -75,9 +75,8 @@ def evaluations(run_dir: Path, step: int, cfg) -> list[tuple[str, str, str]]:
 
 
 def kappa_section(kappa) -> str:
-    seen = {"logit": "s is the router logit of the token for that expert (the logit, not the probability)",
-            "normalized": "s is 6 · (router logit) / n_e, with n_e a detached per-expert norm of the router weight "
-                          "(the authors' latest code)"}[kappa_input_kind(kappa.input)]
+    seen = kappa_inputs.lookup(kappa.input).card or \
+        f"s is what the {kappa.input} input variant makes of the router logit"  # what s is: the variant's words
     learned = [n for n, on in (("α", kappa.use_alpha), ("b", kappa.use_bias)) if on]
     return f"""## κ-SwiGLU
 

@@ -148,7 +148,7 @@ def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dty
                                         ("pad_token_id", special["pad"])) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         for name in convert.code_files(target):  # the modeling code of a class transformers lacks
-            shutil.copyfile(Path(__file__).with_name(name), tmp / name)
+            (tmp / name).write_text(targets.lookup(target).code(name), encoding="utf-8")
         if tok_file:
             from megatron_kappa.export.tokenizer import hf_tokenizer
             cfg.data.tokenizer = tok_file

@@ -18,8 +18,10 @@ rates (0.3 → 0.15: --kappa-bias-lr-scale 1.0 / final 0.5 × the embedding rate
 Everything that depends on the variant reads it from here: the router (`kappa_input`), the
 analysis metrics (`Variant.transform`), the config (the allowed values, checked when a config is
 validated, and the help texts of docs/config.md), the settings (`resolve`: U, its ramp, the
-gradient scale, logit_scale / tanh_gain, κ's learning rates and λ_α) and `KappaSettings`'
-defaults (the `logit` entry).
+gradient scale, logit_scale / tanh_gain, κ's learning rates and λ_α), `KappaSettings`'
+defaults (the `logit` entry) and the export (`hf_input`, `hf_code`, `hf_doc`, `card`: the exported
+modeling file's code for it and the model card's words). The registry is megatron_kappa.registry's,
+the one every kind uses.
 
 The transform runs in torch on the router's [tokens, experts] logits, before dispatch, so every
 backend of the op (and every dispatcher) gets it unchanged. torch is imported only where a
@@ -30,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
+
+from megatron_kappa.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -81,47 +85,56 @@ class Variant:
     # the config keys must stay at their defaults (config/checks.py refuses others)
     config_scales: bool = False
     help: str = ""  # one line for docs/config.md: "where it is from: what κ sees"
+    # The export (megatron_kappa.export: modeling_kappa_moe.py, written from these, and the model
+    # card). hf_input: the modeling file's name for what κ sees, its config's kappa["input"]; None:
+    # no exported model computes this variant and the export refuses it. hf_code: the modeling
+    # file's torch code for it, the body of its kappa_logit(logits [T, E], router_weight [E, H])
+    # that returns what κ sees (None: the raw logit, which the file's scales then multiply);
+    # hf_doc: that function's docstring words for it. card: the model card's "where s is ...".
+    # dataclasses.replace copies them: a variant that transforms otherwise sets hf_input to None
+    hf_input: Optional[str] = None
+    hf_code: Optional[str] = None
+    hf_doc: str = ""
+    card: str = ""
 
 
 DEFAULT = "logit"  # the paper's text; KappaSettings' and the config's defaults are this entry's
 
-VARIANTS: dict[str, Variant] = {}
 
-
-def register(name: str, variant: Variant) -> Variant:
-    """Add a `model.kappa.input` variant (at import or at run time: a config validated after this
-    accepts `model.kappa.input: <name>`). A name is registered once."""
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"model.kappa.input: a variant's name must be an identifier, got {name!r}")
-    if not isinstance(variant, Variant) or not callable(variant.transform):
-        raise TypeError(f"model.kappa.input: {name}: expected a Variant with a callable transform, got {variant!r}")
-    if name in VARIANTS and VARIANTS[name] != variant:
-        raise ValueError(f"model.kappa.input: {name} is already registered")
-    default = VARIANTS.get(DEFAULT)
+def _same_default_scales(name: str, variant: Variant, variants: Registry):
+    """A variant with config_scales takes logit_scale / tanh_gain from the config: its own must be
+    the config's defaults (the default variant's)."""
+    default = variants.get(DEFAULT)
     if variant.config_scales and default is not None and \
             (variant.logit_scale, variant.tanh_gain) != (default.logit_scale, default.tanh_gain):
         raise ValueError(f"model.kappa.input: {name}: with config_scales, logit_scale and tanh_gain are the "
                          f"config's, whose defaults are {default.logit_scale} and {default.tanh_gain}")
-    VARIANTS[name] = variant
-    return variant
 
+
+VARIANTS: Registry[Variant] = Registry("model.kappa.input", Variant, noun="variant", needs=("transform",),
+                                       default=DEFAULT, check=_same_default_scales)
+register, lookup = VARIANTS.register, VARIANTS.lookup  # the registry's verbs (a run-time variant calls register)
+
+RAW_CARD = "s is the router logit of the token for that expert (the logit, not the probability)"
+# the authors' normaliser as modeling_kappa_moe.py computes it (fp32; normalized_logit above is its twin)
+NORMALIZED_CODE = """m = torch.sqrt(router_weight.float().norm(dim=-1).square() + 1e-4)
+normaliser = math.sqrt(router_weight.shape[-1]) * m.sqrt() * m.sqrt().mean()
+return 6.0 * logits / normaliser
+"""
 
 register("logit", Variant(identity, U=3.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=1.0,
-                          u_warmup=0.0, config_scales=True, help="the paper: s"))
+                          u_warmup=0.0, config_scales=True, help="the paper: s", hf_input="logit", card=RAW_CARD))
 register("scaled", Variant(identity, U=3.0, logit_scale=0.15, tanh_gain=2.0, router_grad_scale=0.1,
-                           u_warmup=0.15, help="the authors' code at the paper's date: 0.15·s, tanh gain 2"))
+                           u_warmup=0.15, help="the authors' code at the paper's date: 0.15·s, tanh gain 2",
+                           hf_input="logit", card=RAW_CARD))
 register("normalized", Variant(normalized_logit, U=4.0, logit_scale=1.0, tanh_gain=1.0, router_grad_scale=0.1,
                                u_warmup=0.15, lr=0.3, lr_end=0.15, l2_alpha=1e-2,
                                help="the authors' latest code: 6·s / a detached per-expert norm of the router "
-                                    "weight"))
-
-
-def lookup(name: str) -> Variant:
-    """The registered variant `name` (ValueError naming model.kappa.input otherwise)."""
-    try:
-        return VARIANTS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"model.kappa.input: expected one of {list(VARIANTS)}, got {name!r}") from None
+                                    "weight",
+                               hf_input="normalized", hf_code=NORMALIZED_CODE,
+                               hf_doc="6·s / n_e with n_e = √H · m_e^½ · mean_e'(m_e'^½), m_e = √(‖r_e‖² + 1e-4)",
+                               card="s is 6 · (router logit) / n_e, with n_e a detached per-expert norm of the "
+                                    "router weight (the authors' latest code)"))
 
 
 def resolve(k) -> Variant:

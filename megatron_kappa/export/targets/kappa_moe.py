@@ -3,6 +3,9 @@
 or sigmoid routers, shared experts, any layout, the nanochat block, MLA)."""
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ConfigError, ModelConfig
 from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, layout_settings,
@@ -16,6 +19,9 @@ CODE = "modeling_kappa_moe.py"
 class KappaMoe(StateDictAdapter):
     name, architecture, model_type = "kappa_moe", "KappaMoeForCausalLM", "kappa_moe"
     native, code_files = False, (CODE,)
+
+    def code(self, name: str) -> str:
+        return modeling_source() if name == CODE else super().code(name)
     scores = ("softmax", "sigmoid")  # modeling_kappa_moe.py's router_score
     router_note = "modeling_kappa_moe.py scores by softmax or sigmoid"
     attention = ("gqa", "mla")  # modeling_kappa_moe.py's Attention and LatentAttention
@@ -75,7 +81,7 @@ def kappa_settings(kappa: dict | None) -> dict:
     out = {"model.kappa.enabled": True, "model.kappa.U": float(kappa["U"]), "model.kappa.use_alpha": kappa["use_alpha"],
            "model.kappa.use_bias": kappa["use_bias"]}
     scales = (float(kappa["logit_scale"]), float(kappa["tanh_gain"]))
-    kinds = {name: v for name, v in kappa_inputs.VARIANTS.items() if _kind_or_none(name) == kappa["input"]}
+    kinds = {name: v for name, v in kappa_inputs.VARIANTS.items() if v.hf_input == kappa["input"]}
     own = [name for name, v in kinds.items() if not v.config_scales and (v.logit_scale, v.tanh_gain) == scales]
     free = [name for name, v in kinds.items() if v.config_scales]
     if own:  # the variant's own scales: the config's keys stay at their defaults
@@ -84,20 +90,48 @@ def kappa_settings(kappa: dict | None) -> dict:
             "model.kappa.tanh_gain": scales[1]}
 
 
-def _kind_or_none(name: str):
-    try:
-        return kappa_input_kind(name)
-    except ConfigError:  # a variant registered at run time: not one the modeling file implements
-        return None
-
-
 def kappa_input_kind(name: str) -> str:
-    """The modeling file's name for what κ sees: `logit` (the raw logit, which the scales then
-    multiply: the logit and scaled variants) or `normalized`."""
-    transform = kappa_inputs.lookup(name).transform
-    if transform is kappa_inputs.identity:
-        return "logit"
-    if transform is kappa_inputs.normalized_logit:
-        return "normalized"
-    raise ConfigError(f"model.kappa.input: {name}: a variant registered at run time; the export's modeling file "
-                      "implements the built-in transforms only (logit, scaled, normalized)")
+    """The modeling file's name for what variant `name` makes κ see: its registry entry's hf_input
+    (`logit`, the raw logit that the scales then multiply, for logit and scaled; `normalized`)."""
+    hf_input = kappa_inputs.lookup(name).hf_input
+    if hf_input is None:
+        raise ConfigError(f"model.kappa.input: {name}: no exported model computes this variant (its registry "
+                          "entry names no modeling-file input, hf_input)")
+    return hf_input
+
+
+# modeling_kappa_moe.py is written from the κ input variants' entries: its kappa_logit is generated
+# from their hf_code, so a variant registered with its code exports; the file in this package is
+# what the built-in variants generate (tests/test_export_adapters.py), so it imports on its own
+DOC_WIDTH = 92  # the generated docstring's wrap (the file's)
+
+
+def kappa_logit_source() -> str:
+    """modeling_kappa_moe.py's kappa_logit: the raw logit, or each exported variant's hf_code."""
+    coded: dict[str, kappa_inputs.Variant] = {}
+    for name, v in kappa_inputs.VARIANTS.items():
+        if v.hf_input is not None and v.hf_code is not None:
+            if coded.setdefault(v.hf_input, v).hf_code != v.hf_code:
+                raise ConfigError(f"model.kappa.input: {name}: its hf_code differs from another variant's of "
+                                  f"hf_input {v.hf_input}")
+    doc = "What κ sees of the router logits [T, E]: the logit" + "".join(
+        f", or ({kind}) {v.hf_doc}" for kind, v in coded.items()) + "."
+    lines = ["def kappa_logit(logits, router_weight, kind: str):",
+             textwrap.fill(f'"""{doc}"""', width=DOC_WIDTH, initial_indent="    ", subsequent_indent="    ",
+                           break_long_words=False, break_on_hyphens=False)]
+    for i, (kind, v) in enumerate(coded.items()):
+        if i < len(coded) - 1:
+            lines += [f'    if kind == "{kind}":', textwrap.indent(v.hf_code.rstrip("\n"), " " * 8)]
+        else:  # the last one: the raw logit for every other kind
+            lines += [f'    if kind != "{kind}":', "        return logits", textwrap.indent(v.hf_code.rstrip("\n"), " " * 4)]
+    if not coded:
+        lines.append("    return logits")
+    return "\n".join(lines) + "\n"
+
+
+def modeling_source() -> str:
+    """modeling_kappa_moe.py as exported: this package's file with kappa_logit generated from the registry."""
+    text = (Path(__file__).parents[1] / CODE).read_text(encoding="utf-8")
+    start = text.index("def kappa_logit(")
+    end = text.index("\n\n\n", start) + 1
+    return text[:start] + kappa_logit_source() + text[end:]

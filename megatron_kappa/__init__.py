@@ -39,8 +39,8 @@ Modules:
                       exist
   quiet.py            The library messages known to be harmless here, kept out of every command's
                       output
-  registry.py         The one registry mechanism every kind uses (attention kinds, routers, κ input
-                      variants, export targets): register, placeholders for pieces handed over later
+  registry.py         The one registry mechanism that every kind uses (attention kinds, routers, κ
+                      inputs, export targets)
   routers.py          The router kinds (`model.moe.router`), each one entry of one registry
                       (`ROUTERS`; `register` adds one at run time)
   summary/            Model summary without allocating weights: parameters, active parameters,

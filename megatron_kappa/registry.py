@@ -1,6 +1,8 @@
-"""The one registry mechanism every kind uses: the attention kinds (megatron_kappa.attention_kinds),
-the routers (megatron_kappa.routers), the κ input variants (megatron_kappa.kappa.inputs) and the
-export targets (megatron_kappa.export.targets) are each a `Registry` of entries under one config key.
+"""The one registry mechanism that every kind uses (attention kinds, routers, κ inputs, export targets).
+
+The attention kinds (megatron_kappa.attention_kinds), the routers (megatron_kappa.routers), the κ
+input variants (megatron_kappa.kappa.inputs) and the export targets (megatron_kappa.export.targets)
+are each a `Registry` of entries under one config key.
 
 A registry maps a name to an entry (a frozen dataclass of the kind's facts). `register` adds one, at
 import or at run time (a config validated after it accepts the name), and checks its name, its type

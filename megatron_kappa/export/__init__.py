@@ -23,8 +23,9 @@ Modules:
                          trust_remote_code=True)` on a folder that `python -m megatron_kappa.export`
                          wrote
   targets/               The export targets (`--target`), each one state-dict adapter
-                         (megatron_kappa.export.adapter) in one registry (`TARGETS`; `register` adds
-                         one)
+                         (megatron_kappa.export.adapter) in one registry (`TARGETS`, a
+                         megatron_kappa.registry.Registry as every kind's; `TARGETS.register(name,
+                         adapter)` adds one)
   tokenizer.py           The run's SentencePiece model as a Hugging Face tokenizer (tokenizer.json
                          and its config)
   writer.py              The export: a run's checkpoint, a layer at a time, into a Hugging Face

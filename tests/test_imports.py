@@ -19,8 +19,10 @@ PACKAGE = ROOT / "megatron_kappa"
 # loop comes after evaluation because it runs the CORE subset and validation while it trains;
 # the preflight comes last because it checks the inputs of every stage before any of them runs.
 STAGES = [
-    # the first imports (library notices, the launchers' endings); argparse types; folder checks
-    ("megatron_kappa.quiet", "megatron_kappa.launcher_exit", "megatron_kappa.cli_types", "megatron_kappa.paths"),
+    # the first imports (library notices, the launchers' endings); argparse types; folder checks; the
+    # registry mechanism of every kind (κ inputs, routers, attention kinds, export targets)
+    ("megatron_kappa.quiet", "megatron_kappa.launcher_exit", "megatron_kappa.cli_types", "megatron_kappa.paths",
+     "megatron_kappa.registry"),
     ("megatron_kappa.kappa",),
     # the router and attention kinds: torch-free, read by the config
     ("megatron_kappa.config", "megatron_kappa.routers", "megatron_kappa.attention_kinds"),

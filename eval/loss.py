@@ -46,10 +46,10 @@ def check_data(args):
     """Before the model loads: the shards are whole and their token ids fit the checkpoint's
     vocabulary (shards made with a larger tokenizer would index past it)."""
     from megatron_kappa.checkpoint.listing import run_of
-    from megatron_kappa.config import ConfigError, load_config
+    from megatron_kappa.config import ConfigError, load_recorded
     from megatron_kappa.preflight import check_shard
     config = run_of(args.checkpoint, args.step)[0] / "config.yaml"
-    model = load_config(config).model if config.is_file() else None
+    model = load_recorded(config).model if config.is_file() else None
     vocab = model.vocab_size if model is not None else None
     if model is not None and args.seq_len is not None and args.seq_len > model.seq_length:  # it was clamped silently
         raise ConfigError(f"--seq-len: {args.seq_len} is longer than the model's context (model.seq_length "

@@ -9,22 +9,17 @@
 The kind is a different axis from `model.attention` (sdpa | local | te), the core-attention
 kernel that runs QKᵀ and AV inside whichever kind.
 
-How a config names its kind. `model.mla.enabled: true` turns MLA on, as it always has, and
-`model.attention_kind` names any registered kind; it is null by default, which means mla when
-model.mla.enabled, else gqa (`name_of`). An explicit name must agree with the switch (a config with
-`attention_kind: gqa` and `mla.enabled: true` is refused in one line). Why both:
-- It is megatron's own interface: a flag for MLA (`--multi-latent-attention`, TransformerConfig's
-  `multi_latent_attention`, MLATransformerConfig's fields beside it) and a name for the other
-  variants (`--experimental-attention-variant`); a Megatron user's DeepSeek config keeps its
-  `mla: {enabled: true, ...}` block.
-- Every YAML file, every run's config.yaml and every checkpoint's recorded config loads and means
-  the same: the new key's null is what a config written before it holds, so the resume check
-  (which compares recorded configs key by key) sees no change.
-- A kind without a section of its own (one registered at run time) still needs a name to be
-  chosen by: `model.attention_kind: <name>`.
+How a config names its kind: `model.attention_kind: <name>`, one switch for every kind (gqa by
+default); a kind's own settings are its section (MLA's: model.mla, widths only). megatron has a
+flag for MLA (`--multi-latent-attention`) and a name for the other variants
+(`--experimental-attention-variant`); here one key names them all, so no two keys can disagree.
+`model.mla.enabled`, the flag this project once had beside the name, is refused in one line that
+says what to write instead (`RETIRED`, read by config/loading.py), and a run's config recorded
+with it reads as its kind (`recorded`: the resume check, and config.load_recorded for the export
+and the evaluations of older runs).
 
 Everything that depends on the kind asks its entry (`of(model)`), and nothing else reads the
-switch or the MLA section:
+MLA section:
   config.checks      the kind's own rules (`validate`), its FP8 GEMM widths (`fp8_widths`)
   config.recompute   megatron's recompute modules that exist only with it (`recompute`)
   model.build        megatron's TransformerConfig values (`megatron`), the local spec's keywords
@@ -58,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import reduce
 from typing import Any, Callable, Optional
 
 from megatron_kappa.registry import Registry
@@ -83,7 +77,6 @@ class Kind:
     # (cfg, device, the stock self-attention ModuleSpec) → its spec (None: the stock one)
     transformer_config: Optional[Callable[..., Any]] = None
     attention: Optional[Callable[[Any, Any, Any], Any]] = None
-    switch: Optional[str] = None  # a true/false key of model (dotted) that turns it on: megatron's flag
     section: Optional[str] = None  # model.<section>: its own keys (marked `state` in the schema)
     validate: Optional[Callable[[Any, Any, Callable], None]] = None  # (model, par, need(ok, key, msg))
     fp8_widths: Optional[Callable[[Any, int], dict]] = None  # (model, t) → {key words: width} of its FP8 GEMMs
@@ -125,15 +118,9 @@ register, unregister, lookup, names, implement = KINDS.register, KINDS.unregiste
     KINDS.implement
 
 
-def _switched(model, kind: Kind) -> bool:
-    return kind.switch is not None and bool(reduce(getattr, kind.switch.split("."), model))
-
-
 def name_of(model) -> str:
-    """The model's kind: model.attention_kind, or (null) the kind its switch turns on, else gqa."""
-    if model.attention_kind is not None:
-        return model.attention_kind
-    return next((name for name, kind in KINDS.items() if _switched(model, kind)), DEFAULT)
+    """The model's kind: model.attention_kind."""
+    return model.attention_kind
 
 
 def of(model) -> Kind:
@@ -148,31 +135,39 @@ def key_of(name: str) -> str:
 
 
 def described(model) -> str:
-    """How the config chose the model's kind, for a refusal ("model.mla.enabled is true")."""
-    if model.attention_kind is not None:
-        return f"{KEY} is {model.attention_kind}"
-    switches = [kind.switch for kind in KINDS.values() if kind.switch]
-    on = [s for s in switches if reduce(getattr, s.split("."), model)]
-    return f"model.{on[0]} is true" if on else " and ".join(f"model.{s} is false" for s in switches)
+    """How the config chose the model's kind, for a refusal ("model.attention_kind is mla")."""
+    return f"{KEY} is {name_of(model)}"
 
 
 def settings_off() -> dict:
-    """--set settings that select the default kind: model.attention_kind null, every switch off
-    (an imported model's base, which its own kind's `from_hf_config` then overrides)."""
-    return {KEY: None, **{f"model.{kind.switch}": False for kind in KINDS.values() if kind.switch}}
+    """--set settings that select the default kind (an imported model's base, which its own kind's
+    `from_hf_config` then overrides)."""
+    return {KEY: DEFAULT}
 
 
 def check(model, par, need):
-    """The kind named, its switch agreeing, and the kind's own rules (config.checks)."""
+    """The kind named, and the kind's own rules (config.checks)."""
     name = name_of(model)
     need(name in KINDS, KEY, f"expected one of {names()}, got {name!r}")
-    for other, kind in KINDS.items():
-        if kind.switch and _switched(model, kind) != (name == other):
-            need(False, f"model.{kind.switch}", f"is {str(_switched(model, kind)).lower()}, but {KEY} is {name} "
-                                                 f"(model.{kind.switch} turns {other} on: set one of them)")
     kind = KINDS[name]
     if kind.validate is not None:
         kind.validate(model, par, need)
+
+
+# keys a config may no longer hold: {dotted key: what to write instead} (config/loading.py refuses them)
+RETIRED = {"model.mla.enabled": f"{KEY} alone picks the attention: write `{KEY}: mla` for true, and "
+                                "nothing for false (gqa is the default)"}
+
+
+def recorded(config: dict) -> dict:
+    """A config recorded before model.attention_kind was the one switch (a checkpoint's, as a
+    mapping), in today's keys: mla.enabled true is attention_kind mla, and the key goes."""
+    model = config.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("mla"), dict) or "enabled" not in model["mla"]:
+        return config
+    mla = {k: v for k, v in model["mla"].items() if k != "enabled"}
+    kind = "mla" if model["mla"]["enabled"] else (model.get("attention_kind") or DEFAULT)
+    return {**config, "model": {**model, "mla": mla, "attention_kind": kind}}
 
 
 def recompute_modules() -> dict[str, tuple[str, str, tuple]]:
@@ -259,12 +254,12 @@ def _mla_rules(model, par, need):
     """What megatron-core's MLASelfAttention and our SDPA core attention support."""
     a = model.mla
     need(model.num_query_groups is None, "model.num_query_groups",
-         "must be null with model.mla.enabled (MLA has one latent for all heads, no query groups)")
+         "must be null with model.attention_kind mla (MLA has one latent for all heads, no query groups)")
     need(model.attention == "sdpa", "model.attention",
-         f"must be sdpa with model.mla.enabled (MLA's core attention takes separate key and value widths, which "
+         f"must be sdpa with model.attention_kind mla (MLA's core attention takes separate key and value widths, which "
          f"megatron's local attention does not), got {model.attention}")
     need(not model.value_embeddings, "model.value_embeddings",
-         "must be false with model.mla.enabled (the value embedding is added to grouped-query attention's values)")
+         "must be false with model.attention_kind mla (the value embedding is added to grouped-query attention's values)")
     need(a.q_lora_rank is None or a.q_lora_rank % par.tp == 0, "model.mla.q_lora_rank",
          f"must be null or divisible by tp={par.tp} (its down projection is split over TP), got {a.q_lora_rank}")
     need((a.kv_lora_rank + a.qk_pos_emb_head_dim) % par.tp == 0, "model.mla.kv_lora_rank",
@@ -359,21 +354,31 @@ def _mla_hf_config(model) -> dict:
                 qk_rope_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim)
 
 
+def _mla_modeling(model) -> dict:
+    """modeling_kappa_moe.py's `mla` entry: the section's widths, and `enabled: true` as every export
+    has carried it (the file reads the widths; folders exported before and after read the same)."""
+    return {"mla": {"enabled": True, **dataclasses.asdict(model.mla)}}
+
+
 def _mla_settings(keys: dict) -> dict:
     """DeepSeek's config.json widths (`_mla_hf_config`'s names) or modeling_kappa_moe.py's (the
-    section's own names) as model.mla settings."""
+    section's own names) as model.mla settings. An export written before model.attention_kind was
+    the one switch also has the section's `enabled` (true): the kind says it now."""
     renamed = {"qk_nope_head_dim": "qk_head_dim", "qk_rope_head_dim": "qk_pos_emb_head_dim"}
-    return {"model.mla.enabled": True, **{f"model.mla.{renamed.get(k, k)}": v for k, v in keys.items()}}
+    return {KEY: "mla", **{f"model.mla.{renamed.get(k, k)}": v for k, v in keys.items() if k != "enabled"}}
 
 
 register("mla", Kind(
-    help="mla: multi-head latent attention (model.mla; model.mla.enabled turns it on)",
+    help="mla: multi-head latent attention, megatron's multi_latent_attention: queries and keys/values projected "
+         "through low-rank latents, a RoPE part of the key shared by all heads (its widths: model.mla; "
+         "model.num_query_groups and model.head_dim are not used; model.qk_layernorm norms the two latents, as "
+         "DeepSeek-V3)",
     megatron=_mla_megatron, local_spec={"multi_latent_attention": True},
     fp8_linears=dict(linear_q_proj="column", linear_q_up_proj="column", linear_kv_up_proj="column", linear_proj="row"),
     transformer_config=KINDS.piece("mla", "transformer_config"), attention=KINDS.piece("mla", "attention"),
-    switch="mla.enabled", section="mla", validate=_mla_rules, fp8_widths=_mla_fp8_widths,
+    section="mla", validate=_mla_rules, fp8_widths=_mla_fp8_widths,
     recompute={"mla_up_proj": ("MLA's up-projections", ("mla_up",))},
     matrices=_mla_matrices, norm_gains=_mla_norm_gains, flops=_mla_flops, kv_elements=_mla_kv,
     tp_gathers=_mla_gathers, activations=_mla_activations, hf_names=MLA_NAMES, hf_qk_norms=False,
-    hf_config=_mla_hf_config, modeling=lambda model: {"mla": dataclasses.asdict(model.mla)},
+    hf_config=_mla_hf_config, modeling=_mla_modeling,
     from_hf_config=_mla_settings))

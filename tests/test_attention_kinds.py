@@ -1,17 +1,19 @@
 """The attention registry (megatron_kappa.attention_kinds): a kind added at run time by one
 register(...) trains through the unchanged training loop and is refused by the export and the
-planner in one line; configs name their kind as before (model.mla.enabled) or by name
-(model.attention_kind); the registry stays torch-free and is the only reader of MLA's keys."""
+planner in one line; one key names the kind (model.attention_kind), the retired MLA switch
+(model.mla.enabled) is refused saying what to write; the registry stays torch-free and is the only
+reader of MLA's keys."""
 import dataclasses
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron_kappa import attention_kinds
 from megatron_kappa.checkpoint import resume
-from megatron_kappa.config import ConfigError, facts, load_config, to_dict
+from megatron_kappa.config import ConfigError, facts, load_config, load_recorded, to_dict
 from megatron_kappa.config.schema import Config
 from bare_python import run_bare
 from test_mla import MLA  # the tiny MLA settings
@@ -97,33 +99,54 @@ def test_the_planner_refuses_a_kind_it_does_not_model(toy):
     plan.plan(load_config("configs/tiny.yaml", []), plan.Layout(1))  # control: the default kind
 
 
-def test_a_config_names_its_kind_by_the_mla_switch_or_by_name():
-    """model.mla.enabled keeps its meaning (no new key needed); an explicit name agrees with it or
-    is refused in one line; an unknown name is refused naming the registered ones."""
+RETIRED = (r"^config: model.mla.enabled: no longer a key: model.attention_kind alone picks the attention: write "
+           r"`model.attention_kind: mla` for true, and nothing for false \(gqa is the default\)$")
+
+
+def test_one_key_names_the_kind_and_the_retired_switch_is_refused(tmp_path):
+    """model.attention_kind alone picks the attention (gqa by default); model.mla.enabled, the
+    switch that once stood beside it, is refused in one line that says what to write instead,
+    from --set or a file; a run's recorded config.yaml with it reads as its kind
+    (load_recorded: older runs still export); an unknown name is refused naming the registered ones."""
     assert attention_kinds.name_of(load_config("configs/tiny.yaml", []).model) == "gqa"
     assert attention_kinds.name_of(load_config("configs/tiny.yaml", MLA).model) == "mla"
     assert attention_kinds.name_of(load_config("configs/frontier/deepseek_v3.yaml").model) == "mla"
-    assert attention_kinds.name_of(load_config("configs/tiny.yaml", [*MLA, "model.attention_kind=mla"]).model) == "mla"
-    with pytest.raises(ConfigError, match=r"^config: model.mla.enabled: is true, but model.attention_kind is gqa "
-                                          r"\(model.mla.enabled turns mla on: set one of them\)$"):
-        load_config("configs/tiny.yaml", [*MLA, "model.attention_kind=gqa"])
-    with pytest.raises(ConfigError, match=r"^config: model.mla.enabled: is false, but model.attention_kind is mla"):
-        load_config("configs/tiny.yaml", ["model.attention_kind=mla"])
+    for value in ("true", "false"):
+        with pytest.raises(ConfigError, match=RETIRED):
+            load_config("configs/tiny.yaml", [*MLA, f"model.mla.enabled={value}"])
+    old = to_dict(load_config("configs/tiny.yaml", MLA))
+    old["model"].update(attention_kind=None, mla={**old["model"]["mla"], "enabled": True})  # as recorded before
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(ConfigError, match=RETIRED):
+        load_config(tmp_path / "config.yaml")
+    assert attention_kinds.name_of(load_recorded(tmp_path / "config.yaml").model) == "mla"
+    old["model"]["mla"]["enabled"] = False  # negative control: the recorded switch decides
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert attention_kinds.name_of(load_recorded(tmp_path / "config.yaml").model) == "gqa"
     with pytest.raises(ConfigError, match=r"model.attention_kind: expected one of \['gqa', 'mla'\], got 'nope'"):
         load_config("configs/tiny.yaml", ["model.attention_kind=nope"])
+    # an export written with the switch (modeling_kappa_moe.py's mla entry had `enabled`) imports as its kind
+    exported = {"enabled": True, **{k: v for k, v in old["model"]["mla"].items() if k != "enabled"}}
+    sets = attention_kinds.lookup("mla").from_hf_config(exported)
+    assert sets["model.attention_kind"] == "mla" and not any(k.endswith("enabled") for k in sets)
+    assert load_config("configs/tiny.yaml", [f"{k}={'null' if v is None else v}" for k, v in sets.items()]).model.mla \
+        == load_config("configs/tiny.yaml", MLA).model.mla
 
 
 def test_what_a_resume_may_not_change_covers_every_kinds_section():
     """The kind's name and each kind's own section are refused on resume (the schema's `state`);
-    a checkpoint's config from before model.attention_kind existed resumes unchanged."""
+    a checkpoint's config recorded with model.mla.enabled (before the one switch) resumes under the
+    kind it named, and is refused under another."""
     state = facts.marked(Config, "state")
     assert "model.attention_kind" in state
     for name, kind in attention_kinds.KINDS.items():
         assert kind.section is None or f"model.{kind.section}" in state, name
-    now = to_dict(load_config("configs/tiny.yaml", MLA))
-    old = {**now, "model": {k: v for k, v in now["model"].items() if k != "attention_kind"}}  # written before the key
-    assert resume.changes(old, now)[0] == []
-    assert "model.mla.enabled" in resume.changes(old, to_dict(load_config("configs/tiny.yaml", [])))[0]  # control
+    for sets, enabled in ((MLA, True), ([], False)):
+        now = to_dict(load_config("configs/tiny.yaml", sets))
+        old = {**now, "model": {**now["model"], "attention_kind": None, "mla": {**now["model"]["mla"], "enabled": enabled}}}
+        assert resume.changes(old, now)[0] == [], sets
+        other = to_dict(load_config("configs/tiny.yaml", [] if enabled else MLA))  # control: another kind
+        assert "model.attention_kind" in resume.changes(old, other)[0], sets
 
 
 def test_the_recompute_module_of_a_kind_needs_it():

@@ -114,14 +114,14 @@ def test_softmoe_and_native_classes_refuse_what_they_cannot_hold():
     assert target("model.kappa.enabled=false", "model.qk_layernorm=false", "model.first_dense=0") == "mixtral"
     assert target("model.kappa.enabled=false", "model.qk_layernorm=false") == "kappa_moe"  # a dense layer, no q/k norm
     assert target("model.kappa.enabled=false", "model.moe.router=sigmoid") == "kappa_moe"
-    mla = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16"]
+    mla = ["model.attention_kind=mla", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16"]
     deepseek = [*mla, "model.kappa.enabled=false", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=512",
                 "model.norm_eps=1e-6"]
     assert target(*deepseek) == "deepseek_v3"
     assert target(*deepseek, "model.norm_eps=1e-5") == "kappa_moe"  # its latent norms' epsilon is fixed
     assert target(*deepseek, "model.moe.shared_ffn_hidden_size=300") == "kappa_moe"  # not n × the expert width
     assert target(*mla) == "kappa_moe"  # κ with MLA: the project's file
-    with pytest.raises(ConfigError, match="model.mla.enabled is true"):
+    with pytest.raises(ConfigError, match="model.attention_kind is mla"):
         target(*mla, "model.kappa.enabled=false", requested="qwen3_moe")
     with pytest.raises(ConfigError, match="--target qwen3_moe: model.kappa.enabled is true"):
         target(requested="qwen3_moe")

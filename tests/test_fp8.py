@@ -394,7 +394,7 @@ def test_mla_projections_run_in_fp8(world1):
     """MLA's projections are FP8 linears under precision fp8: the layer's output stays within the
     FP8 band of the same weights in bf16, and its backward runs; widths FP8 cannot take are refused."""
     from megatron_kappa.model.build import build_model
-    mla = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
+    mla = ["model.attention_kind=mla", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
            "model.mla.qk_head_dim=16", "model.mla.qk_pos_emb_head_dim=16", "model.mla.v_head_dim=16"]
     models = {}
     for precision in ("fp8", "bf16"):

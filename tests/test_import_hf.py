@@ -284,7 +284,7 @@ def test_the_cli_prints_the_settings_and_writes_a_config(folders, tmp_path):
                            "--set", "data.mock=true", "--output", str(out)], cwd=ROOT, env=hf_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "DeepseekV3ForCausalLM" in done.stdout and "model.mla.enabled=true" in done.stdout
+    assert "DeepseekV3ForCausalLM" in done.stdout and "model.attention_kind=mla" in done.stdout
     cfg = load_config(out)
     assert cfg.train.init_weights == str(folders["deepseek_v3"].resolve()) and cfg.model.mla.kv_lora_rank == 16
     assert cfg.model.moe.route_scale == 2.5 and cfg.model.first_dense == 1 and cfg.data.mock

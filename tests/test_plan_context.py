@@ -32,7 +32,7 @@ def rank_tensors(cfg, cp: int, tp: int, dtype):
     one micro-batch of `cfg`, the widths read from the config."""
     m = cfg.model
     heads = m.num_attention_heads
-    if m.mla.enabled:
+    if m.attention_kind == "mla":
         groups, dk, dv = heads, m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim, m.mla.v_head_dim
     else:
         groups, dk = m.num_query_groups or heads, m.hidden_size // heads

@@ -28,7 +28,7 @@ D = torch.float64
 COMMON = ["data.mock=true", "model.seq_length=16", "train.micro_batch=2", "train.global_batch=4",
           "train.grad_clip=0", "model.moe.aux_loss=1e-2", "log.tensorboard=false", "train.warmup=1"]
 GQA = ["model.qk_layernorm=false", "model.num_query_groups=2"]
-MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+MLA = ["model.attention_kind=mla", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
        "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
 KINDS = {"gqa": GQA, "mla": MLA}
 SCALE_UP = 6.0  # query/key weights × this: logits × 36, well past the test's τ for most heads

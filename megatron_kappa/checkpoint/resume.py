@@ -10,6 +10,8 @@ the optimizer's groups.
 """
 from __future__ import annotations
 
+from megatron_kappa import attention_kinds
+from megatron_kappa import attention_kinds
 from megatron_kappa.config import ConfigError, facts
 from megatron_kappa.config.schema import Config, flat_keys
 
@@ -30,7 +32,7 @@ def _covered(key: str, names) -> bool:
 
 def changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
     """(refused, allowed): the keys that differ between the checkpoint's config and this run's."""
-    a, b = flat_keys(saved), flat_keys(now)
+    a, b = flat_keys(attention_kinds.recorded(saved)), flat_keys(now)  # an older config's keys as today's
     differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _covered(k, IGNORED))
     return [k for k in differ if _covered(k, SHAPES_STATE)], [k for k in differ if not _covered(k, SHAPES_STATE)]
 

@@ -35,7 +35,8 @@ Modules:
                    a global batch
 """
 from megatron_kappa.config.checks import validate
-from megatron_kappa.config.loading import load_config, load_config_for_cli, parse_overrides, read_yaml
+from megatron_kappa.config.loading import (load_config, load_config_for_cli, load_recorded, parse_overrides,
+                                           read_yaml)
 from megatron_kappa.config.reference import markdown_reference
 from megatron_kappa.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig,
                                           EvalConfig, KappaConfig, LogConfig, ModelConfig,
@@ -45,4 +46,4 @@ from megatron_kappa.config.schema import (CheckpointConfig, Config, ConfigError,
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "KappaConfig",
            "LogConfig", "ModelConfig", "MoEConfig", "MuonConfig", "ParallelConfig", "ProfileConfig", "RunConfig",
            "SoftMoEConfig", "TrainConfig", "WandbConfig", "ZeroConfig", "load_config", "load_config_for_cli",
-           "markdown_reference", "parse_overrides", "read_yaml", "to_dict", "validate"]
+           "load_recorded", "markdown_reference", "parse_overrides", "read_yaml", "to_dict", "validate"]

@@ -19,6 +19,7 @@ from typing import Literal
 
 import yaml
 
+from megatron_kappa.attention_kinds import RETIRED, recorded
 from megatron_kappa.config import presets
 from megatron_kappa.config.checks import validate
 from megatron_kappa.config.schema import Config, ConfigError
@@ -150,12 +151,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return from_mapping(data)
 
 
+def _refuse_retired(data: dict):
+    """A key the config no longer has, named with what to write instead (before the generic
+    unknown-key error, which could not say it)."""
+    for dotted, instead in RETIRED.items():
+        node = data
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            raise ConfigError(f"config: {dotted}: no longer a key: {instead}")
+
+
 def from_mapping(data: dict) -> Config:
     """A config from its merged mapping (a YAML file's, or to_dict's of another config), read and
     validated as load_config reads a file: unknown keys, types, presets, the cross-field checks."""
+    _refuse_retired(data)
     cfg = _build(Config, presets.apply(data))  # model.block's preset, model.aspect_ratio's width
     validate(cfg)
     return cfg
+
+
+def load_recorded(path: str | Path) -> Config:
+    """A run's config.yaml as the trainer recorded it: one recorded before a key was retired reads
+    in today's keys (attention_kinds.recorded), so older runs still export and evaluate."""
+    return from_mapping(recorded(read_yaml(path)))
 
 
 def load_config_for_cli(path: str | Path | None, overrides: list[str] = ()) -> Config | None:

@@ -203,12 +203,10 @@ class MoEConfig:
 
 @dataclass
 class MLAConfig:
-    """model.mla: multi-head latent attention (DeepSeek-V2/V3), megatron-core's MLASelfAttention."""
-    enabled: bool = _f(False, "multi-head latent attention instead of (grouped-query) attention, megatron's "
-                              "multi_latent_attention flag (model.attention_kind mla): queries and keys/values "
-                              "projected through low-rank latents, a RoPE part of the key shared by all heads "
-                              "(model.num_query_groups and model.head_dim are not used; model.qk_layernorm norms "
-                              "the two latents, as DeepSeek-V3)")
+    """model.mla: the widths of multi-head latent attention (DeepSeek-V2/V3), megatron-core's
+    MLASelfAttention, which model.attention_kind mla picks: queries and keys/values projected through
+    low-rank latents, a RoPE part of the key shared by all heads (model.num_query_groups and
+    model.head_dim are not used; model.qk_layernorm norms the two latents, as DeepSeek-V3)."""
     q_lora_rank: Optional[int] = _f(None, "rank of the query latent (null: queries projected directly, as "
                                           "DeepSeek-V2-Lite; DeepSeek-V3 and Kimi K2: 1536)", range=POSITIVE)
     kv_lora_rank: int = _f(512, "rank of the joint key/value latent (DeepSeek-V3: 512)", range=POSITIVE)
@@ -303,10 +301,11 @@ class ModelConfig:
                 "comparison), or Transformer Engine's (GPU, where TE imports)")
     # attention_kind: a name in megatron_kappa.attention_kinds.KINDS, which may grow at run time
     # (`register`), so it is checked when the config is validated (config/checks.py), not here
-    attention_kind: Optional[str] = _f(
-        None, f"the attention kind (megatron_kappa.attention_kinds): {attention_kinds.help_text()}; null: mla when "
-              "model.mla.enabled, else gqa. Not model.attention, the core-attention kernel inside either kind",
-        allowed="null or a kind's name (megatron_kappa.attention_kinds)", state=True)
+    attention_kind: str = _f(
+        attention_kinds.DEFAULT, f"the attention kind (megatron_kappa.attention_kinds), the one key that picks "
+                                 f"it: {attention_kinds.help_text()}. Not model.attention, the core-attention "
+                                 "kernel inside either kind",
+        allowed="a kind's name (megatron_kappa.attention_kinds)", state=True)
     mla: MLAConfig = _section(MLAConfig, state=True)
     mtp: MTPConfig = _section(MTPConfig)
     moe: MoEConfig = _section(MoEConfig)

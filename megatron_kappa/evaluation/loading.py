@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_kappa.config import ConfigError, ParallelConfig, load_config
+from megatron_kappa.config import ConfigError, ParallelConfig, load_recorded
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
@@ -69,7 +69,7 @@ def _run_config(run_dir: str | Path):
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"checkpoint: {run_dir}: no config.yaml (expected a training run directory)")
-    return load_config(run_dir / "config.yaml")
+    return load_recorded(run_dir / "config.yaml")
 
 
 def load_model_for_eval(checkpoint: str | Path, step: int | None = None):

@@ -17,7 +17,7 @@ import torch
 
 from megatron_kappa.checkpoint.listing import locate
 from megatron_kappa.checkpoint.store import Checkpoints
-from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.config import ConfigError, load_recorded
 from megatron_kappa.export import convert, targets
 from megatron_kappa.export.card import card, check_license
 from megatron_kappa.paths import folder_problem
@@ -71,7 +71,7 @@ def plan(checkpoint: str | Path, target: str = "auto", tokenizer: str | None = N
     (its latest checkpoint, or `step`'s) or one checkpoint folder (megatron_kappa.checkpoint.listing.locate)."""
     from megatron_kappa.model.layout import model_layout
     run_dir, step = locate(checkpoint, step)
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_recorded(run_dir / "config.yaml")
     ckpts = Checkpoints(run_dir, keep=1)
     if ckpts.meta(step).get("format", 1) < 2:
         raise ConfigError(f"--checkpoint: {ckpts.folder(step)}: a format-1 checkpoint (DeepSpeed's files); resume "

@@ -27,6 +27,11 @@ Modules:
                    --markdown`)
   schema.py        The config schema: one dataclass per YAML section, each value with its default
                    and help text
+  schema_model.py  The config schema's model sub-sections: model.kappa, model.fp8, model.moe,
+                   model.mla, model.mtp
+  schema_run.py    The config schema's other sections: data, log (with log.wandb), profile,
+                   checkpoint, eval, run
+  schema_train.py  The config schema's training sections: parallel, train (with train.muon) and zero
   stage_layout.py  `parallel.layout`: megatron's pipeline_model_parallel_layout string, unrolled and
                    checked
   world.py         Whether a parallel layout fits a world of ranks, and the batch it then splits:

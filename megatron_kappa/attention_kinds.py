@@ -259,7 +259,8 @@ def _mla_rules(model, par, need):
          f"must be sdpa with model.attention_kind mla (MLA's core attention takes separate key and value widths, which "
          f"megatron's local attention does not), got {model.attention}")
     need(not model.value_embeddings, "model.value_embeddings",
-         "must be false with model.attention_kind mla (the value embedding is added to grouped-query attention's values)")
+         "must be false with model.attention_kind mla (the value embedding is added to grouped-query attention's "
+         "values)")
     need(a.q_lora_rank is None or a.q_lora_rank % par.tp == 0, "model.mla.q_lora_rank",
          f"must be null or divisible by tp={par.tp} (its down projection is split over TP), got {a.q_lora_rank}")
     need((a.kv_lora_rank + a.qk_pos_emb_head_dim) % par.tp == 0, "model.mla.kv_lora_rank",

@@ -143,7 +143,8 @@ def test_what_a_resume_may_not_change_covers_every_kinds_section():
         assert kind.section is None or f"model.{kind.section}" in state, name
     for sets, enabled in ((MLA, True), ([], False)):
         now = to_dict(load_config("configs/tiny.yaml", sets))
-        old = {**now, "model": {**now["model"], "attention_kind": None, "mla": {**now["model"]["mla"], "enabled": enabled}}}
+        recorded_mla = {**now["model"]["mla"], "enabled": enabled}
+        old = {**now, "model": {**now["model"], "attention_kind": None, "mla": recorded_mla}}
         assert resume.changes(old, now)[0] == [], sets
         other = to_dict(load_config("configs/tiny.yaml", [] if enabled else MLA))  # control: another kind
         assert "model.attention_kind" in resume.changes(old, other)[0], sets

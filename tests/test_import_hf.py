@@ -218,7 +218,8 @@ def test_a_wrong_name_map_is_seen(world1, folders, monkeypatch):
     from megatron_kappa.export.targets.mixtral import Mixtral
     want = hf_logits(folders["mixtral"], "mixtral")
     mixtral = targets.lookup("mixtral")  # the registered target, its name map swapped for this test
-    monkeypatch.setattr(mixtral, "renames", tuple((a, {"w1.": "w3.", "w3.": "w1."}.get(b, b)) for a, b in Mixtral.renames))
+    swapped = tuple((a, {"w1.": "w3.", "w3.": "w1."}.get(b, b)) for a, b in Mixtral.renames)
+    monkeypatch.setattr(mixtral, "renames", swapped)
     model, _ = imported_model(folders["mixtral"])
     assert (our_logits(model) - want).abs().max() > 1e-2
     monkeypatch.setattr(mixtral, "renames", Mixtral.renames[:-1] + (("up_proj.", "w9."),))

@@ -11,7 +11,6 @@ the optimizer's groups.
 from __future__ import annotations
 
 from megatron_kappa import attention_kinds
-from megatron_kappa import attention_kinds
 from megatron_kappa.config import ConfigError, facts
 from megatron_kappa.config.schema import Config, flat_keys
 

@@ -123,7 +123,8 @@ def kappa_logit_source() -> str:
         if i < len(coded) - 1:
             lines += [f'    if kind == "{kind}":', textwrap.indent(v.hf_code.rstrip("\n"), " " * 8)]
         else:  # the last one: the raw logit for every other kind
-            lines += [f'    if kind != "{kind}":', "        return logits", textwrap.indent(v.hf_code.rstrip("\n"), " " * 4)]
+            lines += [f'    if kind != "{kind}":', "        return logits",
+                      textwrap.indent(v.hf_code.rstrip("\n"), " " * 4)]
     if not coded:
         lines.append("    return logits")
     return "\n".join(lines) + "\n"

@@ -267,9 +267,9 @@ def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
 
     def moments(*sets):
         cfg = load_config("configs/tiny.yaml", TINY + [f"parallel.ep={ep}", *sets])
-        layout = planner.layout_of(cfg, world)
+        layout = planner.layout_of(cfg.parallel, world)
         params = planner.stage_params(cfg, layout, 0)
-        muon = muon_momentum_bytes(params, cfg, layout)
+        muon = muon_momentum_bytes(params, cfg.model, cfg.train, cfg.precision, layout)
         return planner.state_bytes(params, cfg, layout)["moments"], muon["committed"] + muon["staged"], layout
     from megatron_kappa.model.build import build_model
     alphas = sum(p.numel() for n, p in build_model(load_config("configs/tiny.yaml", TINY), meta=True).named_parameters()

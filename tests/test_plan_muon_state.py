@@ -64,9 +64,9 @@ def test_muon_state_is_what_deepspeed_holds(world1, name):
     wherever the momentum is fp32."""
     cfg = load_config("configs/tiny.yaml", BASE + CASES[name])
     held = held_after_one_step(cfg)
-    layout = planner.layout_of(cfg, 1)
+    layout = planner.layout_of(cfg.parallel, 1)
     params = planner.stage_params(cfg, layout, 0)
-    want = muon_momentum_bytes(params, cfg, layout)
+    want = muon_momentum_bytes(params, cfg.model, cfg.train, cfg.precision, layout)
     assert held["committed"] > 0 and held["staged"] == held["committed"]
     assert want["committed"] == held["committed"] and want["staged"] == held["staged"], (want, held)
     moments = planner.state_bytes(params, cfg, layout)["moments"]
@@ -74,6 +74,6 @@ def test_muon_state_is_what_deepspeed_holds(world1, name):
     # the control: the rule before the staged copy was counted, one fp32 momentum of the Muon elements,
     # misses what is held by the staged copy; with bf16 accumulation (a bf16 momentum and its bf16
     # copy) the two happen to agree
-    elements = want["committed"] / reduced_bytes(cfg)
+    elements = want["committed"] / reduced_bytes(cfg.precision, cfg.train.grad_accum_dtype)
     before = held["other"] + 4 * elements
-    assert (before != moments) == (reduced_bytes(cfg) == 4)
+    assert (before != moments) == (reduced_bytes(cfg.precision, cfg.train.grad_accum_dtype) == 4)

@@ -136,7 +136,8 @@ def zero_step(cfg, lr: float):
         for n, p in model.named_parameters():
             if n.endswith("kappa_alpha"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     muon.install(muon.update_fn(cfg.train, D))
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
@@ -206,7 +207,8 @@ def test_freeze_holds_alpha_at_exactly_zero_in_the_matrix_group(world1):
                                                   "model.kappa.freeze_fraction=0.5"])
     torch.manual_seed(0)
     model = build_model(cfg, current_device())
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     freeze = recipe.KappaFreeze(model, total, cfg.model.kappa)
     assert freeze.start == 3

@@ -32,7 +32,8 @@ def held_after_one_step(cfg) -> dict:
     from megatron_kappa.train.loop import lm_loss
     torch.manual_seed(0)
     model = build_model(cfg, current_device())
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     g = torch.Generator().manual_seed(2)

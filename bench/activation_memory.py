@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     for mode in ("none", "selective", "full"):
         cfg = load_config(args.config, base + [f"model.recompute={mode}"])
         measured = kept_by_forward(cfg, device, args.micro_batch)
-        layout = planner.layout_of(cfg, 1)
+        layout = planner.layout_of(cfg.parallel, 1)
         estimate = planner.activation_bytes(cfg, layout, 0, mode, args.micro_batch)
         print(f"{mode:<10} {measured / planner.GIB:>13.3f} {estimate / planner.GIB:>12.3f} "
               f"{estimate / max(measured, 1):>17.3f}")

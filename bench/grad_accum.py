@@ -126,7 +126,8 @@ def build(name: str, sets: list[str], start: dict, steps: int):
         for key, tensor in tensors.items():
             tensor.copy_(start[key])
     freeze = recipe.KappaFreeze(model, steps, cfg.model.kappa)
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings,
                                        grad_accumulation(cfg.train), lambda g: optim.build_optimizer(g, cfg.train))
     return {"cfg": cfg, "model": model, "engine": engine, "opt": opt, "freeze": freeze,
             "counted": Counted(engine, model), "losses": [], "ms": []}

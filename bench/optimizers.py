@@ -97,7 +97,8 @@ def interleaved_step_ms(rounds: int, warmup: int) -> dict:
                                                                            "train.global_batch=4"])
         torch.manual_seed(0)
         model = build_model(cfg, device)
-        engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+        engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+        engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                            lambda groups: optim.build_optimizer(groups, cfg.train))
         schedule.set_learning_rates(opt, 10, 300, cfg.train, cfg.model)
         engines[method] = engine

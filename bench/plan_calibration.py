@@ -128,7 +128,7 @@ def terms(cfg, rates) -> dict:
 
     def step(latency_us):
         r = dataclasses.replace(rates, latency_us=latency_us)
-        p = planner.plan(cfg, planner.layout_of(cfg, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD, rates=r)
+        p = planner.plan(cfg, planner.layout_of(cfg.parallel, WORLD), gpu_mem_gib=1e6, gpus_per_node=WORLD, rates=r)
         return p.speed
     zero, one = step(0.0), step(1e6)  # latency 1 s per message: the count of messages
     t = zero.terms

@@ -139,9 +139,9 @@ def plan(args) -> tuple[list[Run], dict]:
     for run in runs:
         cfg = load_config(args.config, run.sets)  # ConfigError names the key
         if args.launcher == "slurm":  # the world is the job's: only the world-free checks here
-            check_run_dir(cfg)
-            check_data(cfg)
-            check_tokenizer(cfg)
+            check_run_dir(cfg.run)
+            check_data(cfg.data, cfg.model.vocab_size)
+            check_tokenizer(cfg.data, cfg.model.vocab_size)
         else:
             preflight(cfg, world=1 if args.launcher == "python" else nproc)
         cfgs[run.name] = cfg

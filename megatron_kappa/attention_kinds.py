@@ -74,9 +74,10 @@ class Kind:
     local_spec: dict = field(default_factory=dict)  # get_gpt_layer_local_spec's keywords for its stock layer
     fp8_linears: dict = field(default_factory=lambda: dict(QKV_LINEARS))  # its linears → column | row (FP8)
     # pieces (megatron-core): **kwargs → its TransformerConfig (None: megatron's TransformerConfig);
-    # (cfg, device, the stock self-attention ModuleSpec) → its spec (None: the stock one)
+    # (the stock self-attention ModuleSpec, the attention projections' FP8Settings or None) → its spec
+    # (None: the stock one)
     transformer_config: Optional[Callable[..., Any]] = None
-    attention: Optional[Callable[[Any, Any, Any], Any]] = None
+    attention: Optional[Callable[[Any, Any], Any]] = None
     section: Optional[str] = None  # model.<section>: its own keys (marked `state` in the schema)
     validate: Optional[Callable[[Any, Any, Callable], None]] = None  # (model, par, need(ok, key, msg))
     fp8_widths: Optional[Callable[[Any, int], dict]] = None  # (model, t) → {key words: width} of its FP8 GEMMs

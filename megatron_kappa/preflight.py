@@ -18,7 +18,8 @@ import struct
 from pathlib import Path
 
 from megatron_kappa.checkpoint import resume
-from megatron_kappa.config import Config, ConfigError, ModelConfig, stage_layout, to_dict
+from megatron_kappa.config import (Config, ConfigError, DataConfig, EvalConfig, LogConfig, ModelConfig, ProfileConfig,
+                                   RunConfig, stage_layout, to_dict)
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.data.bos import documents_start_with_bos
@@ -65,10 +66,10 @@ def check_attention(m: ModelConfig):
                           "here (use sdpa)")
 
 
-def check_precision(cfg: Config):
+def check_precision(precision: str):
     """precision: fp8 needs torchao, and on CUDA a GPU of capability 9.0 or more (the widths and
     the experts' grouped GEMM are config checks: megatron_kappa.config.checks)."""
-    if cfg.precision != "fp8":
+    if precision != "fp8":
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("config: precision: fp8 needs torchao, which is not installed here "
@@ -113,78 +114,80 @@ def check_shard(key: str, prefix: str, vocab_size: int | None = None) -> list[in
     return lengths
 
 
-def check_data(cfg: Config):
-    """Shard files, and splits that megatron-core can build (an empty split makes its dataset
-    builder loop forever)."""
-    if cfg.data.mock:
+def check_data(data: DataConfig, vocab_size: int):
+    """Shard files (their token ids below model.vocab_size, `vocab_size`), and splits that
+    megatron-core can build (an empty split makes its dataset builder loop forever)."""
+    if data.mock:
         return
-    prefixes, _ = parse_blend(cfg.data.paths)
+    prefixes, _ = parse_blend(data.paths)
     if not prefixes:
         raise ConfigError("config: data.paths: empty (give shard prefixes, or set data.mock: true)")
-    valid_prefixes, _ = parse_blend(cfg.data.valid_paths, "data.valid_paths")
+    valid_prefixes, _ = parse_blend(data.valid_paths, "data.valid_paths")
     for prefix in valid_prefixes:
-        if not sum(check_shard("data.valid_paths", prefix, cfg.model.vocab_size)):
+        if not sum(check_shard("data.valid_paths", prefix, vocab_size)):
             raise ConfigError(f"config: data.valid_paths: {prefix}: no tokens")
     for prefix in prefixes:
-        lengths = check_shard("data.paths", prefix, cfg.model.vocab_size)
+        lengths = check_shard("data.paths", prefix, vocab_size)
         if valid_prefixes:
             if not sum(lengths):
                 raise ConfigError(f"config: data.paths: {prefix}: no tokens")
             continue
-        ranges = split_ranges(cfg.data.split, len(lengths))
+        ranges = split_ranges(data.split, len(lengths))
         for name, rng in zip(("train", "valid"), ranges[:2]):
             tokens = 0 if rng is None else sum(lengths[rng[0]:rng[1]])
             if not tokens:
                 counts = ", ".join(f"{n} {0 if r is None else r[1] - r[0]}" for n, r in
                                    zip(("train", "valid", "test"), ranges))
                 raise ConfigError(
-                    f"config: data.split: '{cfg.data.split}' leaves the {name} split of {prefix} empty "
+                    f"config: data.split: '{data.split}' leaves the {name} split of {prefix} empty "
                     f"({len(lengths)} documents: {counts}); give that split a larger share (e.g. "
                     f"data.split=90,10,0) or set data.valid_paths to held-out shards")
 
 
-def check_packing(cfg: Config):
+def check_packing(data: DataConfig):
     """data.packing: bestfit starts every row at a document's BOS and drops its EOD: the
     documents must start with BOS (data.bos, else the data prep manifest) and the tokenizer
     must say which ids those are. The dataset checks every document it packs as well."""
-    if cfg.data.packing != "bestfit" or cfg.data.mock:  # mock data: megatron's synthetic rows
+    if data.packing != "bestfit" or data.mock:  # mock data: megatron's synthetic rows
         return
-    if not cfg.data.tokenizer:
+    if not data.tokenizer:
         raise ConfigError("config: data.packing: bestfit needs data.tokenizer (its BOS and EOD ids)")
-    if not documents_start_with_bos(cfg.data):
-        why = "data.bos is false" if cfg.data.bos is False else \
+    if not documents_start_with_bos(data):
+        why = "data.bos is false" if data.bos is False else \
             "no data prep manifest.json beside data.paths says \"bos\": true (set data.bos: true if they do)"
         raise ConfigError(f"config: data.packing: bestfit needs documents that start with BOS; {why}; "
                           "or use data.packing: concat")
 
 
-def check_tokenizer(cfg: Config):
-    if not cfg.data.tokenizer:
+def check_tokenizer(data: DataConfig, vocab_size: int):
+    """data.tokenizer is a SentencePiece model whose vocabulary fits model.vocab_size (`vocab_size`),
+    and the one that made the shards."""
+    if not data.tokenizer:
         return
-    if not os.path.isfile(cfg.data.tokenizer):
-        raise ConfigError(f"config: data.tokenizer: {cfg.data.tokenizer}: no such file")
+    if not os.path.isfile(data.tokenizer):
+        raise ConfigError(f"config: data.tokenizer: {data.tokenizer}: no such file")
     from megatron_kappa.tokenizer import Tokenizer
 
     try:
-        vocab = Tokenizer(cfg.data.tokenizer).vocab_size
+        vocab = Tokenizer(data.tokenizer).vocab_size
     except (RuntimeError, ValueError, OSError) as e:
-        raise ConfigError(f"config: data.tokenizer: {cfg.data.tokenizer}: not a SentencePiece model "
+        raise ConfigError(f"config: data.tokenizer: {data.tokenizer}: not a SentencePiece model "
                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if vocab > cfg.model.vocab_size:
-        raise ConfigError(f"config: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
-                          f"tokenizer's {vocab} ({cfg.data.tokenizer})")
-    check_tokenizer_made_the_shards(cfg)
+    if vocab > vocab_size:
+        raise ConfigError(f"config: model.vocab_size: {vocab_size} is smaller than the "
+                          f"tokenizer's {vocab} ({data.tokenizer})")
+    check_tokenizer_made_the_shards(data)
 
 
-def check_tokenizer_made_the_shards(cfg: Config):
+def check_tokenizer_made_the_shards(data: DataConfig):
     """The data prep manifest.json beside each shard prefix records the sha256 of the tokenizer
     that made its token ids; another tokenizer would train on ids it does not mean (and CORE and
     export would decode them with it)."""
     import hashlib
-    if cfg.data.mock:
+    if data.mock:
         return
-    digest = hashlib.sha256(Path(cfg.data.tokenizer).read_bytes()).hexdigest()
-    for key, paths in (("data.paths", cfg.data.paths), ("data.valid_paths", cfg.data.valid_paths)):
+    digest = hashlib.sha256(Path(data.tokenizer).read_bytes()).hexdigest()
+    for key, paths in (("data.paths", data.paths), ("data.valid_paths", data.valid_paths)):
         for prefix in parse_blend(paths, key)[0]:
             manifest = Path(prefix).parent / "manifest.json"
             try:
@@ -192,22 +195,23 @@ def check_tokenizer_made_the_shards(cfg: Config):
             except (OSError, ValueError, AttributeError):
                 continue  # no manifest (shards made elsewhere): nothing recorded to compare
             if made_with and made_with != digest:
-                raise ConfigError(f"config: data.tokenizer: {cfg.data.tokenizer} is not the tokenizer {key} "
+                raise ConfigError(f"config: data.tokenizer: {data.tokenizer} is not the tokenizer {key} "
                                   f"{prefix} was made with ({manifest} records sha256 {made_with[:12]}…, this "
                                   f"file is {digest[:12]}…)")
 
 
 # --- evaluation, init weights, resume -----------------------------------------------------------
 
-def check_eval(cfg: Config):
-    if not cfg.eval.core_every:
+def check_eval(ev: EvalConfig, data: DataConfig):
+    """The quick CORE subset (eval.core_every) has its bundle and the tokenizer."""
+    if not ev.core_every:
         return
-    if not cfg.eval.core_bundle or not cfg.data.tokenizer:
+    if not ev.core_bundle or not data.tokenizer:
         raise ConfigError("config: eval.core_every: needs eval.core_bundle and data.tokenizer")
     from megatron_kappa.evaluation.bundle import BundleError, load_bundle
 
     try:
-        load_bundle(cfg.eval.core_bundle)
+        load_bundle(ev.core_bundle)
     except BundleError as e:
         raise ConfigError(f"config: eval.core_bundle: {e}") from None
 
@@ -224,11 +228,11 @@ def check_resume(cfg: Config, world: int):
     resume.check(meta.get("config"), to_dict(cfg), str(ckpts.folder(step)))
 
 
-def check_run_dir(cfg: Config):
+def check_run_dir(run: RunConfig):
     """run.dir can be made and written, and no live training holds it (megatron_kappa.train.run_lock;
     asked on rank 0, which takes the lock)."""
     from megatron_kappa.train.run_lock import RunLock
-    path = os.path.abspath(cfg.run.dir)
+    path = os.path.abspath(run.dir)
     problem = folder_problem(path)
     if problem:
         raise ConfigError(f"config: run.dir: {problem}")
@@ -237,14 +241,14 @@ def check_run_dir(cfg: Config):
         RunLock(path).check()            # of its own host that died (the other hosts' ranks cannot)
 
 
-def check_logging(cfg: Config, world: int):
+def check_logging(log: LogConfig, profile: ProfileConfig, world: int):
     """log.wandb needs the wandb package (an optional extra); profile.ranks must exist."""
     import importlib.util
-    if cfg.log.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"config: log.wandb.mode: {cfg.log.wandb.mode} needs the wandb package "
+    if log.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"config: log.wandb.mode: {log.wandb.mode} needs the wandb package "
                           "(pip install -e '.[wandb]'), or log.wandb.mode=disabled")
-    if cfg.profile.steps and any(r >= world for r in cfg.profile.ranks):
-        raise ConfigError(f"config: profile.ranks: {cfg.profile.ranks} names a rank the world of {world} "
+    if profile.steps and any(r >= world for r in profile.ranks):
+        raise ConfigError(f"config: profile.ranks: {profile.ranks} names a rank the world of {world} "
                           f"process{'es' * (world > 1)} does not have")
 
 
@@ -252,10 +256,10 @@ def preflight(cfg: Config, world: int | None = None):
     """All of the above, cheapest first. `world` defaults to what the launcher says."""
     world = world_size() if world is None else world
     check_parallel(cfg, world)
-    check_run_dir(cfg)
-    check_precision(cfg)
+    check_run_dir(cfg.run)
+    check_precision(cfg.precision)
     check_attention(cfg.model)
-    check_logging(cfg, world)
+    check_logging(cfg.log, cfg.profile, world)
     if cfg.train.init_weights and os.path.isdir(cfg.train.init_weights):  # a Hugging Face folder: the model's
         from megatron_kappa.import_hf.folder import HFFolder  # config against it (this imports torch)
         HFFolder(cfg.train.init_weights, "config: train.init_weights").check(cfg)
@@ -267,8 +271,8 @@ def preflight(cfg: Config, world: int | None = None):
             if f.read(4) != b"PK\x03\x04":
                 raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: not a state dict file "
                                   "(torch.save writes a zip archive; launch/consolidate.py makes one)")
-    check_data(cfg)
-    check_packing(cfg)
-    check_tokenizer(cfg)
-    check_eval(cfg)
+    check_data(cfg.data, cfg.model.vocab_size)
+    check_packing(cfg.data)
+    check_tokenizer(cfg.data, cfg.model.vocab_size)
+    check_eval(cfg.eval, cfg.data)
     check_resume(cfg, world)

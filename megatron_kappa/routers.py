@@ -64,17 +64,17 @@ def _topk(moe) -> float:
 
 @dataclass(frozen=True)
 class Router:
-    """A `model.moe.router` kind. `cfg` is a megatron_kappa.config.Config, `moe` its
-    model.moe section (MoEConfig). A built-in's `router`, `layer`, `after_step` and `metrics` are
-    `Given` placeholders; a router registered at run time gives the callables."""
+    """A `model.moe.router` kind. `moe` is the model.moe section (MoEConfig). A built-in's `router`,
+    `layer`, `after_step` and `metrics` are `Given` placeholders; a router registered at run time
+    gives the callables."""
     help: str  # docs/config.md: "<name> <what it is>" (model.moe.router's help lists them all)
-    # cfg → megatron TransformerConfig values for the MoE layers beyond those model.build sets for
+    # moe → megatron TransformerConfig values for the MoE layers beyond those model.build sets for
     # every router: at least moe_router_score_function and the load-balancing settings
     megatron: Callable[[Any], dict]
-    # (cfg, KappaSettings or None for plain experts) → the router's spec entry (class or partial);
+    # (moe, KappaSettings or None for plain experts) → the router's spec entry (class or partial);
     # with κ it returns probs [T, E, 2] = (weight, raw logit), as KappaRouter (model/moe.py)
     router: Callable[[Any, Any], Any]
-    # (cfg, κ experts: bool) → the MoE layer's spec entry (class or partial): its dispatcher must
+    # (moe, κ experts: bool) → the MoE layer's spec entry (class or partial): its dispatcher must
     # carry what `router` returns
     layer: Callable[[Any, bool], Any]
     after_step: Optional[Callable[[Any, Any], None]] = None  # (model, moe) after each optimizer step
@@ -117,25 +117,24 @@ def router_help() -> str:
 # each one's pieces: megatron_kappa/model/routers/<name>.py (`implement`)
 
 
-def _softmax_megatron(cfg) -> dict:
+def _softmax_megatron(moe) -> dict:
     return dict(moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
-                moe_aux_loss_coeff=cfg.model.moe.aux_loss_weight)
+                moe_aux_loss_coeff=moe.aux_loss_weight)
 
 
-def _sigmoid_megatron(cfg) -> dict:
+def _sigmoid_megatron(moe) -> dict:
     # Trinity: aux-loss-free balancing through a non-trained expert bias; DeepSeek-V3 adds a small
     # sequence-wise balance loss (model.moe.seq_aux_loss)
-    seq = cfg.model.moe.seq_aux_loss
+    seq = moe.seq_aux_loss
     return dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="seq_aux_loss" if seq else "none",
                 moe_aux_loss_coeff=seq, moe_router_enable_expert_bias=True,
-                moe_router_bias_update_rate=cfg.model.moe.bias_update_rate)
+                moe_router_bias_update_rate=moe.bias_update_rate)
 
 
-def _softmoe_megatron(cfg) -> dict:
+def _softmoe_megatron(moe) -> dict:
     """TransformerConfig values for SoftMoE layers. megatron's own top-k, balancing loss and
     capacity are not used (model/softmoe.py); `moe_router_topk` is the cap, which bounds what
     megatron sizes by it."""
-    moe = cfg.model.moe
     return dict(moe_router_topk=moe.softmoe.max_experts or moe.num_experts,
                 moe_router_score_function="softmax", moe_router_pre_softmax=True,
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=moe.aux_loss,

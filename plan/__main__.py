@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                                  planned_layouts=args.planned_layouts, progress=not args.no_progress)
             print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else planner.render_search(rows))
             return 0 if rows else 1
-        layout = planner.layout_of(cfg, args.world)
+        layout = planner.layout_of(cfg.parallel, args.world)
         layout = dataclasses.replace(layout, cp=args.cp or layout.cp, vpp=args.vpp or layout.vpp)
         result = planner.plan(cfg, layout, gpu_mem_gib=args.gpu_mem, gpus_per_node=args.gpus_per_node, rates=rates,
                               imbalance=args.expert_imbalance, planned=extra)

@@ -86,9 +86,9 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
         scores += kept["repeated"]
     norm_out = tokens * h / t  # a norm's output: the qkv input, the fc1 or router input
     # CP's all-gather: the gathered K/V and masks beyond the rank's own K and V, which it does not keep
-    gathered = context.kept_values(cfg, tokens, t, layout.cp, planned.ring_attention)
-    own_kv = context.own_values(cfg, tokens, t, layout.cp, planned.ring_attention)
-    rows = routed_rows_per_rank(cfg, layout, tokens, imbalance)
+    gathered = context.kept_values(cfg.model, tokens, t, layout.cp, planned.ring_attention)
+    own_kv = context.own_values(cfg.model, tokens, t, layout.cp, planned.ring_attention)
+    rows = routed_rows_per_rank(cfg.model.moe, layout, tokens, imbalance)
     expert_ffn = (moe.ffn_hidden_size or ffn) / layout.etp
     glu = 3 if planned.fused_swiglu else 5  # F-wide tensors a dense MLP or shared expert keeps a token
     shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t

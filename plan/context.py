@@ -35,13 +35,13 @@ K and V only.
 from __future__ import annotations
 
 from megatron_kappa import attention_kinds
-from megatron_kappa.config import Config
+from megatron_kappa.config import ModelConfig
 
 
-def kv_width(cfg: Config, tp: int) -> float:
+def kv_width(m: ModelConfig, tp: int) -> float:
     """Elements of K and V per token on one TP rank (what the exchange moves; MLA: the
     up-projected K, nope + rope, and V)."""
-    return attention_kinds.of(cfg.model).kv_elements(cfg.model) / tp
+    return attention_kinds.of(m).kv_elements(m) / tp
 
 
 def exchanges(recomputed: list[bool], cp: int, ring: bool = False) -> int:
@@ -55,18 +55,18 @@ def exchanges(recomputed: list[bool], cp: int, ring: bool = False) -> int:
     return (cp - 1) * sum(2 + bool(r) for r in recomputed)
 
 
-def kept_values(cfg: Config, tokens: float, tp: int, cp: int, ring: bool = False) -> float:
+def kept_values(m: ModelConfig, tokens: float, tp: int, cp: int, ring: bool = False) -> float:
     """Values one rank keeps per layer and micro-batch for the all-gather beyond the rank's own K
     and V (which the attention kinds' activations count): the gathered keys and values and the
     masks less the own K and V; 0 without CP and under the ring. `tokens`: the rank's, s·b/cp."""
     if cp == 1 or ring:
         return 0.0
-    chunk = cfg.model.seq_length / (2 * cp)
-    kv = kv_width(cfg, tp)
+    chunk = m.seq_length / (2 * cp)
+    kv = kv_width(m, tp)
     return (2 * cp + 1) / 2 * tokens * kv + (2 * cp + 1) * chunk ** 2 - tokens * kv
 
 
-def own_values(cfg: Config, tokens: float, tp: int, cp: int, ring: bool = False) -> float:
+def own_values(m: ModelConfig, tokens: float, tp: int, cp: int, ring: bool = False) -> float:
     """The rank's own K and V per layer and micro-batch where the all-gather keeps none of them
     (0 without CP and under the ring, which keep them)."""
-    return 0.0 if cp == 1 or ring else tokens * kv_width(cfg, tp)
+    return 0.0 if cp == 1 or ring else tokens * kv_width(m, tp)

@@ -40,11 +40,13 @@ interleaved schedule holds when each 1F1B step's forward ends before its backwar
 """
 from __future__ import annotations
 
+from megatron_kappa.config import ParallelConfig
 
-def runs(cfg, overlap: tuple[str, ...] = (), dualpipe: bool = False) -> bool:
+
+def runs(parallel: ParallelConfig, overlap: tuple[str, ...] = (), dualpipe: bool = False) -> bool:
     """Whether the estimate applies the trainer's EP overlap: the config sets it, and neither the
     planned-only whole-all-to-all overlap (`overlap` with "expert") nor DualPipe replaces it."""
-    return cfg.parallel.overlap_moe_expert_parallel_comm and "expert" not in overlap and not dualpipe
+    return parallel.overlap_moe_expert_parallel_comm and "expert" not in overlap and not dualpipe
 
 
 def warmup(pp: int, vpp: int, stage: int, micro_batches: int) -> int:

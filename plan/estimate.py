@@ -68,7 +68,7 @@ def plan_stage(cfg: Config, layout: Layout, stage: int, *, recompute: str | None
     states = state_bytes(params, cfg, layout, planned)
     offloaded = states.pop("offloaded", 0.0)
     grads = gradient_bytes(params, cfg, layout, planned)
-    buckets = bucket_bytes(cfg)
+    buckets = bucket_bytes(cfg.precision, cfg.train.grad_accum_dtype)
     keeps = dualpipe.rank_activations if dual else activation_bytes
     activations = {mode: keeps(cfg, layout, stage, mode, cfg.train.micro_batch, imbalance=imbalance, planned=planned)
                    for mode in ("none", "selective", "full")}

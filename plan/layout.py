@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa import attention_kinds, routers
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import Config, ConfigError, ParallelConfig
 from megatron_kappa.config.checks import validate
 from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.config.world import check_batch, check_world
@@ -45,8 +45,7 @@ class Layout:
         return f"TP{self.tp} PP{self.pp}{extra} EP{self.ep} ETP{self.etp} DP{dp} (EDP{edp})"
 
 
-def layout_of(cfg: Config, world: int) -> Layout:
-    par = cfg.parallel
+def layout_of(par: ParallelConfig, world: int) -> Layout:
     return Layout(world=world, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, cp=par.cp, vpp=par.vpp)
 
 

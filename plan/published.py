@@ -165,7 +165,7 @@ def megatron_model_flops(cfg) -> float:
     mlp = 3 * h * ((m.ffn_hidden_size or 4 * h) * dense_layers
                    + ((moe.ffn_hidden_size or m.ffn_hidden_size) * moe.topk + (moe.shared_ffn_hidden_size or 0))
                    * moe_layers)
-    return s * 3 * 2 * (mlp + attention * m.num_layers + h * padded_vocab_size(cfg))
+    return s * 3 * 2 * (mlp + attention * m.num_layers + h * padded_vocab_size(m.vocab_size, cfg.parallel.tp))
 
 
 def measured_seconds(run: Published) -> float | None:

@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa import attention_kinds
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, ModelConfig, TrainConfig
 from megatron_kappa.config import recompute as selective
 from plan import context as cp_exchange
 from plan import dualpipe as dual
@@ -96,7 +96,7 @@ class Rates:
 WIRE_BYTES = 2
 
 
-def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int, imbalance: float = 1.0) -> dict[str, float]:
+def layer_flops(m: ModelConfig, is_moe: bool, tokens: float, tp: int, imbalance: float = 1.0) -> dict[str, float]:
     """Forward matmul FLOPs of one layer on one rank for `tokens` tokens of its data-parallel
     replica (TP ranks share them), by part: "attention" (the projections, by the attention kind:
     megatron_kappa.attention_kinds; its recomputable share of them besides, "mla_up" for MLA's
@@ -104,7 +104,7 @@ def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int, imbalance: fl
     layer's), "router", "experts", "shared"; "matmul" is every part but the scores. Routed experts
     on the busiest rank (routed_rows): the stage's routed rows spread over its ranks, whatever EP
     and ETP are, at `imbalance` x the average."""
-    m, moe = cfg.model, cfg.model.moe
+    moe = m.moe
     h, s = m.hidden_size, m.seq_length
     out = dict.fromkeys(("attention", *attention_kinds.flop_parts(), "scores", "mlp", "router", "experts", "shared"),
                         0.0)
@@ -117,7 +117,7 @@ def layer_flops(cfg: Config, is_moe: bool, tokens: float, tp: int, imbalance: fl
     if not is_moe:
         out["mlp"] = 2 * tokens * 3 * h * ffn / tp
     else:
-        rows = routed_rows(cfg, tokens, imbalance)
+        rows = routed_rows(moe, tokens, imbalance)
         out["router"] = 2 * tokens * h * moe.num_experts / tp  # on the rank's sequence-parallel share
         out["experts"] = 2 * rows * 3 * h * (moe.ffn_hidden_size or ffn) / tp
         out["shared"] = 2 * tokens * 3 * h * (moe.shared_ffn_hidden_size or 0) / tp
@@ -136,11 +136,10 @@ def recomputed_flops(f: dict[str, float], recompute: str, modules: tuple[str, ..
     return sum(f[p] for p in chosen)
 
 
-def stage_layers(cfg: Config, shape, stage: int, recompute: str):
+def stage_layers(m: ModelConfig, shape, stage: int, recompute: str):
     """Each layer of `stage`: (whether it is a MoE layer, the FLOPs its backward does again as a
     function of its layer_flops). Full recompute covers the stage's first model.recompute_layers
     layers (all without it), selective recompute every layer (recomputed_flops)."""
-    m = cfg.model
     modules = selective.selected(m, shape.has_moe)
     blocks = m.recompute_layers if m.recompute_layers is not None else len(shape.moe_layers)
     for i, is_moe in enumerate(shape.stage_moe_layers(stage)):
@@ -148,17 +147,16 @@ def stage_layers(cfg: Config, shape, stage: int, recompute: str):
         yield is_moe, (lambda f, again=again: recomputed_flops(f, recompute, modules) if again else 0.0)
 
 
-def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0,
+def stage_flops(m: ModelConfig, shape, stage: int, tokens: float, tp: int, recompute: str, imbalance: float = 1.0,
                 scores_only: bool = False) -> float:
     """One step's FLOPs on one rank of `stage` (forward, backward = 2 x forward, recompute);
     `scores_only`: of the attention cores alone (QKᵀ and AV, done again where recomputed)."""
-    m = cfg.model
 
     def part(f):  # with scores_only, the layer's attention cores alone
         return {**dict.fromkeys(f, 0.0), "scores": f["scores"]} if scores_only else f
     total = 0.0
-    for is_moe, again in stage_layers(cfg, shape, stage, recompute):
-        f = part(layer_flops(cfg, is_moe, tokens, tp, imbalance))
+    for is_moe, again in stage_layers(m, shape, stage, recompute):
+        f = part(layer_flops(m, is_moe, tokens, tp, imbalance))
         total += 3 * (f["matmul"] + f["scores"]) + again(f)
     if stage == shape.pp - 1:
         output = 0.0 if scores_only else 2 * tokens * m.hidden_size * shape.padded_vocab / tp
@@ -166,22 +164,22 @@ def stage_flops(cfg: Config, shape, stage: int, tokens: float, tp: int, recomput
         total += 3 * output
         last = shape.moe_layers[-1]
         for _ in range(m.mtp.num_layers):  # a layer of the last kind, eh_proj and the output layer again
-            f = part(layer_flops(cfg, last, tokens, tp, imbalance))
+            f = part(layer_flops(m, last, tokens, tp, imbalance))
             total += 3 * (f["matmul"] + f["scores"] + eh_proj + output)
     return total
 
 
-def expert_gemm_rows(cfg: Config, layout, imbalance: float = 1.0) -> float:
+def expert_gemm_rows(m: ModelConfig, train: TrainConfig, layout, imbalance: float = 1.0) -> float:
     """M of each local expert's GEMMs per micro-batch on the busiest rank: the micro-batch's tokens
     on a CP rank, each TP rank routing its sequence-parallel share, k rows a token; an EP rank
     receives as many rows as it sends (balanced), gathers its ETP peers' too, and spreads them
     over its E / EP experts: etp · ep · k · s·b / (cp · tp · E)."""
-    m = cfg.model
-    tokens = m.seq_length * cfg.train.micro_batch / layout.cp
-    return routed_rows(cfg, tokens, imbalance) / layout.tp * layout.etp * layout.ep / m.moe.num_experts
+    tokens = m.seq_length * train.micro_batch / layout.cp
+    return routed_rows(m.moe, tokens, imbalance) / layout.tp * layout.etp * layout.ep / m.moe.num_experts
 
 
-def expert_memory_seconds(cfg: Config, layout, rate: float, hbm: float, imbalance: float = 1.0) -> float:
+def expert_memory_seconds(m: ModelConfig, train: TrainConfig, precision: str, layout, rate: float, hbm: float,
+                          imbalance: float = 1.0) -> float:
     """What one pass (a forward, or one of backward's two GEMMs of each weight) of one MoE layer's
     local experts for one micro-batch takes beyond its FLOPs at `rate` where HBM bounds it (a
     roofline: each GEMM takes the longer of its FLOPs at `rate` and its bytes at `hbm`). A GEMM of
@@ -190,27 +188,26 @@ def expert_memory_seconds(cfg: Config, layout, rate: float, hbm: float, imbalanc
     and do as many FLOPs. An expert's fc1 is M x h by h x 2F' (gate and up, F' = F / ETP), its fc2 M x F' by
     F' x h; the rank holds E / EP experts, M = expert_gemm_rows. With few rows per expert
     (fine-grained experts at small EP) reading the weights dominates, which FLOPs alone leave free."""
-    m, moe = cfg.model, cfg.model.moe
-    rows, h = expert_gemm_rows(cfg, layout, imbalance), m.hidden_size
+    moe = m.moe
+    rows, h = expert_gemm_rows(m, train, layout, imbalance), m.hidden_size
     f = (moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h) / layout.etp
-    result = 4 if cfg.precision == "fp32" else 2
-    operand = 1 if cfg.precision == "fp8" else result
+    result = 4 if precision == "fp32" else 2
+    operand = 1 if precision == "fp8" else result
     excess = 0.0
     for k, n in ((h, 2 * f), (f, h)):  # fc1, fc2
         excess += max(0.0, (operand * (rows * k + k * n) + result * rows * n) / hbm - 2 * rows * k * n / rate)
     return excess * moe.num_experts / layout.ep
 
 
-def expert_passes(cfg: Config, shape, stage: int) -> float:
+def expert_passes(m: ModelConfig, shape, stage: int) -> float:
     """The passes over the routed experts per micro-batch on `stage` (expert_memory_seconds):
     forward and backward's two for each MoE layer (and each MTP depth of one), one more for each
     layer whose experts recompute (full recompute of that layer, or the selective "moe" module),
     as stage_flops counts their FLOPs (stage_layers)."""
-    m = cfg.model
     one_pass = dict.fromkeys(("attention", *attention_kinds.flop_parts(), "scores", "mlp", "router", "shared"),
                              0.0)
     one_pass.update(experts=1.0, matmul=1.0)  # a layer_flops of the experts' one forward alone
-    passes = sum(3 + again(one_pass) for is_moe, again in stage_layers(cfg, shape, stage, m.recompute) if is_moe)
+    passes = sum(3 + again(one_pass) for is_moe, again in stage_layers(m, shape, stage, m.recompute) if is_moe)
     if stage == shape.pp - 1 and shape.moe_layers[-1]:
         passes += 3 * m.mtp.num_layers
     return passes
@@ -225,7 +222,7 @@ def _span(group: int, stride: int, gpus_per_node: int) -> bool:
 OVERLAPPABLE = tuple(t for t in OVERLAP if t != "data")
 
 
-def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvlink: float, ib: float,
+def _dispatch_seconds(m: ModelConfig, rows: float, layout, gpus_per_node: int, nvlink: float, ib: float,
                       node_dispatch: bool) -> float:
     """One all-to-all (dispatch or combine) of a MoE layer: `rows` routed rows of h values from
     this rank, (EP - 1) / EP of them to other ranks, on NVLink inside a node. With EP across n
@@ -236,7 +233,7 @@ def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvli
     most min(top-k, the groups a token may use under num_groups, n) nodes, (n - 1) / n of them
     remote, then on over NVLink to its experts there (every routed row once), the two links at
     once (§3.2.2: "fully overlapped")."""
-    moe, h, ep, etp = cfg.model.moe, cfg.model.hidden_size, layout.ep, layout.etp
+    moe, h, ep, etp = m.moe, m.hidden_size, layout.ep, layout.etp
     if not _span(ep, etp, gpus_per_node):
         return rows * h * WIRE_BYTES * (ep - 1) / ep / nvlink
     nodes = -(-ep * etp // gpus_per_node)
@@ -248,7 +245,7 @@ def _dispatch_seconds(cfg: Config, rows: float, layout, gpus_per_node: int, nvli
     return max(remote * h * WIRE_BYTES / ib, rows * h * WIRE_BYTES / nvlink)
 
 
-def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[float, int]:
+def tensor_collectives(m: ModelConfig, train: TrainConfig, shape, stage: int, cp: int = 1) -> tuple[float, int]:
     """Sequence parallelism's collectives on the TP group per micro-batch, forward and backward, on
     one rank of `stage`: (their volume in tokens x h collectives, their number). Each TP-split
     block (attention, a dense MLP, a shared expert; the routed experts go through the dispatcher
@@ -266,7 +263,6 @@ def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[flo
     exponentials and the target logit of each loss chunk (model.cross_entropy_chunk of the rank's
     tokens, s·b/cp; one chunk under megatron's own loss): a few values per token, counted in
     number only. MTP layers are not counted."""
-    m = cfg.model
     shared = bool(m.moe.shared_ffn_hidden_size)
     layers = shape.stage_moe_layers(stage)
     blocks = sum(1 + ((not is_moe) or shared) for is_moe in layers)
@@ -276,7 +272,7 @@ def tensor_collectives(cfg: Config, shape, stage: int, cp: int = 1) -> tuple[flo
         volume += 3 * len(layers) * sum(narrow) / m.hidden_size
         count += 3 * len(layers) * len(narrow)
     if stage == shape.pp - 1:
-        tokens = m.seq_length * cfg.train.micro_batch // cp
+        tokens = m.seq_length * train.micro_batch // cp
         volume += 3
         count += 3 + 3 * (-(-tokens // m.cross_entropy_chunk) if m.cross_entropy_chunk else 1)
     return volume, count
@@ -325,26 +321,26 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
     nvlink, ib = rates.nvlink_gbs * 1e9, rates.ib_gbs * 1e9
     alpha = rates.latency_us * 1e-6
     hbm = rates.hbm_tbs * 1e12
-    ep_overlapped = ep_overlap.runs(cfg, overlap, dualpipe)  # the trainer's combined 1F1B
+    ep_overlapped = ep_overlap.runs(cfg.parallel, overlap, dualpipe)  # the trainer's combined 1F1B
     # ZeRO's traffic per parameter: its gradient reduce-scattered in the dtype it is reduced in
     # (fp32 under fp32 accumulation), the updated weight all-gathered in the weights' dtype
-    zero_bytes = reduced_bytes(cfg) + value_bytes(cfg.precision)
+    zero_bytes = reduced_bytes(cfg.precision, train.grad_accum_dtype) + value_bytes(cfg.precision)
 
     # one pass of one MoE layer's local experts for one micro-batch: the same on every stage
-    per_pass = expert_memory_seconds(cfg, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
+    per_pass = expert_memory_seconds(m, train, cfg.precision, layout, rate, hbm, imbalance) if shape.has_moe else 0.0
     per_stage = []
     for stage in range(p):
-        compute = _seconds(cfg, shape, stage, tokens, t, m.recompute, imbalance, rate, attention)
-        forward = _seconds(cfg, shape, stage, tokens, t, "none", imbalance, rate, attention) / 3
-        memory = per_pass * micro * expert_passes(cfg, shape, stage)
+        compute = _seconds(m, shape, stage, tokens, t, m.recompute, imbalance, rate, attention)
+        forward = _seconds(m, shape, stage, tokens, t, "none", imbalance, rate, attention) / 3
+        memory = per_pass * micro * expert_passes(m, shape, stage)
         layers = shape.stage_moe_layers(stage)
         fixed = rates.layer_ms * 1e-3 * micro * (len(layers) + m.mtp.num_layers * (stage == p - 1))
         act = tokens * m.hidden_size * WIRE_BYTES  # the replica's tokens x hidden, once
-        volume, count = tensor_collectives(cfg, shape, stage, cp)
+        volume, count = tensor_collectives(m, train, shape, stage, cp)
         tensor = volume * act * (t - 1) / t / (ib if _span(t, 1, gpus_per_node) else nvlink) \
             + alpha * count * micro * (t - 1) if t > 1 else 0.0
-        rows = routed_rows(cfg, tokens, imbalance) / t
-        expert = 4 * sum(layers) * _dispatch_seconds(cfg, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
+        rows = routed_rows(m.moe, tokens, imbalance) / t
+        expert = 4 * sum(layers) * _dispatch_seconds(m, rows, layout, gpus_per_node, nvlink, ib, node_dispatch)
         # expert TP: after the all-to-all megatron's dispatcher all-gathers the rows over the ETP
         # group (each rank receives its ETP peers' rows) and the combine reduce-scatters them:
         # with their backward, 4 collectives per MoE layer of rows x (etp - 1) x h
@@ -352,9 +348,9 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
             / (ib if _span(etp, 1, gpus_per_node) else nvlink)
         expert += alpha * sum(layers) * micro * dispatcher_messages(ep, etp)
         # each exchange sends one share of the rank's K and V (plan.context); a recomputed core gathers again
-        steps = cp_exchange.exchanges([again(SCORES) > 0 for _, again in stage_layers(cfg, shape, stage, m.recompute)],
+        steps = cp_exchange.exchanges([again(SCORES) > 0 for _, again in stage_layers(m, shape, stage, m.recompute)],
                                       cp, ring_attention)
-        context = steps * tokens * cp_exchange.kv_width(cfg, t) * WIRE_BYTES \
+        context = steps * tokens * cp_exchange.kv_width(m, t) * WIRE_BYTES \
             / (ib if _span(cp, t, gpus_per_node) else nvlink) + alpha * steps * micro
         boundaries = (stage > 0) + (stage < p - 1)
         pipeline = v * boundaries * (2 * act / t / (ib if _span(p, t * cp * dp, gpus_per_node) else nvlink)
@@ -372,7 +368,8 @@ def step_time(cfg: Config, layout, *, stage_params: list[dict[str, int]], rates:
                           "forward": forward, "recomputed": compute - 3 * forward,
                           "paired": ep_overlap.paired_share(p, v, stage, micro) if ep_overlapped else 0.0})
     if dualpipe:
-        per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha, reduced_bytes(cfg))
+        per_stage = dual.ranks(per_stage, layout, gpus_per_node, nvlink, ib, alpha,
+                             reduced_bytes(cfg.precision, train.grad_accum_dtype))
     slowest = max(per_stage, key=lambda r: _busy(r, overlap))
     busy = _busy(slowest, overlap)
     if dualpipe:
@@ -397,12 +394,12 @@ SCORES = {**dict.fromkeys(("attention", *attention_kinds.flop_parts(), "mlp", "r
                           0.0), "scores": 1.0}
 
 
-def _seconds(cfg, shape, stage, tokens, tp, recompute, imbalance, rate, attention) -> float:
+def _seconds(m: ModelConfig, shape, stage, tokens, tp, recompute, imbalance, rate, attention) -> float:
     """A stage's FLOPs in seconds: the attention cores at `attention`, the rest at `rate`."""
-    total = stage_flops(cfg, shape, stage, tokens, tp, recompute, imbalance)
+    total = stage_flops(m, shape, stage, tokens, tp, recompute, imbalance)
     if attention == rate:
         return total / rate
-    scores = stage_flops(cfg, shape, stage, tokens, tp, recompute, imbalance, scores_only=True)
+    scores = stage_flops(m, shape, stage, tokens, tp, recompute, imbalance, scores_only=True)
     return (total - scores) / rate + scores / attention
 
 

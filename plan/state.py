@@ -4,7 +4,7 @@ configures it (megatron_kappa.parallel.engine.ds_config): weights, gradients at 
 optimizer moments (Muon's momentum with the copy ZeRO stages it in) and the reduce bucket."""
 from __future__ import annotations
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import Config, ModelConfig, TrainConfig
 from plan.layout import Layout
 from plan.params import EXPERT_KINDS, largest_tensors
 from plan.planned import Planned
@@ -13,21 +13,21 @@ from plan.units import value_bytes
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 
 
-def fp32_accumulation(cfg: Config) -> bool:
+def fp32_accumulation(precision: str, grad_accum_dtype: str) -> bool:
     """bf16/fp8 weights whose gradients are summed and reduced in fp32 (train.grad_accum_dtype;
     the trainer's megatron_kappa.parallel.grad_precision.fp32_accumulation, restated here because
     the planner loads no torch)."""
-    return cfg.precision in ("bf16", "fp8") and cfg.train.grad_accum_dtype == "fp32"
+    return precision in ("bf16", "fp8") and grad_accum_dtype == "fp32"
 
 
-def reduced_bytes(cfg: Config) -> int:
+def reduced_bytes(precision: str, grad_accum_dtype: str) -> int:
     """Bytes of one gradient value as ZeRO accumulates and reduces it: 4 under fp32 accumulation
     (DeepSpeed's grad_accum_dtype and communication_data_type fp32), else the weights' (2 in bf16
     and fp8, 4 in fp32). Muon's momentum takes the same dtype (muon_momentum_bytes)."""
-    return 4 if fp32_accumulation(cfg) else value_bytes(cfg.precision)
+    return 4 if fp32_accumulation(precision, grad_accum_dtype) else value_bytes(precision)
 
 
-def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> list[dict]:
+def optimizer_groups(params: dict[str, int], m: ModelConfig, train: TrainConfig, layout: Layout) -> list[dict]:
     """DeepSpeed's parameter groups on one rank, as this project forms them
     (megatron_kappa.optim.optimizer.param_groups, then DeepSpeed's split of the experts into
     groups of their own when they are reduced over the expert-data-parallel group, i.e. when
@@ -35,13 +35,13 @@ def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> lis
     its largest tensor and whether Muon/Aurora update it (`muon`: the matrices and the experts
     under muon/aurora)."""
     apart = layout.ep > 1 or layout.etp != layout.tp
-    routers_apart = cfg.train.optimizer != "adamw" and cfg.train.router_optimizer != "matrix"
+    routers_apart = train.optimizer != "adamw" and train.router_optimizer != "matrix"
     members = {"matrix": ["attention", "dense_mlp", "shared_experts"] + ([] if routers_apart else ["router"])
                + ([] if apart else ["experts"]),
                "experts": ["experts"] if apart else [], "router": ["router"] if routers_apart else [],
                "embedding": ["embedding", "value_embedding"], "output": ["output"], "norm": ["norm"],
                "kappa": ["kappa"]}
-    largest = largest_tensors(cfg, layout)
+    largest = largest_tensors(m, layout)
     out = []
     for name, kinds in members.items():
         n = sum(params.get(k, 0) for k in kinds)
@@ -49,7 +49,7 @@ def optimizer_groups(params: dict[str, int], cfg: Config, layout: Layout) -> lis
             d = layout.edp if apart and name in ("experts", "kappa") else layout.zero_dp
             out.append({"name": name, "elements": n, "d": d,
                         "largest": min(n, max(largest[k] for k in kinds if params.get(k, 0))),
-                        "muon": cfg.train.optimizer != "adamw" and name in ("matrix", "experts")})
+                        "muon": train.optimizer != "adamw" and name in ("matrix", "experts")})
     return out
 
 
@@ -84,9 +84,9 @@ def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned:
     The reduce bucket (`bucket_bytes`) comes on top during backward. With the optimizer offloaded
     (planned only) the step's fp32 gradient is made in CPU memory: the step holds the partitions."""
     size = value_bytes(cfg.precision)
-    fp32 = fp32_accumulation(cfg)
-    grad = reduced_bytes(cfg)  # bytes of an accumulated gradient
-    groups = optimizer_groups(params, cfg, layout)
+    fp32 = fp32_accumulation(cfg.precision, cfg.train.grad_accum_dtype)
+    grad = reduced_bytes(cfg.precision, cfg.train.grad_accum_dtype)  # bytes of an accumulated gradient
+    groups = optimizer_groups(params, cfg.model, cfg.train, layout)
     copied = [g for g in groups if g["muon"] or not fp32]  # whole tensors in the partition, a copy at the step
     partitions = sum(g["elements"] / g["d"] for g in groups)
     edges = sum(_edges(g) for g in copied)
@@ -112,7 +112,7 @@ def _edges(group: dict) -> float:
     return min(group["elements"] - group["elements"] / group["d"], 2 * group["largest"])
 
 
-def muon_momentum_bytes(params: dict[str, int], cfg: Config, layout: Layout,
+def muon_momentum_bytes(params: dict[str, int], m: ModelConfig, train: TrainConfig, precision: str, layout: Layout,
                         planned: Planned = Planned()) -> dict[str, float]:
     """The momentum DeepSpeed 0.19.8's ZeRO-1/2 keeps for the Muon/Aurora groups on one rank
     (runtime/zero/stage_1_and_2.py): "committed", the optimizer state's flat momentum_buffer over
@@ -125,10 +125,10 @@ def muon_momentum_bytes(params: dict[str, int], cfg: Config, layout: Layout,
     tensors are small). Planned only: bf16 moments (2 bytes); the optimizer offloaded, the
     momentum is the fp32 partition in CPU memory, no staging ("offloaded", not on the GPU). 0
     under adamw."""
-    if cfg.train.optimizer == "adamw":
+    if train.optimizer == "adamw":
         return {"committed": 0.0, "staged": 0.0, "offloaded": 0.0}
-    muon = [g for g in optimizer_groups(params, cfg, layout) if g["muon"]]
-    k = cfg.model.kappa
+    muon = [g for g in optimizer_groups(params, m, train, layout) if g["muon"]]
+    k = m.kappa
     alpha = 0.0
     if k.alpha_optimizer == "matrix" and k.use_alpha and params.get("kappa"):
         d = layout.edp if layout.ep > 1 or layout.etp != layout.tp else layout.zero_dp
@@ -137,7 +137,7 @@ def muon_momentum_bytes(params: dict[str, int], cfg: Config, layout: Layout,
         partition = sum(g["elements"] / g["d"] for g in muon) + alpha
         return {"committed": 0.0, "staged": 0.0, "offloaded": 4 * partition}
     elements = sum(g["elements"] / g["d"] + _edges(g) for g in muon) + alpha
-    size = 2 if planned.optimizer_states == "bf16" else reduced_bytes(cfg)
+    size = 2 if planned.optimizer_states == "bf16" else reduced_bytes(precision, train.grad_accum_dtype)
     return {"committed": size * elements, "staged": size * elements, "offloaded": 0.0}
 
 
@@ -159,7 +159,7 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
     grads = gradient_bytes(params, cfg, layout, planned)
     out = dict(weights=0.0, gradients=max(grads["backward"], grads["step"]), master=0.0, moments=0.0)
     # the kinds Muon/Aurora update, as the optimizer groups hold them (their moments: muon_momentum_bytes)
-    groups = {g["name"] for g in optimizer_groups(params, cfg, layout) if g["muon"]}
+    groups = {g["name"] for g in optimizer_groups(params, cfg.model, cfg.train, layout) if g["muon"]}
     matrices = {"attention", "dense_mlp", "shared_experts"} | ({"experts"} if groups else set()) | (
         {"router"} if "matrix" in groups and cfg.train.router_optimizer == "matrix" else set())
     k = cfg.model.kappa  # "kappa" counts α and b alike; α's share is orthogonalised with `matrix`
@@ -176,7 +176,7 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
         else:
             moments = 2
         out["moments"] += moments * moment_bytes * n / d
-    muon = muon_momentum_bytes(params, cfg, layout, planned)
+    muon = muon_momentum_bytes(params, cfg.model, cfg.train, cfg.precision, layout, planned)
     out["moments"] += muon["committed"] + muon["staged"]
     if planned.offload_optimizer:
         out["offloaded"] = out["master"] + out["moments"] + muon["offloaded"]
@@ -184,10 +184,10 @@ def state_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Pl
     return out
 
 
-def bucket_bytes(cfg: Config) -> float:
+def bucket_bytes(precision: str, grad_accum_dtype: str) -> float:
     """DeepSpeed's reduce bucket: `reduce_bucket_size` (5e8) elements in the dtype gradients are
     reduced in (fp32 under fp32 accumulation), allocated whole at the first gradient of each
     backward pass and released after it (under ZeRO-1 with fp32 accumulation, after the step:
     the accumulators it reduced point into it until then). The updated weights are all-gathered
     in place, so there is no all-gather bucket."""
-    return REDUCE_BUCKET_ELEMENTS * reduced_bytes(cfg)
+    return REDUCE_BUCKET_ELEMENTS * reduced_bytes(precision, grad_accum_dtype)

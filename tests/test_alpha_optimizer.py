@@ -136,7 +136,8 @@ def zero_step(cfg, lr: float):
         for n, p in model.named_parameters():
             if n.endswith("kappa_alpha"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     muon.install(muon.update_fn(cfg.train, D))
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
@@ -206,7 +207,8 @@ def test_freeze_holds_alpha_at_exactly_zero_in_the_matrix_group(world1):
                                                   "model.kappa.freeze_fraction=0.5"])
     torch.manual_seed(0)
     model = build_model(cfg, current_device())
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     freeze = recipe.KappaFreeze(model, total, cfg.model.kappa)
     assert freeze.start == 3
@@ -267,9 +269,9 @@ def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
 
     def moments(*sets):
         cfg = load_config("configs/tiny.yaml", TINY + [f"parallel.ep={ep}", *sets])
-        layout = planner.layout_of(cfg, world)
+        layout = planner.layout_of(cfg.parallel, world)
         params = planner.stage_params(cfg, layout, 0)
-        muon = muon_momentum_bytes(params, cfg, layout)
+        muon = muon_momentum_bytes(params, cfg.model, cfg.train, cfg.precision, layout)
         return planner.state_bytes(params, cfg, layout)["moments"], muon["committed"] + muon["staged"], layout
     from megatron_kappa.model.build import build_model
     alphas = sum(p.numel() for n, p in build_model(load_config("configs/tiny.yaml", TINY), meta=True).named_parameters()

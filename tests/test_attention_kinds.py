@@ -46,7 +46,7 @@ def toy_kind() -> attention_kinds.Kind:
     return attention_kinds.Kind(
         help=f"{TOY}: multi-head attention with a q/k/v bias",
         megatron=lambda model: dict(num_query_groups=None, kv_channels=model.head_dim, add_qkv_bias=True),
-        attention=lambda cfg, device, spec: dataclasses.replace(spec, module=CountingAttention),
+        attention=lambda spec, attention_fp8: dataclasses.replace(spec, module=CountingAttention),
         validate=_toy_rules)
 
 

@@ -89,7 +89,7 @@ def test_the_weighted_form_without_valid_paths_builds(sample_shards, tmp_path):
     cfg = load_config("configs/tiny.yaml", [
         "data.mock=false", f"data.paths=[0.7,{a},0.3,{a}]", "data.split=90,10,0",
         f"data.tokenizer={sample_shards['tokenizer']}", f"run.dir={tmp_path}"])
-    check_data(cfg)
+    check_data(cfg.data, cfg.model.vocab_size)
     train, valid = build_datasets(cfg, 40, 8)
     assert len(train) >= 40 and len(valid) >= 8 and len(train.datasets) == 2
     for weights, key in (("-1,{a},2,{a}", "data.paths"), ("0,{a},0,{a}", "data.paths"),
@@ -97,7 +97,7 @@ def test_the_weighted_form_without_valid_paths_builds(sample_shards, tmp_path):
         bad = load_config("configs/tiny.yaml", ["data.mock=false", "data.paths=[" + weights.format(a=a) + "]",
                                                 f"run.dir={tmp_path}"])
         with pytest.raises(ConfigError, match=rf"^config: {key}: expected non-negative weights, not all 0"):
-            check_data(bad)
+            check_data(bad.data, bad.model.vocab_size)
 
 
 def test_the_wrong_tokenizer_for_the_shards_is_refused(sample_shards, tmp_path):
@@ -108,7 +108,11 @@ def test_the_wrong_tokenizer_for_the_shards_is_refused(sample_shards, tmp_path):
     from megatron_kappa.config import ConfigError
     from megatron_kappa.preflight import check_tokenizer
     base = ["data.mock=false", f"data.paths=[{sample_shards['train'][0]}]", f"run.dir={tmp_path}"]
-    check_tokenizer(load_config("configs/tiny.yaml", [*base, f"data.tokenizer={sample_shards['tokenizer']}"]))
+    def check(*sets):
+        cfg = load_config("configs/tiny.yaml", [*base, *sets])
+        check_tokenizer(cfg.data, cfg.model.vocab_size)
+
+    check(f"data.tokenizer={sample_shards['tokenizer']}")
     other = tmp_path / "other.model"  # another SentencePiece model, trained here
     text = tmp_path / "text.txt"
     text.write_text("\n".join(f"a sentence number {i} about {w}" for i, w in enumerate(["cats", "dogs"] * 200)))
@@ -117,4 +121,4 @@ def test_the_wrong_tokenizer_for_the_shards_is_refused(sample_shards, tmp_path):
     assert other.is_file()
     with pytest.raises(ConfigError, match=r"^config: data.tokenizer: .*other.model is not the tokenizer data.paths "
                                           r".* was made with \(.*manifest.json records sha256 "):
-        check_tokenizer(load_config("configs/tiny.yaml", [*base, f"data.tokenizer={other}"]))
+        check(f"data.tokenizer={other}")

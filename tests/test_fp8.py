@@ -261,19 +261,19 @@ def test_preflight_fp8_needs_torchao_and_hopper(monkeypatch):
 
     from megatron_kappa.preflight import check_precision
     cfg = load_config("configs/tiny.yaml", ["precision=fp8"])
-    check_precision(cfg)  # CPU: emulated
+    check_precision(cfg.precision)  # CPU: emulated
     assert fp8_capability_error((9, 0)) is None and fp8_capability_error((10, 0)) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.delenv("MEGATRON_KAPPA_DEVICE", raising=False)
     with pytest.raises(ConfigError, match=r"capability 9.0 or more .* this one is 8.0"):
-        check_precision(cfg)
+        check_precision(cfg.precision)
     monkeypatch.setenv("MEGATRON_KAPPA_DEVICE", "cpu")  # forced onto the CPU: emulated, fine
-    check_precision(cfg)
+    check_precision(cfg.precision)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ConfigError, match="precision: fp8 needs torchao"):
-        check_precision(cfg)
+        check_precision(cfg.precision)
 
 
 def test_log_line_says_emulated():

@@ -30,7 +30,8 @@ def test_upstream_names_exist():
 
 def test_the_deepspeed_config_asks_for_fp32():
     def entries(*sets):
-        d = ds_engine.ds_config(load_config("configs/tiny.yaml", list(sets)), 1)
+        cfg = load_config("configs/tiny.yaml", list(sets))
+        d = ds_engine.ds_config(ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision), 1)
         return d.get("data_types"), d.get("communication_data_type")
     assert entries("precision=bf16") == ({"grad_accum_dtype": "fp32"}, "fp32")  # the default
     assert entries("precision=fp8") == ({"grad_accum_dtype": "fp32"}, "fp32")
@@ -49,7 +50,8 @@ def update_dtypes(method, zero, accum):
                                             f"zero.stage={zero}", "precision=bf16", f"train.grad_accum_dtype={accum}"])
     torch.manual_seed(0)
     model = build_model(cfg, current_device())
-    engine, zero_opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 2,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, zero_opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 2,
                                             lambda groups: optim.build_optimizer(groups, cfg.train))
     seen = collections.Counter()
     update = None

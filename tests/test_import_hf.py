@@ -176,7 +176,7 @@ def test_settings_read_back_the_models_that_each_target_exports(target):
 
     def config_json(cfg):
         return adapter.config(cfg.model, model_layout(cfg), special,
-                              kappa_settings(cfg) if cfg.model.kappa.enabled else None)
+                              kappa_settings(cfg.model.kappa) if cfg.model.kappa.enabled else None)
     cfg = load_config("configs/tiny.yaml", [*EXPORTED[target], "model.seq_length=32"])
     written = config_json(cfg)
     hf = config_class(adapter).from_dict(json.loads(json.dumps(written)))

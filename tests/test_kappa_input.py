@@ -198,14 +198,14 @@ def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
 
 
 def test_variant_settings_and_conflicting_keys():
-    assert kappa_settings(kcfg()) == kappa_settings(kcfg("input=logit"))
-    s = kappa_settings(kcfg("input=normalized"))
+    assert kappa_settings(kcfg().model.kappa) == kappa_settings(kcfg("input=logit").model.kappa)
+    s = kappa_settings(kcfg("input=normalized").model.kappa)
     assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale, s.input) == (4.0, 1.0, 1.0, 0.1, "normalized")
-    s = kappa_settings(kcfg("input=scaled"))
+    s = kappa_settings(kcfg("input=scaled").model.kappa)
     assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale) == (3.0, 0.15, 2.0, 0.1)
-    s = kappa_settings(kcfg("input=scaled", "router_grad_scale=1", "U=5"))
+    s = kappa_settings(kcfg("input=scaled", "router_grad_scale=1", "U=5").model.kappa)
     assert (s.U, s.router_grad_scale) == (5.0, 1.0)
-    s = kappa_settings(kcfg("logit_scale=0.15", "tanh_gain=2"))  # the input logit takes them freely
+    s = kappa_settings(kcfg("logit_scale=0.15", "tanh_gain=2").model.kappa)  # the input logit takes them freely
     assert (s.logit_scale, s.tanh_gain, s.router_grad_scale) == (0.15, 2.0, 1.0)
     for sets, key in [(("input=scaled", "logit_scale=0.3"), "model.kappa.logit_scale"),
                       (("input=normalized", "tanh_gain=2"), "model.kappa.tanh_gain"),
@@ -267,7 +267,7 @@ def test_paper_configs_train_kappa_as_the_paper_time_code():
     cfg = load_config("configs/moe8.yaml", [])
     k = cfg.model.kappa
     assert (k.input, k.schedule, k.batch_lr_scaling, k.lr, k.lr_end) == ("scaled", "authors", True, None, None)
-    s = kappa_settings(cfg)
+    s = kappa_settings(cfg.model.kappa)
     assert (s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale) == (3.0, 0.15, 2.0, 0.1)
     # moe8: 128 × 2048 tokens per step, width 768: the κ peak is 0.12 × √(2^18 / 2^19)
     total = 10000

@@ -332,7 +332,7 @@ def test_backend_setting_reaches_the_op(monkeypatch):
     assert load_config("configs/tiny.yaml").model.kappa.backend == DEFAULTS.backend == "auto"
     with pytest.raises(ConfigError, match="model.kappa.backend"):
         load_config("configs/tiny.yaml", ["model.kappa.backend=cuda"])
-    settings = kappa_settings(load_config("configs/tiny.yaml", ["model.kappa.backend=triton"]))
+    settings = kappa_settings(load_config("configs/tiny.yaml", ["model.kappa.backend=triton"]).model.kappa)
     assert settings.backend == "triton"
     calls, real = [], triton_op.kappa_swiglu_triton
     monkeypatch.setattr(triton_op, "kappa_swiglu_triton", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))

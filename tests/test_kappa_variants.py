@@ -57,9 +57,9 @@ def test_a_registered_variant_is_accepted_by_the_config_and_applied(registry):
         kappa_inputs.kappa_input(torch.ones(2, 4), torch.ones(4, 8), "halved", 1.0)
     registry.register("halved", HALVED)
     cfg = load_config(None, ["model.kappa.input=halved"])  # looked up when validated, not at import
-    s = kappa_settings(cfg)
+    s = kappa_settings(cfg.model.kappa)
     assert (s.input, s.U, s.logit_scale, s.tanh_gain, s.router_grad_scale) == ("halved", 2.5, 1.0, 1.0, 1.0)
-    assert kappa_settings(load_config(None, ["model.kappa.input=halved", "model.kappa.U=3.5"])).U == 3.5
+    assert kappa_settings(load_config(None, ["model.kappa.input=halved", "model.kappa.U=3.5"]).model.kappa).U == 3.5
     with pytest.raises(ConfigError, match="model.kappa.logit_scale: must stay 1.0 with model.kappa.input=halved"):
         load_config(None, ["model.kappa.input=halved", "model.kappa.logit_scale=0.5"])
     # the router's function: the toy's value, and the gradient scale on top of it
@@ -107,7 +107,7 @@ def test_analysis_sees_what_kappa_sees(registry, world1, name):
     with torch.no_grad():
         model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     stats = analysis.analysis_stats(model, cfg.model, torch.device("cpu"), tokens=None, values=None)
-    scale = kappa_settings(cfg).logit_scale
+    scale = kappa_settings(cfg.model.kappa).logit_scale
     for index, layer in ref.moe_layers(model):
         x, kappa_logits, routing_map = seen[index]
         token, expert = routing_map.reshape(kappa_logits.shape).nonzero(as_tuple=True)

@@ -38,7 +38,7 @@ def test_model_layout_is_derived_once_for_every_reader():
     # the builder takes its stages from it: each stage's layers are the layout's, numbered globally
     from megatron_kappa.model.build import layer_specs
     cfg = load_config("configs/tiny.yaml", ["parallel.pp=2"])
-    specs = [layer_specs(cfg, "cpu", stage, model_layout(cfg)).layer_specs for stage in (0, 1)]
+    specs = [layer_specs(cfg.model, cfg.precision, model_layout(cfg), "cpu", stage).layer_specs for stage in (0, 1)]
     assert [len(s) for s in specs] == [2, 2]
 
 

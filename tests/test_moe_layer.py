@@ -4,6 +4,7 @@ import torch
 
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
+from megatron_kappa.model.layout import model_layout
 from moe_reference import expert_grads, layer_weights, naive_moe
 
 S, B, H = 8, 3, 16
@@ -27,7 +28,7 @@ def build_layer(cfg, seed=0):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     tconfig = transformer_config(cfg)
-    layer = layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
+    layer = layer_specs(cfg.model, cfg.precision, model_layout(cfg)).layer_specs[0].submodules.mlp(config=tconfig)
     layer.set_layer_number(1)
     return layer
 
@@ -136,7 +137,7 @@ def test_flex_dispatcher_is_refused(world1):
     tconfig = transformer_config(cfg)
     tconfig.moe_token_dispatcher_type = "flex"
     with pytest.raises(ValueError, match="alltoall' or 'allgather"):
-        layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
+        layer_specs(cfg.model, cfg.precision, model_layout(cfg)).layer_specs[0].submodules.mlp(config=tconfig)
 
 
 @pytest.mark.parametrize("grouped", [True, False])

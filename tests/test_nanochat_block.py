@@ -44,7 +44,7 @@ def randomize(model, seed=1):
 
 
 def reference(cfg, model, ids, **knobs):
-    m, k = cfg.model, kappa_settings(cfg)
+    m, k = cfg.model, kappa_settings(cfg.model.kappa)
     settings = dict(layers=m.num_layers, heads=m.num_attention_heads, eps=m.norm_eps, base=m.rotary_base,
                     softcap=m.logit_softcap, moe_layers={i for i in range(m.num_layers) if i >= m.first_dense},
                     kappa=dict(U=k.U, logit_scale=k.logit_scale, tanh_gain=k.tanh_gain) if m.kappa.enabled else None,

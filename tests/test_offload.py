@@ -16,8 +16,10 @@ BASE = ["data.mock=true", "log.tensorboard=false", "eval.valid_every=0", "precis
 
 
 def test_the_deepspeed_config_asks_for_it():
-    on = engine.ds_config(load_config("configs/tiny.yaml", ["zero.offload_optimizer=true"]), 1)
-    off = engine.ds_config(load_config("configs/tiny.yaml"), 1)
+    def ds_config(*sets):
+        cfg = load_config("configs/tiny.yaml", list(sets))
+        return engine.ds_config(engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision), 1)
+    on, off = ds_config("zero.offload_optimizer=true"), ds_config()
     assert on["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert "offload_optimizer" not in off["zero_optimization"]
     assert on["zero_force_ds_cpu_optimizer"] is False  # the configured torch optimizer, not DeepSpeed's C++ Adam

@@ -134,7 +134,8 @@ def test_zero_step_matches_float64_reference(world1, method, zero):
     lr, wd, beta = 0.5, cfg.train.muon.weight_decay, cfg.train.muon.momentum
     torch.manual_seed(0)
     model, twin = build_model(cfg, current_device()), build_model(cfg, current_device())
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     muon.install(muon.update_fn(cfg.train, torch.float64))
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))

@@ -165,11 +165,11 @@ def test_blend_of_two_prefixes(sample_shards, tok, tmp_path):
 def test_refusals(sample_shards, tmp_path):
     def refused(*sets):
         with pytest.raises(ConfigError) as e:
-            check_packing(config(sample_shards, tmp_path, *sets))
+            check_packing(config(sample_shards, tmp_path, *sets).data)
         assert str(e.value).startswith("config: data.packing: bestfit needs") and "\n" not in str(e.value)
         return str(e.value)
 
-    check_packing(config(sample_shards, tmp_path))  # the manifest says bos: true
+    check_packing(config(sample_shards, tmp_path).data)  # the manifest says bos: true
     assert "data.bos is false" in refused("data.bos=false")
     assert "data.tokenizer" in refused("data.tokenizer=null")
     # documents without BOS, though data.bos says otherwise: the dataset refuses them

@@ -75,7 +75,7 @@ def test_parameter_counts_equal_meta_builds_of_every_rank(built):
     assert len(results) == len(cases)
     for case in cases:
         cfg = load_config("configs/tiny.yaml", case["overrides"])
-        layout = planner.layout_of(cfg, WORLD)
+        layout = planner.layout_of(cfg.parallel, WORLD)
         ranks = results[case["name"]]
         assert sorted({r["stage"] for r in ranks}) == list(range(layout.pp))
         for rank, got in enumerate(ranks):
@@ -95,7 +95,7 @@ def test_routed_rows_per_rank_equal_what_the_dispatcher_delivers(built):
     _, results = built
     for name in ROWS:
         cfg = load_config("configs/tiny.yaml", rows_case(name))
-        layout = planner.layout_of(cfg, WORLD)
+        layout = planner.layout_of(cfg.parallel, WORLD)
         received = [r["rows"] for r in results[name]]
         moe_layers = len(received[0])
         assert moe_layers == cfg.model.num_layers - cfg.model.first_dense > 0
@@ -120,11 +120,11 @@ def test_estimated_messages_equal_the_collectives_megatron_calls(built):
     _, results = built
     for name in ROWS:
         cfg = load_config("configs/tiny.yaml", rows_case(name))
-        layout = planner.layout_of(cfg, WORLD)
+        layout = planner.layout_of(cfg.parallel, WORLD)
         moe_layers = cfg.model.num_layers - cfg.model.first_dense
         want = moe_layers * speed.dispatcher_messages(layout.ep, layout.etp)
         assert [r["messages"] for r in results[name]] == [want] * WORLD, name
-        _, count = speed.tensor_collectives(cfg, planner.model_shape(cfg, layout), 0)
+        _, count = speed.tensor_collectives(cfg.model, cfg.train, planner.model_shape(cfg, layout), 0)
         assert [r["tensor_messages"] for r in results[name]] == [count * (layout.tp - 1)] * WORLD, (name, count)
 
 
@@ -179,7 +179,7 @@ def test_state_bytes_follow_zero_stage():
     aurora_bf16 = planner.state_bytes(params, load_config("configs/tiny.yaml", [
         "precision=bf16", "train.optimizer=aurora", "train.grad_clip=0", "train.grad_accum_dtype=bf16"]), layout)
     assert aurora_bf16["moments"] == aurora["moments"] / 2  # bf16 gradients: a bf16 momentum
-    assert planner.bucket_bytes(cfg1) == 5e8 * 2
+    assert planner.bucket_bytes(cfg1.precision, cfg1.train.grad_accum_dtype) == 5e8 * 2
 
 
 def test_gradient_bytes_with_fp32_accumulation():
@@ -193,7 +193,8 @@ def test_gradient_bytes_with_fp32_accumulation():
 
     def grads(*sets):
         cfg = load_config("configs/tiny.yaml", ["precision=bf16", *sets])
-        return planner.gradient_bytes(params, cfg, layout), planner.bucket_bytes(cfg)
+        return (planner.gradient_bytes(params, cfg, layout),
+                planner.bucket_bytes(cfg.precision, cfg.train.grad_accum_dtype))
     share = 1000 / 8 + 4000 / 2
     for stage in (1, 2):
         (g, bucket) = grads(f"zero.stage={stage}")  # AdamW: every group exact
@@ -425,7 +426,7 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
     assert len(cases) == sum(len(names) for names in ACCUM.values())
     for case in cases:
         cfg = load_config("configs/tiny.yaml", case["overrides"])
-        layout = planner.layout_of(cfg, case["world"])
+        layout = planner.layout_of(cfg.parallel, case["world"])
         fp32 = case["accum"] == "fp32"
         size = 4 if fp32 else 2  # bytes of an accumulated gradient
         for rank in results[case["name"]]:
@@ -433,7 +434,7 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
             params = planner.stage_params(cfg, layout, rank["stage"])
             want = planner.state_bytes(params, cfg, layout)
             grads = planner.gradient_bytes(params, cfg, layout)
-            largest = max(planner.largest_tensors(cfg, layout).values())
+            largest = max(planner.largest_tensors(cfg.model, layout).values())
             assert rank["after_step"]["weights"] == want["weights"], name
             kept = rank["after_step"]["other"]
             if cfg.train.optimizer == "adamw":  # Muon's state (its staged momentum): tests/test_plan_muon_state.py
@@ -478,7 +479,7 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
             # has copied all but the last gradient into the bucket (the model is smaller than one
             # bucket, so nothing was reduced into the partitions yet: with fp32 accumulation the
             # AdamW groups' partitions hold the earlier micro-batches' sum)
-            assert rank["bucket"] == planner.bucket_bytes(cfg), name
+            assert rank["bucket"] == planner.bucket_bytes(cfg.precision, cfg.train.grad_accum_dtype), name
             backward = rank["backward"]["gradients"] - rank["bucket"]
             if cfg.zero.stage == 1 and not fp32:
                 assert backward == grads["backward"], (name, backward, grads)
@@ -492,6 +493,7 @@ def test_state_bytes_equal_what_deepspeed_holds(held):
             if fp32:  # the negative control: the planner counting bf16's buffers
                 as_bf16 = load_config("configs/tiny.yaml", case["overrides"] + ["train.grad_accum_dtype=bf16"])
                 bf16 = planner.gradient_bytes(params, as_bf16, layout)
-                assert rank["bucket"] == 2 * planner.bucket_bytes(as_bf16), name
+                bf16_bucket = planner.bucket_bytes(as_bf16.precision, as_bf16.train.grad_accum_dtype)
+                assert rank["bucket"] == 2 * bf16_bucket, name
                 if cfg.zero.stage == 1:
                     assert backward > 1.5 * bf16["backward"], (name, backward, bf16)

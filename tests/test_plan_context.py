@@ -146,18 +146,18 @@ def test_all_gather_keeps_what_autograd_saves(name, precision):
                 for r in (0, cp - 1)}
     assert measured[0] == measured[cp - 1] > 0
     tokens = cfg.model.seq_length * cfg.train.micro_batch / cp
-    assert plan_context.kept_values(cfg, tokens, tp, cp) * size == measured[0]
+    assert plan_context.kept_values(cfg.model, tokens, tp, cp) * size == measured[0]
     layout = Layout(cp * tp, tp=tp, cp=cp)
 
     def act(recompute, ring=False):
         return planner.activation_bytes(cfg, layout, 0, recompute, cfg.train.micro_batch,
                                         planned=Planned(ring_attention=ring))
     assert act("none") - act("none", ring=True) == LAYERS * measured[0]
-    assert plan_context.kept_values(cfg, tokens, tp, cp, ring=True) == 0 != measured[0]
+    assert plan_context.kept_values(cfg.model, tokens, tp, cp, ring=True) == 0 != measured[0]
     chunk = cfg.model.seq_length / (2 * cp)
     kv_only = measured[0] - (2 * cp + 1) * chunk ** 2 * size  # the masks left out
     assert kv_only != measured[0] and kv_only == pytest.approx(
-        ((2 * cp + 1) / 2 - 1) * tokens * plan_context.kv_width(cfg, tp) * size)
+        ((2 * cp + 1) / 2 - 1) * tokens * plan_context.kv_width(cfg.model, tp) * size)
     # selective recompute of the core attention: its reentrant checkpoint keeps q, k, v either way
     kept = [saved_bytes(lambda *t, f=f: checkpoint(f, *t, use_reentrant=True), *rank_tensors(cfg, cp, tp, dtype))
             for f in (plain_attention, lambda *t: attention(*t, cp))]

@@ -127,7 +127,7 @@ def test_step_terms_by_hand():
     got = speed.step_time(cfg, layout, rates=rates, gpus_per_node=8, stage_params=params, dualpipe=True)
     shape = planner.model_shape(cfg, layout)
     tokens = 16 * 128 / 2  # the replica's tokens
-    compute = [speed.stage_flops(cfg, shape, s, tokens, 1, "none") / 100e12 for s in range(4)]
+    compute = [speed.stage_flops(cfg.model, shape, s, tokens, 1, "none") / 100e12 for s in range(4)]
     ranks = [(compute[0] + compute[3]) / 2, (compute[1] + compute[2]) / 2]
     assert got.terms["compute"] == pytest.approx(max(ranks))
     # ZeRO over DP2 on NVLink: the fp32 gradients' reduce-scatter (4 bytes a parameter) and the bf16

@@ -32,7 +32,8 @@ def held_after_one_step(cfg) -> dict:
     from megatron_kappa.train.loop import lm_loss
     torch.manual_seed(0)
     model = build_model(cfg, current_device())
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     g = torch.Generator().manual_seed(2)
@@ -64,9 +65,9 @@ def test_muon_state_is_what_deepspeed_holds(world1, name):
     wherever the momentum is fp32."""
     cfg = load_config("configs/tiny.yaml", BASE + CASES[name])
     held = held_after_one_step(cfg)
-    layout = planner.layout_of(cfg, 1)
+    layout = planner.layout_of(cfg.parallel, 1)
     params = planner.stage_params(cfg, layout, 0)
-    want = muon_momentum_bytes(params, cfg, layout)
+    want = muon_momentum_bytes(params, cfg.model, cfg.train, cfg.precision, layout)
     assert held["committed"] > 0 and held["staged"] == held["committed"]
     assert want["committed"] == held["committed"] and want["staged"] == held["staged"], (want, held)
     moments = planner.state_bytes(params, cfg, layout)["moments"]
@@ -74,6 +75,6 @@ def test_muon_state_is_what_deepspeed_holds(world1, name):
     # the control: the rule before the staged copy was counted, one fp32 momentum of the Muon elements,
     # misses what is held by the staged copy; with bf16 accumulation (a bf16 momentum and its bf16
     # copy) the two happen to agree
-    elements = want["committed"] / reduced_bytes(cfg)
+    elements = want["committed"] / reduced_bytes(cfg.precision, cfg.train.grad_accum_dtype)
     before = held["other"] + 4 * elements
-    assert (before != moments) == (reduced_bytes(cfg) == 4)
+    assert (before != moments) == (reduced_bytes(cfg.precision, cfg.train.grad_accum_dtype) == 4)

@@ -31,7 +31,7 @@ def test_context_parallelism_splits_the_tokens_and_joins_the_gradient_group():
     # beside that (plan.context.kept_values, 4 layers; counted against the trainer's attention in
     # tests/test_plan_context.py)
     assert act(cfg, Layout(2, cp=2), planned=Planned(ring_attention=True)) == act(cfg, Layout(1)) / 2
-    gathered = plan_context.kept_values(cfg, TOKENS * 1 / 2, 1, 2)
+    gathered = plan_context.kept_values(cfg.model, TOKENS * 1 / 2, 1, 2)
     assert gathered > 0 and act(cfg, Layout(2, cp=2)) == act(cfg, Layout(1)) / 2 + 4 * gathered * 2
     # DP × CP partitions the dense optimizer state: DP4 CP2 as DP8, the experts over EDP as before
     params = {"attention": 8000, "experts": 4000}
@@ -150,8 +150,8 @@ def test_planned_only_settings_are_named_and_checked():
     assert Planned().labels(Layout(8, pp=2, vpp=2)) == []
     from megatron_kappa.config import load_config
     from plan import layout_of
-    assert layout_of(load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.vpp=2"]), 4).vpp == 2
-    assert layout_of(load_config("configs/tiny.yaml", ["parallel.cp=2"]), 4).cp == 2
+    assert layout_of(load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.vpp=2"]).parallel, 4).vpp == 2
+    assert layout_of(load_config("configs/tiny.yaml", ["parallel.cp=2"]).parallel, 4).cp == 2
 
 
 def test_every_published_run_fits_with_its_published_settings():
@@ -300,7 +300,7 @@ def test_overlap_hides_traffic_behind_compute_by_hand():
         busy = max(gemms, t["expert"] + t["pipeline"]) + t["tensor"] + t["context"]
         # across nodes; tiny's fp32 weights: gradients reduced and weights gathered in fp32, 4 + 4 bytes
         data = [(4 + 4) * sum(p.values()) * 3 / 4 / (rates.ib_gbs * 1e9) for p in params]
-        compute = [speed.stage_flops(cfg, planner.model_shape(cfg, layout), s, 32 * 1024 / 4, 2, "none") / 100e12
+        compute = [speed.stage_flops(cfg.model, planner.model_shape(cfg, layout), s, 32 * 1024 / 4, 2, "none") / 100e12
                    for s in range(2)]
         assert compute[1] == t["compute"]
         exposed = max(max(d / 2, d - c - t["memory"]) for d, c in zip(data, compute))

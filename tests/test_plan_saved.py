@@ -43,7 +43,7 @@ def kept_for_backward(cfg) -> int:
 
 def measured_and_planned(*overrides):
     cfg = load_config("configs/tiny.yaml", ["data.mock=true", f"train.micro_batch={MICRO}", *overrides])
-    estimate = planner.activation_bytes(cfg, planner.layout_of(cfg, 1), 0, cfg.model.recompute, MICRO)
+    estimate = planner.activation_bytes(cfg, planner.layout_of(cfg.parallel, 1), 0, cfg.model.recompute, MICRO)
     return kept_for_backward(cfg), estimate, cfg
 
 
@@ -175,7 +175,7 @@ def test_an_unfused_glu_keeps_five_ffn_wide_tensors_a_token(world1, what, key, l
     assert large_plan - small_plan == pytest.approx(by_hand, rel=1e-12)
     assert large - small == pytest.approx(by_hand, rel=0.03), (large - small, by_hand)
     fused = [planner.activation_bytes(load_config("configs/tiny.yaml", [
-        "data.mock=true", f"train.micro_batch={MICRO}", layout, f"{key}={f}"]), planner.layout_of(cfg, 1), 0,
+        "data.mock=true", f"train.micro_batch={MICRO}", layout, f"{key}={f}"]), planner.layout_of(cfg.parallel, 1), 0,
         "none", MICRO, planned=Planned(fused_swiglu=True)) for f in (64, 128)]
     assert fused[1] - fused[0] == pytest.approx(by_hand * 3 / 5, rel=1e-12)
     assert large - small != pytest.approx(fused[1] - fused[0], rel=0.03)

@@ -41,7 +41,7 @@ def test_forward_flops_equal_torchs_count(world1, extra):
     cfg = load_config("configs/tiny.yaml", [*SHAPE, *extra])
     shape = planner.model_shape(cfg, Layout(1))
     tokens = 2 * cfg.model.seq_length
-    layers = [speed.layer_flops(cfg, is_moe, tokens, 1) for is_moe in shape.moe_layers]
+    layers = [speed.layer_flops(cfg.model, is_moe, tokens, 1) for is_moe in shape.moe_layers]
     output = 2 * tokens * cfg.model.hidden_size * shape.padded_vocab
     # the math kernel computes the whole s x s score matrix; the estimate counts the causal half
     want = sum(f["matmul"] + 2 * f["scores"] for f in layers) + output
@@ -56,7 +56,7 @@ def test_backward_is_twice_the_forward_and_full_recompute_adds_one(world1):
     cfg = load_config("configs/tiny.yaml", list(SHAPE))
     shape = planner.model_shape(cfg, Layout(1))
     tokens = 2 * cfg.model.seq_length
-    layers = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["matmul"] for is_moe in shape.moe_layers)
+    layers = sum(speed.layer_flops(cfg.model, is_moe, tokens, 1)["matmul"] for is_moe in shape.moe_layers)
     output = 2 * tokens * cfg.model.hidden_size * shape.padded_vocab
     # the projections' matmuls (aten.mm); the scores' (bmm, from the forward's math kernel) are left out
     mm = lambda counts: sum(v for k, v in counts.items() if str(k) == "aten.mm")  # noqa: E731
@@ -66,17 +66,17 @@ def test_backward_is_twice_the_forward_and_full_recompute_adds_one(world1):
     assert mm(full) - mm(plain) == layers
     # model.recompute_layers 2: the first two layers only (the dense one and the first MoE one)
     _, two = counted(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute_layers=2)), "full")
-    first_two = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["matmul"] for is_moe in shape.moe_layers[:2])
+    first_two = sum(speed.layer_flops(cfg.model, is_moe, tokens, 1)["matmul"] for is_moe in shape.moe_layers[:2])
     assert mm(two) - mm(plain) == first_two < layers
     # stage_flops: 3 x forward, plus the layers once more under full recompute (scores included)
-    scores = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["scores"] for is_moe in shape.moe_layers)
-    assert speed.stage_flops(cfg, shape, 0, tokens, 1, "none") == 3 * (layers + scores + output)
-    assert speed.stage_flops(cfg, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + layers + scores
-    assert speed.stage_flops(cfg, shape, 0, tokens, 1, "selective") == 3 * (layers + scores + output) + scores
+    scores = sum(speed.layer_flops(cfg.model, is_moe, tokens, 1)["scores"] for is_moe in shape.moe_layers)
+    assert speed.stage_flops(cfg.model, shape, 0, tokens, 1, "none") == 3 * (layers + scores + output)
+    assert speed.stage_flops(cfg.model, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + layers + scores
+    assert speed.stage_flops(cfg.model, shape, 0, tokens, 1, "selective") == 3 * (layers + scores + output) + scores
     two_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute_layers=2))
-    first_two = sum(speed.layer_flops(cfg, is_moe, tokens, 1)["matmul"] + speed.layer_flops(cfg, is_moe, tokens, 1)["scores"]
-                    for is_moe in shape.moe_layers[:2])
-    assert speed.stage_flops(two_cfg, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + first_two
+    first_two = sum(speed.layer_flops(cfg.model, is_moe, tokens, 1)["matmul"]
+                    + speed.layer_flops(cfg.model, is_moe, tokens, 1)["scores"] for is_moe in shape.moe_layers[:2])
+    assert speed.stage_flops(two_cfg.model, shape, 0, tokens, 1, "full") == 3 * (layers + scores + output) + first_two
 
 
 @pytest.mark.parametrize("modules,extra", [(["mlp"], ()), (["moe"], ()), (["shared_experts"], ()),
@@ -93,7 +93,7 @@ def test_selective_modules_add_their_forward_matmuls(world1, modules, extra):
     _, chosen = counted(cfg, "selective", modules)
     chosen_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
                                                                      recompute_modules=modules))
-    want = sum(speed.recomputed_flops(speed.layer_flops(cfg, is_moe, tokens, 1), "selective",
+    want = sum(speed.recomputed_flops(speed.layer_flops(cfg.model, is_moe, tokens, 1), "selective",
                                       selective.selected(chosen_cfg.model, True)) for is_moe in shape.moe_layers)
     assert want > 0 and mm(chosen) - mm(plain) == want
 
@@ -122,7 +122,7 @@ def test_step_terms_by_hand():
     # pipeline: stage 1 has one boundary, an activation forward and a gradient back, tokens x h x 2 / TP;
     # stages are TP x DP = 8 ranks apart: across nodes
     pipeline = 2 * tokens * h * 2 / 2 / 25e9
-    flops = speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none")
+    flops = speed.stage_flops(cfg.model, planner.model_shape(cfg, layout), 1, tokens, 2, "none")
     compute = flops / 100e12
     t = got.terms
     assert t["tensor"] == pytest.approx(tensor) and t["expert"] == pytest.approx(expert)
@@ -199,7 +199,7 @@ def test_expert_imbalance_scales_the_busiest_ranks_routed_work():
     latency = 1e-5 * (4 + 2 + 1) * 2 * 4 * 1  # the dispatcher's messages do not grow (test_latency_by_hand)
     assert busy.terms["expert"] - latency == pytest.approx(1.5 * (even.terms["expert"] - latency))
     tokens = 32 * 1024 / 4
-    experts = sum(speed.layer_flops(cfg, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
+    experts = sum(speed.layer_flops(cfg.model, True, tokens, 2)["experts"] for _ in range(2))  # stage 1: 2 MoE layers
     assert (busy.terms["compute"] - even.terms["compute"]) * speed.Rates().tflops * 1e12 == \
         pytest.approx(3 * 0.5 * experts)
     # fp32, per MoE layer: the extra half of the rows, tokens·k·etp/tp of them on a rank (TP2, ETP1)
@@ -272,7 +272,7 @@ def test_every_recompute_module_is_known_to_each_estimate():
                                             *MLA])
     layout = Layout(1)
     plain = activation_bytes(cfg, layout, 0, "none", 1)
-    parts = speed.layer_flops(cfg, True, 64, 1).keys() | speed.layer_flops(cfg, False, 64, 1).keys()
+    parts = speed.layer_flops(cfg.model, True, 64, 1).keys() | speed.layer_flops(cfg.model, False, 64, 1).keys()
     for name, module in selective.MODULES.items():
         chosen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective",
                                                                     recompute_modules=[name]))
@@ -293,7 +293,7 @@ def test_memory_bound_experts_by_hand():
     layout = Layout(16, tp=2, pp=2, ep=2, etp=1)
     rates = speed.Rates(tflops=100, nvlink_gbs=200, ib_gbs=25, latency_us=0, hbm_tbs=2.0)
     params = [planner.stage_params(cfg, layout, s) for s in range(2)]
-    assert speed.expert_gemm_rows(cfg, layout) == 1024
+    assert speed.expert_gemm_rows(cfg.model, cfg.train, layout) == 1024
     excess = 0.0
     for k, n in ((64, 2 * 256), (256, 64)):  # fc1 (gate and up), fc2; h 64, F 256
         a, b = torch.empty(1024, k), torch.empty(k, n)  # tiny runs in fp32
@@ -317,7 +317,7 @@ def test_memory_bound_experts_by_hand():
     first = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full", recompute_layers=1))
     assert speed.step_time(first, layout, rates=rates, gpus_per_node=4,
                            stage_params=params).terms["memory"] == pytest.approx(want * 7 / 6)
-    assert speed.expert_gemm_rows(cfg, Layout(16, tp=2, pp=2, ep=4, etp=1)) == 2048
+    assert speed.expert_gemm_rows(cfg.model, cfg.train, Layout(16, tp=2, pp=2, ep=4, etp=1)) == 2048
     # controls: at 10 TB/s these GEMMs are compute-bound (no memory term), and the FLOPs-only
     # compute term is the same either way
     fast = speed.step_time(cfg, layout, rates=dataclasses.replace(rates, hbm_tbs=10.0), gpus_per_node=4,
@@ -355,7 +355,8 @@ def test_attention_rate_and_fixed_layer_time_by_hand():
     got = speed.step_time(cfg, layout, rates=speed.Rates(**base, attention_tflops=25, layer_ms=2.0), gpus_per_node=4,
                           stage_params=params)
     scores = 3 * 2 * (2 * tokens * s * (64 + 64) / 2 / 2)  # 3 passes, 2 layers: QKᵀ and AV (64 wide each), half, / TP
-    assert speed.stage_flops(cfg, planner.model_shape(cfg, layout), 1, tokens, 2, "none", scores_only=True) == scores
+    shape = planner.model_shape(cfg, layout)
+    assert speed.stage_flops(cfg.model, shape, 1, tokens, 2, "none", scores_only=True) == scores
     t, p = got.terms, plain.terms
     assert t["compute"] == pytest.approx(p["compute"] - scores / 100e12 + scores / 25e12)
     assert t["fixed"] == pytest.approx(2.0e-3 * micro * 2) and p["fixed"] == 0
@@ -365,7 +366,7 @@ def test_attention_rate_and_fixed_layer_time_by_hand():
     assert t["bubble"] == pytest.approx(busy / micro) and got.seconds == pytest.approx(sum(t.values()))
     # full recompute does the scores again once: 4 passes
     full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="full"))
-    assert speed.stage_flops(full, planner.model_shape(full, layout), 1, tokens, 2, "full", scores_only=True) \
+    assert speed.stage_flops(full.model, planner.model_shape(full, layout), 1, tokens, 2, "full", scores_only=True) \
         == scores * 4 / 3
 
 
@@ -383,8 +384,9 @@ def test_fp8_speedup_scales_the_gemms_not_a_separate_attention_rate():
                                       stage_params=params).terms["compute"]
                    for k in (2.0, 1.25)}
         assert compute[1.25] == pytest.approx(compute[2.0] * (2 / 1.25 if precision == "fp8" else 1))
-    scores = speed.stage_flops(cfg := load_config("configs/tiny.yaml", [*sets, "precision=fp8"]),
-                               planner.model_shape(cfg, layout), 1, 32 * 1024 / 4, 2, "none", scores_only=True)
+    cfg = load_config("configs/tiny.yaml", [*sets, "precision=fp8"])
+    scores = speed.stage_flops(cfg.model, planner.model_shape(cfg, layout), 1, 32 * 1024 / 4, 2, "none",
+                               scores_only=True)
     params = [planner.stage_params(cfg, layout, st) for st in range(2)]
     split = {k: speed.step_time(cfg, layout, rates=speed.Rates(**base, fp8_speedup=k, attention_tflops=50),
                                 gpus_per_node=4, stage_params=params)

@@ -89,9 +89,11 @@ def test_bad_profile_and_wandb_settings_are_one_line(sets, message):
 def test_profile_ranks_beyond_the_world_are_refused_by_the_preflight():
     from megatron_kappa.config import ConfigError
     from megatron_kappa.preflight import check_logging
-    check_logging(load_config("configs/tiny.yaml", ["profile.steps=[1, 2]", "profile.ranks=[0, 1]"]), 2)
+    cfg = load_config("configs/tiny.yaml", ["profile.steps=[1, 2]", "profile.ranks=[0, 1]"])
+    check_logging(cfg.log, cfg.profile, 2)
+    bad = load_config("configs/tiny.yaml", ["profile.steps=[1, 2]", "profile.ranks=[0, 2]"])
     with pytest.raises(ConfigError, match=r"profile.ranks: \[0, 2\] names a rank the world of 2 processes"):
-        check_logging(load_config("configs/tiny.yaml", ["profile.steps=[1, 2]", "profile.ranks=[0, 2]"]), 2)
+        check_logging(bad.log, bad.profile, 2)
 
 
 def vm_hwm_bytes() -> int:

@@ -116,7 +116,8 @@ def engine_for(sets, lr, tau=None, scale_up=SCALE_UP, seed=0):
             if name.endswith(("linear_qkv.weight", "linear_q_up_proj.weight", "linear_q_proj.weight",
                               "linear_kv_up_proj.weight")):
                 p.mul_(scale_up)
-    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, 1,
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, opt = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings, 1,
                                        lambda groups: optim.build_optimizer(groups, cfg.train))
     for group in opt.param_groups:
         group["lr"] = lr

@@ -67,8 +67,8 @@ def test_unusable_run_dir_is_one_line(tmp_path):
     afile.write_text("x")
     for run_dir, message in ((afile, "is a file, not a folder"), (afile / "sub", "is a file, not a folder")):
         with pytest.raises(ConfigError, match=f"run.dir: .*{message}"):
-            check_run_dir(load_config("configs/tiny.yaml", [f"run.dir={run_dir}"]))
-    check_run_dir(load_config("configs/tiny.yaml", [f"run.dir={tmp_path / 'new' / 'run'}"]))  # fine
+            check_run_dir(load_config("configs/tiny.yaml", [f"run.dir={run_dir}"]).run)
+    check_run_dir(load_config("configs/tiny.yaml", [f"run.dir={tmp_path / 'new' / 'run'}"]).run)  # fine
 
 
 def write_lock(run_dir, host, pid, age_s=0.0):
@@ -246,18 +246,22 @@ def test_token_ids_beyond_the_vocabulary_are_found_up_front(tmp_path):
 
     from megatron_kappa.data.indexed import index_bytes
     from megatron_kappa.preflight import check_data
+
+    def checked(sets):
+        cfg = load_config("configs/tiny.yaml", sets)
+        check_data(cfg.data, cfg.model.vocab_size)
     prefix = tmp_path / "shard"
     ids = np.array([5, 9, 3000, 7], dtype=np.uint16)
     (tmp_path / "shard.bin").write_bytes(ids.tobytes())
     (tmp_path / "shard.idx").write_bytes(index_bytes([4], np.uint16))
     sets = ["data.mock=false", f"data.paths=[{prefix}]", f"data.valid_paths=[{prefix}]", "model.vocab_size=2048"]
     with pytest.raises(ConfigError, match=r"shard: token ids up to 3000 \(read from its .bin\), but model.vocab_size is 2048"):
-        check_data(load_config("configs/tiny.yaml", sets))
-    check_data(load_config("configs/tiny.yaml", [*sets[:-1], "model.vocab_size=4096"]))
+        checked(sets)
+    checked([*sets[:-1], "model.vocab_size=4096"])
     (tmp_path / "manifest.json").write_text(json.dumps({"prefixes": {"train": ["shard"]},
                                                         "tokenizer": {"vocab_size": 32768}}))
     with pytest.raises(ConfigError, match=r"token ids up to 32767 \(its tokenizer's vocabulary per .*manifest.json\)"):
-        check_data(load_config("configs/tiny.yaml", [*sets[:-1], "model.vocab_size=4096"]))
+        checked([*sets[:-1], "model.vocab_size=4096"])
 
 
 def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_path, capsys):

@@ -12,6 +12,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
+from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.moe import ZLossRouter
 from megatron_kappa.train import recipe
 
@@ -26,7 +27,7 @@ def cfg_of(*sets, kappa=True):
 def router_of(cfg):
     tconfig = transformer_config(cfg)
     torch.manual_seed(0)
-    layer = layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
+    layer = layer_specs(cfg.model, cfg.precision, model_layout(cfg)).layer_specs[0].submodules.mlp(config=tconfig)
     layer.set_layer_number(1)  # the metrics tracker records per layer
     return layer.router.train()
 

@@ -47,7 +47,7 @@ def softmax_t():
     layer, the tempered router, an after-step hook and a metric that count."""
     seen = {"after_step": [], "models": []}
 
-    def router(cfg, kappa):
+    def router(moe, kappa):
         if kappa is None:
             return partial(TemperedRouter, temperature=TEMPERATURE)
         return partial(KappaTemperedRouter, temperature=TEMPERATURE, kappa=kappa)

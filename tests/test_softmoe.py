@@ -17,6 +17,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
+from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.softmoe import CLAMP, Allocation, link_budgets, softmoe_routers
 from megatron_kappa.model.routers.softmoe import softmoe_stats
 from moe_reference import expert_grads, layer_weights
@@ -45,7 +46,7 @@ def build_layers(cfg, seed=0, theta=(0.4, -0.3)):
     logits of a few units and expert activations of order 1, and nonzero κ parameters."""
     torch.manual_seed(seed)
     tconfig = transformer_config(cfg)
-    spec = layer_specs(cfg).layer_specs[0].submodules.mlp
+    spec = layer_specs(cfg.model, cfg.precision, model_layout(cfg)).layer_specs[0].submodules.mlp
     layers = torch.nn.ModuleList()
     for i in range(cfg.model.num_layers):
         layer = spec(config=tconfig)
@@ -300,7 +301,7 @@ def test_softmax_clamp_breaks_the_mean_where_lapsum_does_not():
 def test_unlinked_router_refuses_to_route(world1):
     cfg = make_cfg(layers=1)
     tconfig = transformer_config(cfg)
-    layer = layer_specs(cfg).layer_specs[0].submodules.mlp(config=tconfig)
+    layer = layer_specs(cfg.model, cfg.precision, model_layout(cfg)).layer_specs[0].submodules.mlp(config=tconfig)
     with pytest.raises(RuntimeError, match="link_budgets"):
         layer(inputs(1)[0])
 

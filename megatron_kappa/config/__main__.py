@@ -41,12 +41,12 @@ def main(argv=None) -> int:
         ap.error("give --config FILE (and/or --set KEY=VALUE over the defaults), or --markdown")
     try:
         cfg = load_config(args.config, args.set)
-        values = derived.derived(cfg, args.world)
+        values = derived.derived(cfg.model, cfg.parallel, cfg.train, args.world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
-    print(derived.render(values, cfg))
+    print(derived.render(values, cfg.model, cfg.parallel, cfg.train))
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ranges, stage_layout
 from megatron_kappa.config import recompute as selective
-from megatron_kappa.config.schema import Config, ConfigError, TrainConfig
+from megatron_kappa.config.schema import Config, ConfigError, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
 from megatron_kappa.kappa import DEFAULTS as KAPPA
 from megatron_kappa.kappa import inputs as kappa_inputs
 
@@ -45,7 +45,7 @@ def validate(cfg: Config):
             if value != default]
         need(router.topk or not authors_losses, f"model.moe.{authors_losses[0] if authors_losses else ''}",
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
-    _validate_block(cfg, need)
+    _validate_block(m, par, need)
     _validate_recompute(cfg.model, need)
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
@@ -92,7 +92,7 @@ def validate(cfg: Config):
     if par.pp > 1:
         _validate_pipeline(cfg, router, need)
     if par.cp > 1:
-        _validate_context(cfg, router, need)
+        _validate_context(m, par, cfg.eval, router, need)
     if par.overlap_moe_expert_parallel_comm or par.delay_wgrad_compute:
         _validate_ep_overlap(cfg, router, need)
     need(cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
@@ -113,9 +113,9 @@ def validate(cfg: Config):
              f"must be null with the {' or '.join(routers.names(lambda r: not r.capacity))} router or the "
              "sorted dispatcher (they drop no tokens)")
     _validate_muon(cfg.train, need)
-    _validate_qk_clip(cfg, need)
+    _validate_qk_clip(m, cfg.train, need)
     if cfg.precision == "fp8":
-        _validate_fp8(cfg, need)
+        _validate_fp8(m, par, cfg.train, need)
     _validate_profile(cfg.profile, need)
 
 
@@ -188,13 +188,13 @@ def _validate_groups(moe, router, need):
 FP8_ALIGN = 16  # FP8 GEMMs (torch._scaled_mm, _scaled_grouped_mm) want every width a multiple of 16
 
 
-def fp8_gemm_widths(cfg: Config) -> dict[str, int]:
+def fp8_gemm_widths(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> dict[str, int]:
     """The width of each GEMM dimension that runs in FP8 on one rank, by the key that sets it."""
-    m, par, f = cfg.model, cfg.parallel, cfg.model.fp8
+    f = m.fp8
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     widths = {"model.hidden_size": m.hidden_size,
               # the weight-gradient GEMMs reduce over the tokens of a micro-batch
-              "model.seq_length × train.micro_batch": m.seq_length * cfg.train.micro_batch}
+              "model.seq_length × train.micro_batch": m.seq_length * t.micro_batch}
     if f.attention:  # the attention kind's projections (megatron_kappa.attention_kinds)
         kind = attention_kinds.of(m)
         if kind.fp8_widths is None:
@@ -217,16 +217,16 @@ def fp8_capability_error(capability: tuple[int, int]) -> str | None:
     return None
 
 
-def _validate_fp8(cfg: Config, need):
-    f = cfg.model.fp8
+def _validate_fp8(m: ModelConfig, par: ParallelConfig, t: TrainConfig, need):
+    f = m.fp8
     need(f.backend == "torchao", "model.fp8.backend",
          "te is not supported: Transformer Engine does not import without CUDA, cannot be carried to "
          "the GPU machine, and without it megatron-core's fp8 flag silently stays bf16 (use torchao)")
-    if cfg.model.layout != "dense" and f.experts:
-        need(cfg.model.moe.grouped_gemm, "model.fp8.experts",
+    if m.layout != "dense" and f.experts:
+        need(m.moe.grouped_gemm, "model.fp8.experts",
              "FP8 experts need model.moe.grouped_gemm: true (torchao's FP8 grouped GEMM; megatron's "
              "per-expert loop has no FP8 path here), or set model.fp8.experts: false")
-    for key, width in fp8_gemm_widths(cfg).items():
+    for key, width in fp8_gemm_widths(m, par, t).items():
         need(width % FP8_ALIGN == 0, "precision", f"fp8 needs {key} divisible by {FP8_ALIGN}, got {width} "
              "(or turn that GEMM off in model.fp8)")
 
@@ -252,13 +252,12 @@ def _validate_muon(t: TrainConfig, need):
          f"orthogonalised update, not the gradient (got {t.grad_clip})")
 
 
-def _validate_qk_clip(cfg: Config, need):
+def _validate_qk_clip(m: ModelConfig, t: TrainConfig, need):
     """train.qk_clip: the step's largest logits are measured in the project's SDPA core attention,
     and the clip scales the query/key projections of megatron's SelfAttention (gqa) or
     MLASelfAttention (mla), the two layouts megatron-core's clip knows (megatron_kappa.optim.qk_clip)."""
-    if cfg.train.qk_clip is None:
+    if t.qk_clip is None:
         return
-    m = cfg.model
     need(m.attention == "sdpa", "train.qk_clip",
          f"needs model.attention sdpa (the step's largest logits are measured in the project's SDPA core "
          f"attention), got {m.attention}")
@@ -289,25 +288,24 @@ def _validate_recompute(m, need):
         need(why is None, "model.recompute_modules", why)
 
 
-def _validate_block(cfg: Config, need):
+def _validate_block(m: ModelConfig, par: ParallelConfig, need):
     """The nanochat block's parts (megatron_kappa.model.nanochat): their layers read this forward's
     tokens and x0 from an object the model fills, which a recomputed layer reads again later."""
-    m = cfg.model
     need(not (m.residual_scalars and m.recompute == "full"), "model.recompute",
          "full with model.residual_scalars: the recomputed layer would read x0 outside the graph that "
          "made it; use selective or none")
-    need(not (m.value_embeddings and m.recompute == "full" and cfg.parallel.pp > 1), "model.recompute",
+    need(not (m.value_embeddings and m.recompute == "full" and par.pp > 1), "model.recompute",
          "full with model.value_embeddings and parallel.pp > 1: a layer recomputed in backward would read "
          "a later micro-batch's tokens; use selective or none")
     need(not m.value_embeddings or m.hidden_size >= 32, "model.value_embeddings",
          f"the gate reads 32 channels of the hidden state; model.hidden_size is {m.hidden_size}")
 
 
-def _validate_context(cfg: Config, router, need):
+def _validate_context(m: ModelConfig, par: ParallelConfig, ev: EvalConfig, router, need):
     """What context parallelism (parallel.cp > 1) needs: megatron's 2·cp chunks of each sequence,
     the project's SDPA core attention (megatron's local attention refuses CP, TE's cannot run
     here), and none of the parts not verified under it (docs/context_parallel.md)."""
-    m, cp, tp = cfg.model, cfg.parallel.cp, cfg.parallel.tp
+    cp, tp = par.cp, par.tp
     need(m.seq_length % (2 * cp) == 0, "parallel.cp",
          f"model.seq_length={m.seq_length} is not divisible by 2 × cp = {2 * cp} (megatron's load-balanced causal "
          f"layout cuts each sequence into 2·cp chunks)")
@@ -320,7 +318,7 @@ def _validate_context(cfg: Config, router, need):
          f"multi-token prediction with parallel.cp={cp} is not supported (not verified; use parallel.cp 1)")
     need(m.layout == "dense" or router.topk, "model.moe.router",
          f"{m.moe.router} with parallel.cp={cp} is not supported (not verified; use a top-k router or parallel.cp 1)")
-    need(not cfg.eval.core_every, "eval.core_every",
+    need(not ev.core_every, "eval.core_every",
          "the CORE subset during training runs whole prompts on each rank; with parallel.cp > 1 evaluate the "
          "checkpoints afterwards (eval/core.py)")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_kappa.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
+from megatron_kappa.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from megatron_kappa.config.stage_layout import decoder_counts
 from megatron_kappa.config.world import check_batch, check_world, data_parallel
 
@@ -53,10 +53,9 @@ def smallest_world(par: ParallelConfig) -> int:
     return math.lcm(par.tp * par.cp, par.ep * par.expert_tp) * par.pp
 
 
-def derived(cfg: Config, world: int | None = None) -> dict:
+def derived(m: ModelConfig, par: ParallelConfig, t: TrainConfig, world: int | None = None) -> dict:
     """The values above for a launch of `world` ranks (None: the smallest that fits). A world the
     layout or the batch does not divide is a one-line ConfigError, as the preflight says it."""
-    par, t, m = cfg.parallel, cfg.train, cfg.model
     world = world or smallest_world(par)
     dp = data_parallel(par, world)
     try:
@@ -80,9 +79,9 @@ def _per_stage(chunks: list[int], pp: int) -> list[list[int]]:
     return [chunks[stage::pp] for stage in range(pp)]
 
 
-def render(d: dict, cfg: Config) -> str:
-    """The derived values as YAML comments: the printed config stays a config file."""
-    par, m, t = cfg.parallel, cfg.model, cfg.train
+def render(d: dict, m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> str:
+    """The derived values (`derived`'s, of the same sections) as YAML comments: the printed config
+    stays a config file."""
     moe = sum(d["layers"])
     experts = f"; {m.moe.num_experts} experts, top-{m.moe.topk}" if moe else ""
     stages = "" if par.pp == 1 else "; layers per stage " + " ".join(map(str, d["stage_layers"])) + (

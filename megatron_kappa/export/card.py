@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from megatron_kappa.attention_kinds import name_of as attention_kind
-from megatron_kappa.config import ConfigError
+from megatron_kappa.config import ConfigError, EvalConfig
 from megatron_kappa.export.adapter import ffn_sizes
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import moe_layer_pattern
@@ -46,15 +46,15 @@ def step_records(run_dir: Path, step: int) -> dict:
     return found
 
 
-def evaluations(run_dir: Path, step: int, cfg) -> list[tuple[str, str, str]]:
+def evaluations(run_dir: Path, step: int, ev: EvalConfig) -> list[tuple[str, str, str]]:
     """(what, value, where it is from) of every result measured at `step`."""
     rows, records = [], step_records(run_dir, step)
     if "valid_loss" in records:
         rows.append(("validation loss (during training)", f"{records['valid_loss']:.4f}",
-                     f"metrics.jsonl: {cfg.eval.valid_iters} micro-batches of the validation data"))
+                     f"metrics.jsonl: {ev.valid_iters} micro-batches of the validation data"))
     if "core" in records:
         rows.append(("CORE subset (during training)", f"{records['core']:.4f}",
-                     f"metrics.jsonl: at most {cfg.eval.core_max_per_task} items per task"))
+                     f"metrics.jsonl: at most {ev.core_max_per_task} items per task"))
     for path in sorted([*run_dir.glob("*.json"), *run_dir.parent.glob("*.json")]):
         try:
             result = json.loads(path.read_text())
@@ -128,7 +128,7 @@ def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, 
                ("optimizer", f"{cfg.train.optimizer}, peak lr {cfg.train.lr:g}"), ("precision", cfg.precision)]
     if layout_record:
         trained.append(("layout", ", ".join(f"{k} {v}" for k, v in layout_record.items())))
-    results = evaluations(run_dir, step, cfg)
+    results = evaluations(run_dir, step, cfg.eval)
     table = lambda pairs: "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in pairs)  # noqa: E731
     evaluation = ("| result | value | from |\n|---|---|---|\n"
                   + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in results)

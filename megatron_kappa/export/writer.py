@@ -123,7 +123,7 @@ def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dty
             ours = Tokenizer(tok_file)
             special = {"bos": ours.bos, "eos": ours.eod, "pad": ours.pad}
         config = convert.hf_config(cfg.model, layout, target, special,
-                                   kappa_settings(cfg) if cfg.model.kappa.enabled else None)
+                                   kappa_settings(cfg.model.kappa) if cfg.model.kappa.enabled else None)
         shards = ShardWriter(tmp, shard_mb * 2**20)
         first_dtype, params = None, {"total": 0, "experts": 0}
         for i in tqdm(range(cfg.model.num_layers), desc="export", unit="layer", disable=not progress):
@@ -159,7 +159,7 @@ def export(checkpoint: str | Path, output: str | Path, target: str = "auto", dty
         (tmp / "README.md").write_text(card(
             name=output.name, cfg=cfg, run_dir=ckpts.root.parent, step=step, adapter=targets.lookup(target),
             hf_config=config, params=params, license=license, layout_record=ckpts.meta(step).get("layout"),
-            kappa=kappa_settings(cfg) if cfg.model.kappa.enabled else None, tokenizer=bool(tok_file)))
+            kappa=kappa_settings(cfg.model.kappa) if cfg.model.kappa.enabled else None, tokenizer=bool(tok_file)))
         readable(tmp)
         os.replace(tmp, output)
     except BaseException:

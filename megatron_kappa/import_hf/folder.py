@@ -101,7 +101,7 @@ class HFFolder:
             raise ConfigError(f"{self.source}: {self.folder}: model.mtp.num_layers is {cfg.model.mtp.num_layers}, "
                               "and a Hugging Face folder has no MTP modules to start them from; set it to 0")
         want = self.adapter.config(cfg.model, layout, {"bos": None, "eos": None, "pad": None},
-                                   kappa_settings(cfg) if cfg.model.kappa.enabled else None)
+                                   kappa_settings(cfg.model.kappa) if cfg.model.kappa.enabled else None)
         # a field the folder's class does not have (the κ model's file ignores hidden_act) is not compared
         problems = [f"{k} is {_show(self._value(k))}, the run's model has {_show(v)}" for k, v in want.items()
                     if k not in NOT_COMPARED and (k in self.raw or hasattr(self.hf, k))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.model.experts import KappaExpertActivation, routed_logits
 from megatron_kappa.model.layout import layer_label
@@ -58,7 +59,7 @@ def kappa_stats(model, device: torch.device, histograms: dict | None = None) -> 
     return merge_stages(out)
 
 
-def router_losses(config, micro_batches: int, device: torch.device) -> dict:
+def router_losses(config: TransformerConfig, micro_batches: int, device: torch.device) -> dict:
     """Weighted aux and z losses (what entered the objective), summed over layers, averaged over
     micro-batches and DP ranks; clears megatron's tracker for the next step. Each entry is first
     combined over the groups its router named, as megatron's own reduction does: under sequence

@@ -25,12 +25,13 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.model.cp_attention import context_parallel_attention
 
 
 class SDPAttention(MegatronModule):
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+    def __init__(self, config: TransformerConfig, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         self.cp_group = None

@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_kappa.model.attention_kinds  # noqa: F401  (hands the built-in kinds' pieces to the registry)
 import megatron_kappa.model.routers  # noqa: F401  (hands the built-in routers' classes to the registry)
 from megatron_kappa import attention_kinds, routers
-from megatron_kappa.config import Config, ModelConfig
+from megatron_kappa.config import Config, KappaConfig, ModelConfig, MoEConfig
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.attention import SDPAttention
@@ -110,7 +110,7 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
             moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk,
         )
         # the router kind's own: score function, load balancing (megatron_kappa.routers)
-        kwargs.update(routers.lookup(moe.router).megatron(cfg))
+        kwargs.update(routers.lookup(moe.router).megatron(moe))
     if cfg.train.qk_clip is not None:  # QK-Clip: the core attention records each head's largest logit
         kwargs.update(qk_clip=True, qk_clip_threshold=cfg.train.qk_clip, qk_clip_alpha=cfg.train.qk_clip_alpha)
     if m.mtp.num_layers:  # multi-token prediction: the block on the last stage, its loss × λ into the objective
@@ -152,12 +152,11 @@ def norm_spec(m: ModelConfig):
     return SPTorchNorm if m.norm_gains else partial(SPTorchNorm, gains=False)
 
 
-def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, layout: ModelLayout,
+def _adapt_layer_spec(spec, m: ModelConfig, precision: str, device, dense: bool, layout: ModelLayout,
                       inputs: nanochat.BlockInputs | None = None):
     """The local layer spec with every norm (input, pre-MLP, q/k) built by SPTorchNorm, the core
     attention of `model.attention`, FP8 linears where `precision: fp8` asks for them, and the
     nanochat block's layer and attention subclasses where its keys ask for them (they read `inputs`)."""
-    m = cfg.model
     if m.residual_scalars:
         spec = dataclasses.replace(spec, module=nanochat.ScaledResidualLayer, params={**spec.params, "inputs": inputs})
     sub = spec.submodules
@@ -165,49 +164,47 @@ def _adapt_layer_spec(spec, cfg: Config, device, dense: bool, layout: ModelLayou
     if m.value_embeddings:
         attn = dataclasses.replace(attn, module=nanochat.ValueEmbeddingAttention,
                                    params={**attn.params, "inputs": inputs, "vocab_size": layout.padded_vocab})
-    norm = norm_spec(cfg.model)
+    norm = norm_spec(m)
     # q/k norms (MLA: the query and key/value latents' norms)
     qk = {f.name: norm for f in dataclasses.fields(attn.submodules)
           if f.name.endswith("layernorm") and getattr(attn.submodules, f.name) is not IdentityOp}
-    core = core_attention(cfg.model)
+    core = core_attention(m)
     if core is not None:
         qk["core_attention"] = core
     kind = attention_kinds.of(m)  # its self-attention class (MLA: model/attention_kinds/mla.py) and linears
+    attn_fp8 = fp8.settings(precision, m.fp8, device, "attention")
     if kind.attention is not None:
-        attn = kind.attention(cfg, device, attn)
-    attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), fp8.settings(cfg, device, "attention"),
+        attn = kind.attention(attn, attn_fp8)
+    attn_sub = fp8_linears(dataclasses.replace(attn.submodules, **qk), attn_fp8,
                            **kind.fp8_linears)
     sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
                               self_attention=dataclasses.replace(attn, submodules=attn_sub))
     if dense:  # megatron's local spec: partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
         mlp = sub.mlp
-        mlp_sub = fp8_linears(mlp.keywords["submodules"], fp8.settings(cfg, device, "dense_mlp"),
+        mlp_sub = fp8_linears(mlp.keywords["submodules"], fp8.settings(precision, m.fp8, device, "dense_mlp"),
                               linear_fc1="column", linear_fc2="row")
         sub = dataclasses.replace(sub, mlp=partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": mlp_sub}))
     return dataclasses.replace(spec, submodules=sub)
 
 
-def kappa_settings(cfg: Config) -> KappaSettings:
-    k = cfg.model.kappa
+def kappa_settings(k: KappaConfig) -> KappaSettings:
     v = kappa_inputs.resolve(k)  # null keys take the `model.kappa.input` variant's values
     return KappaSettings(U=v.U, use_alpha=k.use_alpha, use_bias=k.use_bias,
                          logit_scale=v.logit_scale, tanh_gain=v.tanh_gain, backend=k.backend,
                          input=k.input, router_grad_scale=v.router_grad_scale)
 
 
-def router_spec(cfg: Config):
-    """The router class of `model.moe.router` (its entry in megatron_kappa.routers): κ needs each
-    pair's raw logit handed on with the probabilities."""
-    kappa = kappa_settings(cfg) if cfg.model.kappa.enabled else None
-    return routers.lookup(cfg.model.moe.router).router(cfg, kappa)
+def router_spec(moe: MoEConfig, kappa: KappaSettings | None):
+    """The router class of `model.moe.router` (its entry in megatron_kappa.routers): κ experts
+    (`kappa`, None for plain SwiGLU) need each pair's raw logit handed on with the probabilities."""
+    return routers.lookup(moe.router).router(moe, kappa)
 
 
-def experts_spec(cfg: Config, stock: MoESubmodules, device):
-    """The experts: grouped GEMMs (FP8 or not) or megatron's per-expert loop, with κ-SwiGLU or
-    plain SwiGLU."""
-    kappa = kappa_settings(cfg) if cfg.model.kappa.enabled else None
-    fp8_experts = fp8.settings(cfg, device, "experts")
-    if cfg.model.moe.grouped_gemm:
+def experts_spec(grouped_gemm: bool, kappa: KappaSettings | None, fp8_experts: fp8.FP8Settings | None,
+                 stock: MoESubmodules):
+    """The experts: grouped GEMMs (FP8 or not) or megatron's per-expert loop, with κ-SwiGLU
+    (`kappa`) or plain SwiGLU (None)."""
+    if grouped_gemm:
         return partial(GroupedExperts, kappa=kappa, fp8=fp8_experts)
     if fp8_experts is not None:
         raise ValueError("fp8 experts need model.moe.grouped_gemm: true")
@@ -216,48 +213,51 @@ def experts_spec(cfg: Config, stock: MoESubmodules, device):
     return stock.experts
 
 
-def moe_layer_spec(cfg: Config, stock: MoESubmodules, device):
-    """The MoE layer of `model.moe.router` (megatron_kappa.routers), with its router and experts."""
-    layer = routers.lookup(cfg.model.moe.router).layer(cfg, cfg.model.kappa.enabled)
-    return partial(layer, submodules=MoESubmodules(experts=experts_spec(cfg, stock, device), router=router_spec(cfg),
+def moe_layer_spec(moe: MoEConfig, kappa: KappaSettings | None, fp8_experts: fp8.FP8Settings | None,
+                   stock: MoESubmodules):
+    """The MoE layer of `model.moe.router` (megatron_kappa.routers), with its router and experts
+    (κ-SwiGLU with `kappa`, plain SwiGLU with None; FP8 grouped GEMMs with `fp8_experts`)."""
+    layer = routers.lookup(moe.router).layer(moe, kappa is not None)
+    experts = experts_spec(moe.grouped_gemm, kappa, fp8_experts, stock)
+    return partial(layer, submodules=MoESubmodules(experts=experts, router=router_spec(moe, kappa),
                                                    shared_experts=stock.shared_experts))
 
 
-def layer_specs(cfg: Config, device="cpu", pipeline_stage: int | None = None,
-                layout: ModelLayout | None = None, inputs: nanochat.BlockInputs | None = None,
-                vp_stage: int = 0) -> TransformerBlockSubmodules:
-    """Local (plain torch) specs per layer for a model on `device` (of one pipeline stage and
-    virtual stage, when given); the MoE layers' router, experts and layer class come from
-    router_spec, experts_spec and moe_layer_spec. `inputs`: what the nanochat block's layers read
-    (the model's BlockInputs)."""
-    layout = layout or model_layout(cfg)
+def layer_specs(m: ModelConfig, precision: str, layout: ModelLayout, device="cpu", pipeline_stage: int | None = None,
+                inputs: nanochat.BlockInputs | None = None, vp_stage: int = 0) -> TransformerBlockSubmodules:
+    """Local (plain torch) specs per layer of model `m` in `precision` (of model layout `layout`:
+    model_layout(cfg)) on `device` (of one pipeline stage and virtual stage, when given); the MoE
+    layers' router, experts and layer class come from router_spec, experts_spec and
+    moe_layer_spec. `inputs`: what the nanochat block's layers read (the model's BlockInputs)."""
     inputs = inputs or nanochat.BlockInputs()
     # the attention kind's stock layer (MLA: megatron's MLASelfAttention and its submodules)
-    local = {"multi_latent_attention": False, **attention_kinds.of(cfg.model).local_spec}
-    spec = partial(get_gpt_layer_local_spec, qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm", **local)
-    dense = _adapt_layer_spec(spec(num_experts=None), cfg, device, dense=True, layout=layout, inputs=inputs)
+    local = {"multi_latent_attention": False, **attention_kinds.of(m).local_spec}
+    spec = partial(get_gpt_layer_local_spec, qk_layernorm=m.qk_layernorm, normalization="RMSNorm", **local)
+    dense = _adapt_layer_spec(spec(num_experts=None), m, precision, device, dense=True, layout=layout, inputs=inputs)
     moe = None
     if layout.has_moe:
-        moe = _adapt_layer_spec(spec(num_experts=cfg.model.moe.num_experts), cfg, device, dense=False,
+        moe = _adapt_layer_spec(spec(num_experts=m.moe.num_experts), m, precision, device, dense=False,
                                 layout=layout, inputs=inputs)
         stock = moe.submodules.mlp.keywords["submodules"]  # MoESubmodules of megatron's local spec
-        mlp = moe_layer_spec(cfg, stock, device)
+        mlp = moe_layer_spec(m.moe, kappa_settings(m.kappa) if m.kappa.enabled else None,
+                             fp8.settings(precision, m.fp8, device, "experts"), stock)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, mlp=mlp))
     layers = [moe if is_moe else dense for is_moe in layout.moe_layers]
     if pipeline_stage is not None:  # this stage's layers only (megatron numbers them from its offset)
         start, stop = layout.stage_layers(pipeline_stage, vp_stage)
         layers = layers[start:stop]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(cfg.model))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(m))
 
 
-def mtp_block_spec(cfg: Config, tconfig, device, layout: ModelLayout, inputs, vp_stage: int | None = None):
+def mtp_block_spec(m: ModelConfig, precision: str, tconfig, device, layout: ModelLayout, inputs,
+                   vp_stage: int | None = None):
     """megatron's MTP block spec (model.mtp) for the last layer's kind, with our norms: megatron's
     local ones refuse sequence parallelism. None off the last stage (of its last virtual stage)."""
-    spec = get_gpt_mtp_block_spec(tconfig, layer_specs(cfg, device, None, layout, inputs), use_transformer_engine=False,
-                                  vp_stage=vp_stage)
+    spec = get_gpt_mtp_block_spec(tconfig, layer_specs(m, precision, layout, device, None, inputs),
+                                  use_transformer_engine=False, vp_stage=vp_stage)
     if spec is None:  # not the last pipeline stage
         return None
-    norm = norm_spec(cfg.model)
+    norm = norm_spec(m)
     layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, enorm=norm, hnorm=norm, layer_norm=norm)) for layer in spec.layer_specs]
     return dataclasses.replace(spec, layer_specs=layers)
@@ -299,9 +299,10 @@ def _build_chunk(cfg: Config, device, meta: bool, layout: ModelLayout, tconfig, 
         stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         if stages != cfg.parallel.pp:
             raise ValueError(f"build_model: parallel.pp={cfg.parallel.pp} but megatron's groups have {stages} stages")
-        specs = layer_specs(cfg, device, stage if stages > 1 else None, layout, inputs, vp_stage or 0)
+        specs = layer_specs(m, cfg.precision, layout, device, stage if stages > 1 else None, inputs, vp_stage or 0)
         if m.mtp.num_layers:  # one layer of the model's last layer's kind per MTP depth, on the last stage
-            model_class = partial(model_class, mtp_block_spec=mtp_block_spec(cfg, tconfig, device, layout, inputs, vp_stage))
+            model_class = partial(model_class, mtp_block_spec=mtp_block_spec(m, cfg.precision, tconfig, device, layout,
+                                                                               inputs, vp_stage))
         model = model_class(
             config=tconfig,
             transformer_layer_spec=specs,

@@ -8,6 +8,7 @@ from megatron.core.tensor_parallel.random import (
     CheckpointWithoutOutput, get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings, kappa_swiglu, kappa_values
 from megatron_kappa.model import fp8 as fp8_gemm
@@ -21,7 +22,7 @@ _FUSED_FLAGS = ("bias_activation_fusion", "use_te_activation_func", "use_transfo
                 "activation_func_fp8_input_store", "moe_apply_probs_on_input")
 
 
-def check_kappa_config(config):
+def check_kappa_config(config: TransformerConfig):
     for flag in _FUSED_FLAGS:
         if getattr(config, flag, False):
             raise ValueError(f"κ-SwiGLU experts: TransformerConfig.{flag} must be off")
@@ -121,7 +122,7 @@ def set_kappa_U(model, U: float):
 class KappaSequentialMLP(SequentialMLP, KappaExpertActivation):
     """megatron's SequentialMLP (same weights and names) with a κ-SwiGLU activation."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None,
+    def __init__(self, num_local_experts, config: TransformerConfig, submodules, pg_collection=None, name=None,
                  kappa: KappaSettings = DEFAULTS):
         check_kappa_config(config)
         super().__init__(num_local_experts, config, submodules, pg_collection, name)
@@ -162,7 +163,7 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
 
     STACKS = {"fc1_weight": "linear_fc1.weight", "fc2_weight": "linear_fc2.weight"}
 
-    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, name=None,
+    def __init__(self, num_local_experts, config: TransformerConfig, submodules=None, pg_collection=None, name=None,
                  kappa: KappaSettings | None = DEFAULTS, fp8: FP8Settings | None = None):
         super().__init__(config=config)
         self.fp8 = fp8  # FP8 rowwise grouped GEMMs (model/fp8.py) instead of bf16/fp32 ones

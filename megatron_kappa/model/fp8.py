@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
 
-from megatron_kappa.config import Config, ConfigError
+from megatron_kappa.config import ConfigError
 from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.config.schema import FP8Config
 
@@ -39,17 +39,18 @@ class FP8Settings:
     emulate: bool = True     # dequantize and multiply in fp32 (off CUDA) instead of FP8 kernels
 
 
-def settings(cfg: Config, device: torch.device | str, part: str) -> FP8Settings | None:
-    """The FP8 settings for one part of the model ("attention", "dense_mlp", "experts"), or None
-    where that part stays in bf16. Stops on a CUDA device below capability 9.0."""
-    if cfg.precision != "fp8" or not getattr(cfg.model.fp8, part):
+def settings(precision: str, f: FP8Config, device: torch.device | str, part: str) -> FP8Settings | None:
+    """The FP8 settings for one part of the model ("attention", "dense_mlp", "experts") under
+    `precision` and model.fp8 `f`, or None where that part stays in bf16. Stops on a CUDA device
+    below capability 9.0."""
+    if precision != "fp8" or not getattr(f, part):
         return None
     device = torch.device(device)
     if device.type == "cuda":
         error = fp8_capability_error(torch.cuda.get_device_capability(device))
         if error:
             raise ConfigError(error)
-    return FP8Settings(recipe=cfg.model.fp8.recipe, emulate=device.type != "cuda")
+    return FP8Settings(recipe=f.recipe, emulate=device.type != "cuda")
 
 
 def describe(f: FP8Config, device: torch.device | str) -> str:

@@ -74,7 +74,8 @@ class ModelLayout:
 def model_layout(cfg: Config) -> ModelLayout:
     par = cfg.parallel
     return ModelLayout(moe_layers=tuple(moe_layer_pattern(cfg.model)), num_experts=cfg.model.moe.num_experts,
-                       padded_vocab=padded_vocab_size(cfg), pp=par.pp, first_stage_layers=par.first_stage_layers,
+                       padded_vocab=padded_vocab_size(cfg.model.vocab_size, par.tp), pp=par.pp,
+                       first_stage_layers=par.first_stage_layers,
                        last_stage_layers=par.last_stage_layers, stage_layout=par.layout, vpp=par.vpp)
 
 
@@ -88,9 +89,10 @@ def has_value_embedding(layer_number: int, num_layers: int) -> bool:
     return (layer_number - 1) % 2 == (num_layers - 1) % 2
 
 
-def padded_vocab_size(cfg: Config) -> int:
-    multiple = 128 * cfg.parallel.tp
-    return int(math.ceil(cfg.model.vocab_size / multiple) * multiple)
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """model.vocab_size padded to a multiple of 128 × TP (megatron's rule), as the model builds it."""
+    multiple = 128 * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def layer_offset(model) -> int:

@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.kappa import DEFAULTS, KappaSettings
 from megatron_kappa.kappa.inputs import kappa_input, scale_grad
@@ -156,7 +157,7 @@ _DISPATCHERS = {"alltoall": KappaAlltoAllDispatcher, "allgather": KappaAllGather
 
 
 class KappaMoELayer(MoELayer):
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+    def __init__(self, config: TransformerConfig, submodules=None, layer_number=None, pg_collection=None,
                  is_mtp_layer=False, name=None):
         kind = config.moe_token_dispatcher_type
         if kind not in _DISPATCHERS:

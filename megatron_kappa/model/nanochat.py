@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.layers import (_initialize_affine_weight_cpu,
                                                   set_tensor_model_parallel_attributes)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_kappa.config import ModelConfig
@@ -74,7 +75,7 @@ class NanochatGPTModel(ChunkedLossGPTModel):
         return output
 
 
-def _param_device(config):
+def _param_device(config: TransformerConfig):
     """Where megatron would create this rank's parameters: the meta device while the summary
     builds shapes only (build_model(meta=True)), else as megatron's linears do."""
     if torch.get_default_device().type == "meta":
@@ -92,7 +93,7 @@ class ScaledResidualLayer(TransformerLayer):
     """megatron's TransformerLayer after x = λ_resid·x + λ_x0·x0 (λ_resid = 1, λ_x0 = 0 at init:
     gpt 2092-2106); λ are one-element parameters, trained by AdamW (megatron_kappa.optim)."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, *args, inputs: BlockInputs, **kwargs):
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, inputs: BlockInputs, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs
         device = _param_device(config)
@@ -121,7 +122,7 @@ class ValueEmbeddingAttention(SelfAttention):
     input, gathered over the sequence-parallel group. v is added to after the projections and
     before attention (it is not roped or normed, so before RoPE as the authors)."""
 
-    def __init__(self, config, submodules, layer_number: int, *args, inputs: BlockInputs, vocab_size: int,
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int, *args, inputs: BlockInputs, vocab_size: int,
                  **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs

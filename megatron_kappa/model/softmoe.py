@@ -25,6 +25,7 @@ import dataclasses
 import torch
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.config import MoEConfig
 from megatron_kappa.model.lapsum import lapsum_topk
@@ -99,7 +100,7 @@ def link_budgets(model) -> Allocation | None:
 class SoftMoERouter(TopKRouter):
     """megatron's TopKRouter (gating, z-loss, loss logging) with SoftMoE's `routing`."""
 
-    def __init__(self, config, pg_collection=None, is_mtp_layer=False, settings: SoftMoESettings = None):
+    def __init__(self, config: TransformerConfig, pg_collection=None, is_mtp_layer=False, settings: SoftMoESettings = None):
         if settings is None:
             raise ValueError("SoftMoERouter needs its settings (megatron_kappa.model.softmoe.softmoe_settings)")
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kappa.model.moe import KappaAllGatherDispatcher, KappaAlltoAllDispatcher
 
@@ -42,7 +43,7 @@ _DISPATCHERS = {  # (carry the logit, kind)
 class SoftMoELayer(MoELayer):
     """MoELayer for the SoftMoE router; `carry_logit` for κ experts (two-channel probs)."""
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+    def __init__(self, config: TransformerConfig, submodules=None, layer_number=None, pg_collection=None,
                  is_mtp_layer=False, name=None, carry_logit: bool = False):
         kind = config.moe_token_dispatcher_type
         if (carry_logit, kind) not in _DISPATCHERS:

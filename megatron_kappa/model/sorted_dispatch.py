@@ -20,6 +20,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class _TokensToRows(torch.autograd.Function):
@@ -54,7 +55,7 @@ class _RowsToTokens(torch.autograd.Function):
 
 
 class SortedDispatcher(MoETokenDispatcher):
-    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+    def __init__(self, num_local_experts, local_expert_indices, config: TransformerConfig, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
         if self.ep_size != 1 or self.tp_size != 1:
             raise ValueError("model.moe.dispatcher: sorted needs all experts on one rank (EP = ETP = 1)")
@@ -94,7 +95,7 @@ class SortedDispatcher(MoETokenDispatcher):
 class SortedMoELayer(MoELayer):
     """megatron's MoELayer (any router and experts of ours) with the sorted dispatcher."""
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+    def __init__(self, config: TransformerConfig, submodules=None, layer_number=None, pg_collection=None,
                  is_mtp_layer=False, name=None):
         super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
         self.token_dispatcher = SortedDispatcher(self.num_local_experts, self.local_expert_indices,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from megatron_kappa.optim import sharded_alpha
 from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind, in_kappa_group
 from megatron_kappa.optim.matrix import RowBlocks, as_blocks, matrix_update
 from megatron_kappa.optim.schedule import peak_weight_decays
+
+if TYPE_CHECKING:  # megatron's config class, for the annotation only: this module imports without megatron
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 # (module, attribute) replaced by install().
 PATCHED = [("deepspeed.runtime.zero.muon.original_muon", "muon_update"),
@@ -72,7 +76,7 @@ def is_orthogonalised(name: str, p: torch.Tensor, routers: bool, kappa: KappaCon
                                  or (is_router(name) and not routers))
 
 
-def matrix_blocks(name: str, param: torch.Tensor, config):
+def matrix_blocks(name: str, param: torch.Tensor, config: TransformerConfig):
     """The separate matrices inside this rank's (possibly TP-sharded) parameter, as a RowBlocks,
     or None when it is one matrix (per leading index, for stacked experts). `config` is
     megatron's TransformerConfig (model.config)."""

@@ -13,6 +13,7 @@ are accumulated and reduced in fp32 unless train.grad_accum_dtype says bf16
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable
 
@@ -24,7 +25,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from deepspeed.utils import groups as ds_groups
 from megatron.core import parallel_state as ps
 
-from megatron_kappa.config import Config
+from megatron_kappa.config import ParallelConfig, TrainConfig, ZeroConfig
 from megatron_kappa.model.params import is_expert
 from megatron_kappa.parallel import grad_precision, stage_norm
 
@@ -106,27 +107,46 @@ def wire_experts(model) -> bool:
     return True
 
 
-def ds_config(cfg: Config, grad_accum: int) -> dict:
-    zero = {"stage": cfg.zero.stage, "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": False}
-    if cfg.zero.offload_optimizer:  # ZeRO-Offload with this project's optimizer (not DeepSpeed's C++ CPU Adam)
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """What the DeepSpeed engine is set up from, read together from four sections (`of`)."""
+    micro_batch: int  # train.micro_batch
+    clip: float  # train.clip: train.grad_clip, or the optimizer's default where it is null
+    grad_accum_dtype: str  # train.grad_accum_dtype
+    zero_stage: int  # zero.stage
+    offload_optimizer: bool  # zero.offload_optimizer
+    precision: str
+    megatron_schedule: bool  # parallel.megatron_schedule: pipeline stages or the EP overlap
+    pp: int  # parallel.pp
+
+    @classmethod
+    def of(cls, train: TrainConfig, zero: ZeroConfig, par: ParallelConfig, precision: str) -> EngineSettings:
+        return cls(micro_batch=train.micro_batch, clip=train.clip, grad_accum_dtype=train.grad_accum_dtype,
+                   zero_stage=zero.stage, offload_optimizer=zero.offload_optimizer, precision=precision,
+                   megatron_schedule=par.megatron_schedule, pp=par.pp)
+
+
+def ds_config(s: EngineSettings, grad_accum: int) -> dict:
+    zero = {"stage": s.zero_stage, "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": False}
+    if s.offload_optimizer:  # ZeRO-Offload with this project's optimizer (not DeepSpeed's C++ CPU Adam)
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
         "zero_force_ds_cpu_optimizer": False,
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+        "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": cfg.train.clip,  # null: by optimizer (TrainConfig.clip)
+        "gradient_clipping": s.clip,  # null: by optimizer (TrainConfig.clip)
         "zero_optimization": zero,
-        "bf16": {"enabled": cfg.precision in ("bf16", "fp8")},
+        "bf16": {"enabled": s.precision in ("bf16", "fp8")},
         # pipeline stages or the EP overlap: megatron's schedule does the backward passes and
         # engine.step() is the accumulation boundary (megatron_kappa.train.pipeline)
-        "managed_gradient_accumulation": not cfg.parallel.megatron_schedule,
+        "managed_gradient_accumulation": not s.megatron_schedule,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
-        **grad_precision.ds_entries(cfg.precision, cfg.train.grad_accum_dtype),
+        **grad_precision.ds_entries(s.precision, s.grad_accum_dtype),
     }
 
 
-def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int,
+def initialize(model, param_groups: list[dict], s: EngineSettings, grad_accum: int,
                build_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
     """Wire experts, split the optimizer groups for them, build the optimizer from the groups and
     start the DeepSpeed engine. Returns (engine, optimizer)."""
@@ -135,13 +155,13 @@ def initialize(model, param_groups: list[dict], cfg: Config, grad_accum: int,
     if wire_experts(model):
         param_groups = split_params_into_different_moe_groups_for_optimizer(param_groups)
     optimizer = build_optimizer([g for g in param_groups if g["params"]])
-    fp32_grads = grad_precision.fp32_accumulation(cfg.precision, cfg.train.grad_accum_dtype)
+    fp32_grads = grad_precision.fp32_accumulation(s.precision, s.grad_accum_dtype)
     with grad_precision.zero_routing(fp32_grads):  # ZeRO-1 too keeps DeepSpeed's ZeRO optimizer
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(cfg, grad_accum),
+            model=model, optimizer=optimizer, mpu=MegatronMPU(), config=ds_config(s, grad_accum),
             dist_init_required=False)
     if fp32_grads:
         grad_precision.keep_fp32(optimizer)
-    if cfg.parallel.pp > 1:  # stages hold different groups: the gradient norm keyed by group name
+    if s.pp > 1:  # stages hold different groups: the gradient norm keyed by group name
         stage_norm.install(optimizer)
     return engine, optimizer

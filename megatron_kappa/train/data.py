@@ -35,15 +35,15 @@ def tokenizer_for(data: DataConfig, model: ModelConfig):
     return StubTokenizer(model.vocab_size)
 
 
-def data_seed(cfg: Config) -> int:
+def data_seed(data: DataConfig, train: TrainConfig) -> int:
     """The document order's seed: data.seed, or train.seed when it is null."""
-    return cfg.train.seed if cfg.data.seed is None else cfg.data.seed
+    return train.seed if data.seed is None else data.seed
 
 
 def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
     """(train, valid) megatron-core datasets. Rank 0 writes the index caches, the rest read them."""
     tok = tokenizer_for(cfg.data, cfg.model)
-    common = dict(random_seed=data_seed(cfg), sequence_length=cfg.model.seq_length, tokenizer=tok,
+    common = dict(random_seed=data_seed(cfg.data, cfg.train), sequence_length=cfg.model.seq_length, tokenizer=tok,
                   reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                   create_attention_mask=False,
                   path_to_cache=cfg.data.cache_dir or str(Path(cfg.run.dir) / "data_cache"))

@@ -220,8 +220,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     peak = throughput.peak_tflops(cfg.log, device)
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg.model.kappa)
-    engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), cfg, grad_accum,
-                                             lambda groups: optim.build_optimizer(groups, cfg.train))
+    engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
+    engine, optimizer = ds_engine.initialize(model, optim.param_groups(model, cfg.train, cfg.model), engine_settings,
+                                             grad_accum, lambda groups: optim.build_optimizer(groups, cfg.train))
     muon.check_zero_layout(optimizer)
     if start:
         written, now = ckpts.meta(start)["layout"], layout_record(cfg.parallel, world)

@@ -27,7 +27,6 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_kappa import attention_kinds
-from megatron_kappa.config import Config
 from megatron_kappa.model import fp8
 
 
@@ -50,11 +49,10 @@ class SequenceParallelMLA(MLASelfAttention):
         return q_compressed, kv_combined
 
 
-def attention(cfg: Config, device, spec):
+def attention(spec, attention_fp8: fp8.FP8Settings | None):
     """The self-attention spec: megatron's local MLA spec's, built as SequenceParallelMLA (the down
-    projections' FP8 is set on the built modules)."""
-    return dataclasses.replace(spec, module=SequenceParallelMLA,
-                               params={**spec.params, "down_fp8": fp8.settings(cfg, device, "attention")})
+    projections' FP8, the attention projections' settings, is set on the built modules)."""
+    return dataclasses.replace(spec, module=SequenceParallelMLA, params={**spec.params, "down_fp8": attention_fp8})
 
 
 attention_kinds.implement("mla", transformer_config=MLATransformerConfig, attention=attention)

@@ -9,17 +9,16 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config
+from megatron_kappa.config import MoEConfig
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.model.moe import CapacityRule, KappaMoELayer, KappaRouter, ZLoss, ZLossRouter
 from megatron_kappa.model.sorted_dispatch import SortedMoELayer
 
 
-def topk_router(cfg: Config, kappa: KappaSettings | None):
+def topk_router(moe: MoEConfig, kappa: KappaSettings | None):
     """The router of the top-k kinds (softmax, sigmoid): megatron's TopKRouter (the stock spec's),
     ZLossRouter for the authors' z-loss or capacity rule, or KappaRouter, which also hands on the logit, for κ
     experts."""
-    moe = cfg.model.moe
     z_loss = ZLoss(moe.z_loss_form, moe.z_loss_input_grad_scale)
     rule = CapacityRule(moe.capacity, moe.drop_order)
     if kappa is not None:
@@ -29,11 +28,11 @@ def topk_router(cfg: Config, kappa: KappaSettings | None):
     return partial(ZLossRouter, z_loss=z_loss, capacity_rule=rule)
 
 
-def topk_layer(cfg: Config, kappa: bool):
+def topk_layer(moe: MoEConfig, kappa: bool):
     """The MoE layer of the top-k kinds: the sorted dispatcher's (it moves the logit channel like
     the probabilities), or megatron's, whose dispatcher the κ layer swaps for one that carries the
     logit."""
-    if cfg.model.moe.dispatcher == "sorted":
+    if moe.dispatcher == "sorted":
         return SortedMoELayer
     return KappaMoELayer if kappa else MoELayer
 

@@ -20,20 +20,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_kappa import routers
-from megatron_kappa.config import Config
+from megatron_kappa.config import MoEConfig
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.model import softmoe
 from megatron_kappa.model.softmoe_dispatch import SoftMoELayer
 
 
-def softmoe_router(cfg: Config, kappa: KappaSettings | None):
+def softmoe_router(moe: MoEConfig, kappa: KappaSettings | None):
     """The SoftMoE router, with the logit channel for κ experts."""
     if kappa is None:
-        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(cfg.model.moe))
-    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(cfg.model.moe), kappa=kappa)
+        return partial(softmoe.SoftMoERouter, settings=softmoe.softmoe_settings(moe))
+    return partial(softmoe.KappaSoftMoERouter, settings=softmoe.softmoe_settings(moe), kappa=kappa)
 
 
-def softmoe_layer(cfg: Config, kappa: bool):
+def softmoe_layer(moe: MoEConfig, kappa: bool):
     """The SoftMoE layer: a variable number of experts per token (the logit carried for κ)."""
     return partial(SoftMoELayer, carry_logit=kappa)
 

@@ -94,11 +94,18 @@ where {seen}. This model: U = {kappa.U:g}, scale = {kappa.logit_scale:g}, gain =
 """
 
 
+def run_name(run, run_dir: Path) -> str:
+    """The run's name (run.name; null: its folder's name), as its W&B run has it: the card's title."""
+    return run.name or run_dir.name
+
+
 def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, params: dict, license: str,
          layout_record: dict | None, kappa=None, tokenizer: bool) -> str:
-    """README.md of an export. `params`: {"total", "active"} counted from the written tensors;
+    """README.md of an export: titled with the run's name; `name` (the output folder's) is what the
+    usage example loads. `params`: {"total", "active"} counted from the written tensors;
     `layout_record`: the layout that trained the checkpoint (meta.json's); `kappa`: its KappaSettings."""
     m, moe = cfg.model, cfg.model.moe
+    title = run_name(cfg.run, run_dir)
     records = step_records(run_dir, step)
     tokens = records.get("tokens_seen")
     tokens_text = f"{tokens:,} (metrics.jsonl at step {step})" if tokens else \
@@ -143,10 +150,10 @@ def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, 
     return f"""---
 {header}---
 
-# {name}
+# {title}
 
 A Mixture-of-Experts language model trained with megatron_kappa (megatron-core and DeepSpeed): step
-{step} of the run `{run_dir.name}`, exported as `{adapter.architecture}`. A small research model: no
+{step} of the run `{title}`, exported as `{adapter.architecture}`. A small research model: no
 instruction tuning, no safety tuning.
 
 ## Use

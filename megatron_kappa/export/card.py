@@ -22,6 +22,10 @@ from megatron_kappa.export.targets.kappa_moe import kappa_input_kind
 from megatron_kappa.model.layout import moe_layer_pattern
 
 NO_TOKENIZER = "\nNo tokenizer was exported (the run named none): encode with the one it was trained with.\n"
+# transformers 5's AutoTokenizer reads config.json first, and a class of our own makes that ask for remote code
+TOKENIZER_ALONE = ("\nWithout `trust_remote_code`, `PreTrainedTokenizerFast.from_pretrained` loads the tokenizer "
+                   "alone (it is transformers' own class; `AutoTokenizer` reads `config.json` first, which names "
+                   "the modeling code, and asks).")
 LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's licence identifiers: apache-2.0, mit, cc-by-4.0, other
 
 
@@ -167,7 +171,7 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=30)[0]))
 ```
 {"" if tokenizer else NO_TOKENIZER}
 The tokenizer pads on the left (batched generation) and its `model_max_length` is the context the
-model was trained with, {m.seq_length} tokens.
+model was trained with, {m.seq_length} tokens.{TOKENIZER_ALONE if tokenizer and not adapter.native else ""}
 
 ## Model
 

@@ -247,12 +247,43 @@ def _copy(totals: dict) -> dict:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in totals.items()}
 
 
+class _Lines:
+    """A stream for tqdm that is not a terminal (a log file, a pipe): each refresh becomes its own
+    line, not one carriage-return-separated line of every refresh."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str):
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self):
+        self.stream.flush()
+
+
+LOG_INTERVAL = 30.0  # seconds between progress lines in a log
+
+
+def progress(total: int, initial: int, quiet: bool, stream=None, interval: float = LOG_INTERVAL):
+    """The docs-read progress: tqdm's bar on a terminal; in a log, a plain line every `interval`
+    seconds and a last one at the end."""
+    stream = sys.stderr if stream is None else stream
+    if stream.isatty():
+        return tqdm(total=total, initial=initial, unit="doc", unit_scale=True, desc="docs read", disable=quiet,
+                    dynamic_ncols=True, file=stream)
+    return tqdm(total=total, initial=initial, unit="doc", unit_scale=True, desc="docs read", disable=quiet,
+                file=_Lines(stream), mininterval=interval, maxinterval=float("inf"), miniters=1,
+                bar_format="{desc}: {n_fmt}/{total_fmt} ({percentage:.0f} %), {elapsed} elapsed, "
+                           "{remaining} left{postfix}")
+
+
 def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Selection, dtype, args):
     """Run the workers over the units left and write shards in input order as results arrive."""
     writer = Writer(out, state, dtype, args)
     init_args = (str(tok_file), selection, dtype.name, args.seed, args.valid_fraction, args.bos)
-    bar = tqdm(total=source["rows"], initial=writer.totals["rows_read"], unit="doc", unit_scale=True,
-               desc="docs read", disable=args.quiet, dynamic_ncols=True)
+    bar = progress(source["rows"], writer.totals["rows_read"], args.quiet)
     pool = None
     try:
         if args.workers > 1:

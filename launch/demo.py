@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
     stage(f"2/4 train: configs/tiny.yaml, κ-SwiGLU, EP2 × 2 CPU processes, ZeRO-2, {args.steps} steps "
           f"(κ: frozen for 10 %, then a {max(1, args.steps // 10)}-step warmup)")
-    sets = [f"run.dir={run_dir}", "data.mock=false", f"data.paths=[{','.join(train_prefixes)}]",
+    sets = [f"run.dir={run_dir}", "run.name=demo", "data.mock=false", f"data.paths=[{','.join(train_prefixes)}]",
             f"data.valid_paths=[{','.join(valid_prefixes)}]", f"data.tokenizer={data / 'tokenizer.model'}",
             f"train.steps={args.steps}", "parallel.ep=2", "zero.stage=2",
             # κ's schedule scaled to the run: the recipe's 1000-iteration κ warmup would outlast it

@@ -226,6 +226,7 @@ def check_resume(cfg: Config, world: int):
     meta = ckpts.meta(step)
     resume.check_layout(meta, layout_record(cfg.parallel, world), to_dict(cfg), str(ckpts.folder(step)))
     resume.check(meta.get("config"), to_dict(cfg), str(ckpts.folder(step)))
+    resume.check_schedule(meta.get("config"), to_dict(cfg), str(ckpts.folder(step)), step)
 
 
 def check_run_dir(run: RunConfig):

@@ -421,3 +421,33 @@ def test_a_full_disk_is_one_line_and_the_finished_shards_stay(work, tmp_path, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: writing ") and "no space left on the device" in err[-1], err
     assert "the same command resumes" in err[-1] and not (out / "manifest.json").exists()
+
+
+def test_progress_in_a_log_is_one_line_per_report_at_a_modest_rate():
+    """stderr not a terminal (a log, a pipe): the docs-read progress is plain lines, one per report,
+    none with a carriage return; at the log interval many updates give only the first and the last
+    line. Negative control: on a terminal it is tqdm's bar, redrawn with carriage returns."""
+    import io
+
+    from data_prep.fineweb_edu import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    def report(stream, interval, updates):
+        bar = progress(1000, 100, False, stream=stream, interval=interval)
+        for i in range(updates):
+            bar.update(1)
+            bar.set_postfix_str(f"{i} docs/s written", refresh=False)
+        bar.close()
+        return stream.getvalue()
+    every = report(io.StringIO(), 0.0, 3)
+    lines = every.splitlines()
+    assert "\r" not in every and every.endswith("\n") and len(lines) >= 4, every
+    assert lines[0].startswith("docs read: 100/1.00k (10 %)") and lines[-1].startswith("docs read: 103/1.00k (10 %)")
+    modest = report(io.StringIO(), 3600.0, 500).splitlines()
+    assert len(modest) == 2 and modest[-1].startswith("docs read: 600/1.00k (60 %)"), modest
+    terminal = report(Terminal(), 0.0, 3)
+    assert terminal.count("\r") >= 2 and terminal.count("\n") == 1  # one line, redrawn
+    assert report(io.StringIO(), 0.0, 3) and progress(10, 0, True, stream=io.StringIO()).disable  # --quiet

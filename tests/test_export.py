@@ -14,7 +14,7 @@ import torch
 from megatron_kappa.config import ConfigError, load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import ROOT, export, hf_logits, runs, tokens, training_logits, close  # noqa: E402,F401
+from export_runs import ROOT, close, export, hf_env, hf_logits, runs, tokens, training_logits  # noqa: E402,F401
 
 
 @pytest.mark.slow
@@ -100,6 +100,40 @@ def test_the_hf_tokenizer_encodes_like_sentencepiece(sample_shards):
         assert theirs(text).input_ids == [ours.bos] + ours.encode(text), text[:80]
         assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
     assert hf_tokenizer(sample_shards["tokenizer"], add_bos=False)("x").input_ids == ours.encode("x")
+
+
+@pytest.mark.slow
+def test_the_exported_tokenizer_loads_without_remote_code(sample_shards, tmp_path):
+    """The tokenizer is transformers' own class (tokenizer.json, no code): PreTrainedTokenizerFast
+    loads a κ export's, and AutoTokenizer a native class's, with no trust_remote_code and no y/N
+    prompt, encoding as the run's SentencePiece does. Negative control: AutoTokenizer on the κ
+    export prompts, as transformers 5 reads config.json (whose auto_map names the modeling file)
+    before the tokenizer: what the card and docs/export.md say."""
+    import subprocess
+
+    from megatron_kappa.export.tokenizer import hf_tokenizer
+    from megatron_kappa.tokenizer import Tokenizer
+    ours, text = Tokenizer(sample_shards["tokenizer"]), "The water cycle moves 1,234 drops."
+    configs = {"kappa": {"model_type": "kappa_moe", "auto_map": {
+                   "AutoConfig": "modeling_kappa_moe.KappaMoeConfig",
+                   "AutoModelForCausalLM": "modeling_kappa_moe.KappaMoeForCausalLM"}},
+               "native": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}}
+    for name, config in configs.items():
+        hf_tokenizer(sample_shards["tokenizer"], add_bos=True, model_max_length=64).save_pretrained(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+
+    def load(cls, name):
+        code = (f"import json; from transformers import {cls}; t = {cls}.from_pretrained({str(tmp_path / name)!r}); "
+                f"print('ids', json.dumps(t({text!r}).input_ids))")
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="n\n", capture_output=True, text=True,
+                              timeout=300, env={**hf_env(), "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        said, ids = done.stdout.rsplit("ids ", 1)  # the prompt ends without a newline
+        assert json.loads(ids) == [ours.bos] + ours.encode(text), (cls, name)
+        return said
+    assert "[y/N]" not in load("PreTrainedTokenizerFast", "kappa")
+    assert "[y/N]" not in load("AutoTokenizer", "native")
+    assert "[y/N]" in load("AutoTokenizer", "kappa")  # the negative control
 
 
 def test_softmoe_and_native_classes_refuse_what_they_cannot_hold():

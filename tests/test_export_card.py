@@ -152,3 +152,21 @@ def test_the_export_help_is_whole_and_names_every_target(capsys):
     target_help = text.split("options:", 1)[1].split("--target {", 1)[1].split("--dtype", 1)[0]
     assert all(f"{a.name} ({a.architecture})" in target_help for a in targets.TARGETS.values())
     assert "deepseek_v3 (DeepseekV3ForCausalLM)" in target_help and "--step STEP" in text and "--license" in text
+
+
+@pytest.mark.parametrize("run_name", [None, "moe8-kappa-seed24"])
+def test_the_card_is_titled_with_the_runs_name_not_the_output_folders(tmp_path, run_name):
+    """The title and "the run `…`" are run.name, or run.dir's folder name when it is null (as the
+    W&B run is named); the usage example loads the output folder. Negative control: the output
+    folder's name ("hf") is nowhere but in from_pretrained."""
+    from megatron_kappa.config import load_config
+    from megatron_kappa.export import targets
+    from megatron_kappa.export.card import card
+    run_dir = tmp_path / "tiny-ep2"
+    cfg = load_config("configs/tiny.yaml", [f"run.dir={run_dir}"] + ([f"run.name={run_name}"] if run_name else []))
+    text = card(name="hf", cfg=cfg, run_dir=run_dir, step=3, adapter=targets.lookup("kappa_moe"), hf_config={},
+                params={"total": 10, "active": 5}, license="other", layout_record=None, tokenizer=False)
+    title = run_name or "tiny-ep2"
+    assert f"\n# {title}\n" in text and f"step\n3 of the run `{title}`" in text
+    assert 'from_pretrained("hf"' in text
+    assert "# hf" not in text and "`hf`" not in text and text.count('"hf"') == 2

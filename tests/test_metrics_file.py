@@ -60,7 +60,8 @@ def test_training_resumes_over_a_torn_record(world1, tmp_path, capsys):
     with path.open("a") as f:
         f.write('{"step": 3, "loss": 6.')  # the kill during step 3's record
     capsys.readouterr()
-    loop.run(load_config("configs/tiny.yaml", ["train.steps=4", *sets]), log=lambda *a: None)
+    loop.run(load_config("configs/tiny.yaml", ["train.steps=4", "train.allow_schedule_change=true", *sets]),
+             log=lambda *a: None)
     err = capsys.readouterr().err
     assert sum("torn record" in line for line in err.splitlines()) == 1, err
     records, torn = read_records(path)
@@ -82,5 +83,6 @@ def test_a_finished_run_says_there_is_nothing_to_do(world1, tmp_path):
             f"nothing to do: the checkpoint is at step 2 and the run has {steps} steps (train.steps)"], lines
     assert (tmp_path / "metrics.jsonl").read_text() == before
     lines = []  # control: a longer run trains on, without the line
-    loop.run(load_config("configs/tiny.yaml", ["train.steps=3", *sets]), log=lines.append)
+    loop.run(load_config("configs/tiny.yaml", ["train.steps=3", "train.allow_schedule_change=true", *sets]),
+             log=lines.append)
     assert not any(line.startswith("nothing to do") for line in lines)

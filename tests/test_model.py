@@ -198,3 +198,22 @@ def test_config_reference_in_docs_is_current():
     doc = Path(__file__).resolve().parents[1] / "docs/config.md"
     assert doc.read_text().strip() == markdown_reference().strip(), \
         "regenerate: python -m megatron_kappa.config --markdown > docs/config.md"
+
+
+def test_a_chosen_params_dtype_router_gives_no_fp32_routing_advice():
+    """The paper configs choose the authors' bf16 router (model.moe.router_dtype params) with 64-128
+    experts; megatron-core's advice for ≥ 32 experts (fp32 routing: router_dtype fp32, the default)
+    is not printed for that choice. Negative control: the same TransformerConfig built again by
+    megatron (dataclasses.replace re-runs its checks) gives it."""
+    import dataclasses
+    import warnings
+
+    from megatron_kappa.model.build import transformer_config
+    advice = "Using a large number of experts"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tconfig = transformer_config(load_config("configs/sandwich28.yaml", ["data.mock=true"]))
+        assert tconfig.num_moe_experts == 128 and tconfig.moe_router_dtype is None
+        assert not any(advice in str(w.message) for w in seen), [str(w.message) for w in seen]
+        dataclasses.replace(tconfig)
+        assert any(advice in str(w.message) for w in seen)

@@ -391,7 +391,7 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
         assert proc.returncode == 143 and out.strip().splitlines()[-1].startswith("torchrun: stopped on SIGTERM")
     if not launcher.startswith("torchrun"):
         cmd = deepspeed_cmd(*args, port=free_port())
-    resumed = subprocess.run([*cmd, f"train.steps={stopped + 2}"], cwd=ROOT, env=env(), capture_output=True,
-                             text=True, timeout=300)
+    resumed = subprocess.run([*cmd, f"train.steps={stopped + 2}", "train.allow_schedule_change=true"], cwd=ROOT,
+                             env=env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and f"resumed from {tmp_path}/checkpoints/step_{stopped}" in resumed.stdout, \
         resumed.stdout[-2000:] + resumed.stderr[-2000:]

@@ -148,6 +148,7 @@ def test_a_second_training_on_the_run_dir_is_refused(world1, tmp_path):
 
 TRAIN = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2",
          "log.tensorboard=false", "eval.valid_every=0", "checkpoint.interval=1", "checkpoint.keep=3"]
+LONGER = "train.allow_schedule_change=true"  # a resume to more steps than the first start's
 
 
 @pytest.mark.slow
@@ -171,9 +172,9 @@ def test_a_damaged_newest_checkpoint_is_skipped(world1, tmp_path, monkeypatch):
     with monkeypatch.context() as m:  # negative control: the damaged one taken as it is
         m.setattr(CheckpointDir, "verify", lambda self, step, content=True: None)
         with pytest.raises(Exception) as crash:
-            loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3"]), log=lambda *a: None)
+            loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3", LONGER]), log=lambda *a: None)
         assert not isinstance(crash.value, ConfigError)
-    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3"]), log=lambda *a: None)
+    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3", LONGER]), log=lambda *a: None)
     assert listing.complete() == [1, 2, 3] and listing.verify(2) is None  # step 2 trained and saved again
     # a damaged checkpoint is set aside by the next save's rotation, never kept in place of a good one
     victim = sorted((tmp_path / "checkpoints/step_3").rglob("*.pt"))[0]
@@ -199,7 +200,7 @@ def test_a_failed_save_removes_its_files_and_keeps_the_previous(world1, tmp_path
     monkeypatch.setattr(store.torch, "save", full_disk)
     with pytest.raises(CheckpointSaveError, match=r"step_2: saving failed \(rank 0: .*file write failed\).*"
                                                   r"the latest checkpoint is still .*step_1") as e:
-        loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=2"]), log=lambda *a: None)
+        loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=2", LONGER]), log=lambda *a: None)
     assert "\n" not in str(e.value)
     assert CheckpointDir(tmp_path).complete() == [1] and not (tmp_path / "checkpoints/.tmp/step_2").exists()
     # a truly full disk: torch's "unexpected pos" is said as what it is
@@ -212,7 +213,7 @@ def test_a_failed_save_removes_its_files_and_keeps_the_previous(world1, tmp_path
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
     with pytest.raises(CheckpointSaveError, match=r"rank 0: no space left on the device \(1 MiB free in .*torch said: "
                                                   r"\[enforce fail .*unexpected pos"):
-        loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=2"]), log=lambda *a: None)
+        loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=2", LONGER]), log=lambda *a: None)
     assert not (tmp_path / ".lock").exists()  # the run.dir is free again
 
 

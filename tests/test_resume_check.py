@@ -118,6 +118,35 @@ def test_refusal_names_the_keys_and_allows_the_rest():
     resume.check(None, now, "x")  # a checkpoint without a recorded config: nothing to compare
 
 
+def test_a_resume_that_changes_the_schedules_length_is_refused_unless_allowed():
+    """train.steps 50 → 80 at step 20 would move the learning rate there (the schedules run over the
+    total): refused in one line naming the key, allowed with train.allow_schedule_change (which returns
+    the line said at start). Negative controls: the same length, other allowed changes and a run with
+    no step left to train pass without a word."""
+    saved = to_dict(load_config("configs/tiny.yaml", ["train.steps=50"]))
+    now = lambda *sets: to_dict(load_config("configs/tiny.yaml", ["train.steps=50", *sets]))  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^config: train.steps 50 → 80: checkpoint x was trained on schedules of "
+                                          r"the other length.*step 20.*train.allow_schedule_change=true") as e:
+        resume.check_schedule(saved, now("train.steps=80"), "x", 20)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="train.steps 50 → 30"):
+        resume.check_schedule(saved, now("train.steps=30"), "x", 20)
+    said = resume.check_schedule(saved, now("train.steps=80", "train.allow_schedule_change=true"), "x", 20)
+    assert said.startswith("resume: train.steps 50 → 80 (train.allow_schedule_change)") and "\n" not in said
+    assert resume.check_schedule(saved, now(), "x", 20) is None
+    assert resume.check_schedule(saved, now("train.lr=1e-3", "log.interval=2", "train.global_batch=16"), "x", 20) is None
+    assert resume.check_schedule(saved, now("train.steps=20"), "x", 20) is None  # nothing left: the loop says so
+    assert resume.check_schedule(None, now("train.steps=80"), "x", 20) is None  # no recorded config
+    # the token budget (train.steps null): its inputs set the length
+    budget = to_dict(load_config("configs/tiny.yaml", ["train.steps=null"]))
+    assert resume.check_schedule(budget, to_dict(load_config("configs/tiny.yaml", ["train.steps=null"])), "x", 2) is None
+    for change in ("train.global_batch=16", "train.tokens_per_param=10", "model.moe.topk=1", "train.steps=80"):
+        key = change.split("=")[0]
+        with pytest.raises(ConfigError, match=f"^config: {key} "):
+            resume.check_schedule(budget, to_dict(load_config("configs/tiny.yaml", ["train.steps=null", change])),
+                                  "x", 2)
+
+
 def test_config_history_keeps_every_start(tmp_path):
     import yaml
     first = to_dict(load_config("configs/tiny.yaml", []))
@@ -145,10 +174,31 @@ def test_resume_with_another_shape_is_refused_before_any_write(world1, tmp_path,
         loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=3"]), log=lambda *a: None)
     assert (tmp_path / "config.yaml").read_text() == config
     assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["start_0.yaml"]
-    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3"]), log=lambda *a: None)  # allowed
+    # another schedule length: refused before any write too, unless train.allow_schedule_change
+    with pytest.raises(ConfigError, match=r"train.steps 2 → 3: checkpoint .*step_2 .*allow_schedule_change=true"):
+        loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3"]), log=lambda *a: None)
+    assert (tmp_path / "config.yaml").read_text() == config
+    assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["start_0.yaml"]
+    lines = []
+    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3", "train.allow_schedule_change=true"]),
+             log=lines.append)  # allowed, and said at start
+    assert sum(line.startswith("resume: train.steps 2 → 3 (train.allow_schedule_change)") for line in lines) == 1
     assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["start_0.yaml", "start_2.yaml"]
     monkeypatch.setattr(resume, "check", lambda *a: None)
     with pytest.raises(Exception) as crash:
-        loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=4"]),
-                 log=lambda *a: None)
+        loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=4",
+                                                   "train.allow_schedule_change=true"]), log=lambda *a: None)
     assert not isinstance(crash.value, ConfigError)
+
+
+def test_the_preflight_refuses_another_schedule_length_before_any_process_group(tmp_path):
+    """launch/pretrain.py --check's path (megatron_kappa.preflight.check_resume) reads the newest
+    checkpoint's recorded config: another train.steps is refused, the same is not."""
+    import json
+    step = tmp_path / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    saved = to_dict(load_config("configs/tiny.yaml", ["train.steps=4", f"run.dir={tmp_path}"]))
+    (step / "meta.json").write_text(json.dumps({"layout": {}, "format": 2, "step": 2, "files": {}, "config": saved}))
+    with pytest.raises(ConfigError, match=r"train.steps 4 → 8: checkpoint .*step_2"):
+        preflight.check_resume(load_config("configs/tiny.yaml", ["train.steps=8", f"run.dir={tmp_path}"]), 1)
+    preflight.check_resume(load_config("configs/tiny.yaml", ["train.steps=4", f"run.dir={tmp_path}"]), 1)

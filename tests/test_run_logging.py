@@ -94,7 +94,8 @@ def test_training_logs_the_config_and_metrics_to_wandb_and_tensorboard(world1, t
     loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=4"]), log=lines.append)
     assert any(line.startswith("W&B: run ") and "offline" in line for line in lines), lines
     config_4 = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=6"]), log=lambda *a: None)
+    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=6", "train.allow_schedule_change=true"]),
+             log=lambda *a: None)
     config_6 = yaml.safe_load((tmp_path / "config.yaml").read_text())
     records, torn = read_records(tmp_path / "metrics.jsonl")
     assert torn == [] and [r["step"] for r in records] == [2, 4, 6]

@@ -292,7 +292,8 @@ def test_nan_loss_stops_with_last_checkpoint_intact(init_weights, tmp_path, monk
     real_loss = loop.lm_loss
     monkeypatch.setattr(loop, "lm_loss", lambda *args: real_loss(*args) * float("nan"))
     with pytest.raises(loop.TrainingDiverged, match=r"step 3: loss is nan.*step_2"):
-        loop.run(load_config("configs/tiny.yaml", sets + ["train.steps=4"]), log=lambda *a: None)
+        loop.run(load_config("configs/tiny.yaml", sets + ["train.steps=4", "train.allow_schedule_change=true"]),
+                 log=lambda *a: None)
     assert _tree(run_dir / "checkpoints") == before
 
 

@@ -16,7 +16,7 @@ from test_training import deepspeed_cmd, env, free_port
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "parallel.ep=2",
          "log.tensorboard=false", "eval.valid_every=0", "log.interval=1", "checkpoint.interval=1",
-         "checkpoint.keep=3"]
+         "checkpoint.keep=3", "train.allow_schedule_change=true"]  # the resumes run one step more
 
 
 def launch(run_dir, steps):

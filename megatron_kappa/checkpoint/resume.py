@@ -1,7 +1,9 @@
 """What a resumed run may change: the config keys that shape the parameters or the optimizer
 state (refused: the checkpoint could not be loaded, or would load into another model), against
-everything else (steps, intervals, logging, data paths, learning-rate and κ schedules, losses'
-weights...: allowed, and recorded in the run's config history).
+everything else (intervals, logging, data paths, learning-rate and κ schedules, losses'
+weights...: allowed, and recorded in the run's config history). The schedules' length (train.steps)
+is allowed only with train.allow_schedule_change: the schedules are computed over it, so another
+length moves the learning rate at the resumed step (`check_schedule`).
 
 No torch: the preflight asks before any process group exists (megatron_kappa.preflight), and the
 trainer again before it writes anything (megatron_kappa.train.loop). tests/test_resume_check.py
@@ -48,6 +50,40 @@ def check(saved: dict | None, now: dict, checkpoint: str):
         listed = ", ".join(f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in refused)
         raise ConfigError(f"config: {listed}: checkpoint {checkpoint} holds another model or optimizer state; "
                           "resume with its values, or start a new run.dir (train.init_weights for its weights)")
+
+
+# The schedules' length: train.steps, or when it is null the token budget, 5 × N_eff tokens in steps
+# of global_batch × seq_length (megatron_kappa.summary.count); N_eff's other inputs shape the model,
+# which `check` compares.
+LENGTH = ("train.steps",)
+BUDGET = ("train.tokens_per_param", "train.budget_discount", "train.global_batch", "model.seq_length",
+          "model.moe.topk", "model.moe.softmoe.budget")
+
+
+def schedule_changes(saved: dict, now: dict, step: int) -> list[str]:
+    """"key old → new" of each change of the schedules' length between the checkpoint's config
+    and this run's; none where the run has no step left to train (the loop says so)."""
+    a, b = flat_keys(saved), flat_keys(now)
+    steps = b.get("train.steps")
+    if steps is not None and step >= steps:
+        return []
+    keys = LENGTH if steps is not None or a.get("train.steps") is not None else LENGTH + BUDGET
+    return [f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def check_schedule(saved: dict | None, now: dict, checkpoint: str, step: int) -> str | None:
+    """A one-line ConfigError when a resume from `step` changes the schedules' length, unless
+    train.allow_schedule_change; then the line that says so at start (None: no change)."""
+    changed = schedule_changes(saved, now, step) if saved is not None else []
+    if not changed:
+        return None
+    listed = ", ".join(changed)
+    if now["train"].get("allow_schedule_change"):
+        return (f"resume: {listed} (train.allow_schedule_change): the learning-rate, weight-decay and κ schedules "
+                f"are recomputed over the new length from step {step}")
+    raise ConfigError(f"config: {listed}: checkpoint {checkpoint} was trained on schedules of the other length, "
+                      f"and resuming would move the learning rate at step {step}; resume with its values, or set "
+                      "train.allow_schedule_change=true (docs/checkpoints.md)")
 
 
 def check_layout(meta: dict, now_layout: dict, now: dict, checkpoint: str):

@@ -37,6 +37,7 @@ def markdown_reference() -> str:
              "`refused` keys shape the parameters or the optimizer state (a change is refused),",
              "`not compared` ones are derived or recorded by the trainer, or are the layout (a checkpoint",
              "resumes into any layout and ZeRO stage: docs/checkpoints.md); every other change is allowed",
+             "(the schedules' length only with `train.allow_schedule_change`)",
              "and recorded in the run's config history.", ""]
     state, derived = facts.marked(Config, "state"), facts.marked(Config, "derived")
 

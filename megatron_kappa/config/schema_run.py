@@ -99,3 +99,5 @@ class EvalConfig:
 class RunConfig:
     dir: str = _f("runs/default", "run directory: checkpoints, metrics.jsonl, tb/",
                   allowed='a folder that is or can be made writable', derived=True)
+    name: Optional[str] = _f(None, "the run's name: the W&B run's and the exported model card's title "
+                                   "(null: run.dir's folder name)")

@@ -87,7 +87,13 @@ class MuonConfig:
 
 @dataclass
 class TrainConfig:
-    steps: Optional[int] = _f(None, "optimizer steps (null: the token budget 5 × N_eff)", range=POSITIVE)
+    steps: Optional[int] = _f(None, "optimizer steps (null: the token budget 5 × N_eff); the schedules run over "
+                                    "them, so a resume that changes them needs allow_schedule_change", range=POSITIVE)
+    allow_schedule_change: bool = _f(
+        False, "let a resume change the schedules' length (train.steps, or with it null the token budget's "
+               "inputs): the learning-rate, weight-decay, κ and aux-loss schedules are recomputed over the new "
+               "length from the step reached, so the rate jumps there (false: refused in one line, as Megatron-LM "
+               "refuses without --override-opt_param-scheduler; docs/checkpoints.md)")
     seed: int = _f(24, "random seed (paper: 24, 26, 28)", range=NON_NEGATIVE)
     micro_batch: int = _f(1, "sequences per rank per forward", range=POSITIVE)
     global_batch: int = _f(8, "sequences per optimizer step (gradient accumulation fills the rest; "

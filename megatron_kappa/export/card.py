@@ -22,6 +22,10 @@ from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import moe_layer_pattern
 
 NO_TOKENIZER = "\nNo tokenizer was exported (the run named none): encode with the one it was trained with.\n"
+# transformers 5's AutoTokenizer reads config.json first, and a class of our own makes that ask for remote code
+TOKENIZER_ALONE = ("\nWithout `trust_remote_code`, `PreTrainedTokenizerFast.from_pretrained` loads the tokenizer "
+                   "alone (it is transformers' own class; `AutoTokenizer` reads `config.json` first, which names "
+                   "the modeling code, and asks).")
 LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's licence identifiers: apache-2.0, mit, cc-by-4.0, other
 
 
@@ -93,11 +97,18 @@ where {seen}. This model: U = {kappa.U:g}, scale = {kappa.logit_scale:g}, gain =
 """
 
 
+def run_name(run, run_dir: Path) -> str:
+    """The run's name (run.name; null: its folder's name), as its W&B run has it: the card's title."""
+    return run.name or run_dir.name
+
+
 def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, params: dict, license: str,
          layout_record: dict | None, kappa=None, tokenizer: bool) -> str:
-    """README.md of an export. `params`: {"total", "active"} counted from the written tensors;
+    """README.md of an export: titled with the run's name; `name` (the output folder's) is what the
+    usage example loads. `params`: {"total", "active"} counted from the written tensors;
     `layout_record`: the layout that trained the checkpoint (meta.json's); `kappa`: its KappaSettings."""
     m, moe = cfg.model, cfg.model.moe
+    title = run_name(cfg.run, run_dir)
     records = step_records(run_dir, step)
     tokens = records.get("tokens_seen")
     tokens_text = f"{tokens:,} (metrics.jsonl at step {step})" if tokens else \
@@ -142,10 +153,10 @@ def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, 
     return f"""---
 {header}---
 
-# {name}
+# {title}
 
 A Mixture-of-Experts language model trained with megatron_kappa (megatron-core and DeepSpeed): step
-{step} of the run `{run_dir.name}`, exported as `{adapter.architecture}`. A small research model: no
+{step} of the run `{title}`, exported as `{adapter.architecture}`. A small research model: no
 instruction tuning, no safety tuning.
 
 ## Use
@@ -159,7 +170,7 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=30)[0]))
 ```
 {"" if tokenizer else NO_TOKENIZER}
 The tokenizer pads on the left (batched generation) and its `model_max_length` is the context the
-model was trained with, {m.seq_length} tokens.
+model was trained with, {m.seq_length} tokens.{TOKENIZER_ALONE if tokenizer and not adapter.native else ""}
 
 ## Model
 

@@ -42,8 +42,9 @@ class WandbRun:
         try:
             import wandb
             run_id = _run_id(run_dir)
+            name = config.get("run", {}).get("name") or run_dir.name  # run.name, as the exported card's title
             self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
-                                  dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
+                                  dir=str(run_dir), id=run_id, resume="allow", name=name,
                                   config=config, settings=wandb.Settings(silent=True, console="off"))
             # a resume with allowed changes (train.steps, intervals...) logs this start's values
             self.run.config.update(config, allow_val_change=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from functools import partial
 
 import torch
@@ -118,7 +119,11 @@ def transformer_config(cfg: Config, device: torch.device | str = "cpu",
     # the attention kind's own (megatron_kappa.attention_kinds): its heads' settings, its config class
     kind = attention_kinds.of(m)
     kwargs.update(kind.megatron(m))
-    return (kind.transformer_config or TransformerConfig)(**kwargs)
+    with warnings.catch_warnings():
+        if has_moe and moe.router_dtype == "params":  # chosen (the paper configs: the authors' bf16 router), so
+            # megatron's advice for ≥ 32 experts, fp32 routing (router_dtype fp32, the default), is not taken
+            warnings.filterwarnings("ignore", "Using a large number of experts", UserWarning)
+        return (kind.transformer_config or TransformerConfig)(**kwargs)
 
 
 def core_attention(m: ModelConfig):

@@ -169,6 +169,8 @@ def run(cfg: Config, log=print) -> dict:
         meta, where = listing.meta(latest), str(listing.folder(latest))
         resume.check_layout(meta, layout_record(cfg.parallel, dist.get_world_size()), to_dict(cfg), where)
         resume.check(meta.get("config"), to_dict(cfg), where)
+        if note := resume.check_schedule(meta.get("config"), to_dict(cfg), where, latest):
+            log(note)
     lock = hold_run_dir(run_dir, rank)  # one training per run.dir, for the run's life
     try:
         if rank == 0:

@@ -560,6 +560,9 @@ class ProfileConfig:
 class CheckpointConfig:
     interval: int = _f(1000, "steps between checkpoints (one is always written at the end)", range=POSITIVE)
     keep: int = _f(2, "checkpoints kept", range=POSITIVE)
+    async_save: bool = _f(False, "write checkpoints in the background: each rank copies what it saves (pinned host "
+                                 "buffers on a GPU) and trains on while a thread writes, checksums and publishes it "
+                                 "(docs/checkpoints.md)")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
 from megatron_kappa import routers
-from megatron_kappa.checkpoint import resume
+from megatron_kappa.checkpoint import async_save, resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, TrainConfig, to_dict
@@ -262,6 +262,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset
         core = CoreSubset(cfg, engine, device)
+    saver = async_save.saver(ckpts, cfg.checkpoint.async_save, cfg.parallel.timeout_s, log)
     stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
@@ -295,6 +296,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         loss_value = step_loss.item()  # the step's one host sync, on logging/checkpoint steps
         bad_now, bad_worst = bad_steps.read()
         if bad_steps.diverged(bad_worst):
+            saver.finish()  # the save in flight (of a good step) is written first
             last = ckpts.latest(content=False)
             what = (f"loss is {loss_value}" if not math.isfinite(loss_value) else
                     f"non-finite gradients (or loss) in {bad_worst} step{'s' * (bad_worst > 1)} in a row")
@@ -332,13 +334,15 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         else:
             discard_step_metrics()
         if saving:
-            ckpts.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
+            saver.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
                        device)
             saved = done
         if stopping:
+            saver.finish()
             profiler.close()
             metrics.close()
             raise Preempted(done, steps, stop.signum, ckpts.folder(done))
+    saver.finish()
     profiler.close()
     stop.close()
     metrics.close()

@@ -145,3 +145,93 @@ def test_keep_removes_only_committed_checkpoints(world1, tmp_path, write_after_t
         train(tmp_path, "train.steps=3", "checkpoint.async_save=true", "checkpoint.keep=1")
     assert seen == [(1, []), (2, [1]), (3, [2])]
     assert CheckpointDir(tmp_path).complete() == [3]
+
+
+def env(fault: dict | None = None):
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "KAPPA_TEST_FAULT")}
+    return {**inherited, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(ROOT), **({"KAPPA_TEST_FAULT": json.dumps(fault)} if fault else {})}
+
+
+def pretrain(nproc: int, run_dir, *sets) -> list[str]:
+    """The command of a run (through tests/async_fault_worker.py: KAPPA_TEST_FAULT applies)."""
+    args = [str(ROOT / "tests/async_fault_worker.py"), "--config", "configs/tiny.yaml", "--set", *TRAIN,
+            f"run.dir={run_dir}", "checkpoint.async_save=true", *sets]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+
+
+def wait_for(marker: Path, proc, seconds=600):
+    deadline = time.time() + seconds
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.communicate()[0][-3000:] if proc.poll() is not None else "no marker"
+    time.sleep(0.5)  # its pid is written
+
+
+def close_to(a, b):
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_kill_9_of_rank_1_during_the_background_write(tmp_path):
+    """2 processes (torchrun, EP2), checkpoints every 2 steps: rank 1 is killed (SIGKILL) while
+    its background write of step 4 is under way. The launch fails (nonzero, the failure named),
+    step 2 stays `latest` and verifies, and the rerun continues with the uninterrupted run's losses."""
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    sets = ["train.steps=6", "checkpoint.interval=2", "train.global_batch=4", "parallel.ep=2"]
+    marker = tmp_path / "writing"
+    proc = subprocess.Popen(pretrain(2, tmp_path / "run", *sets), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env({"step": 4, "rank": 1, "marker": str(marker), "sleep": 600}))
+    wait_for(marker, proc)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode != 0, out[-3000:]
+    assert any(line.startswith("error:") and "rank 1" in line for line in out.splitlines()), out[-3000:]
+    listing = CheckpointDir(tmp_path / "run")
+    assert listing.complete() == [2] and listing.latest() == 2 and listing.verify(2) is None
+    outputs = []
+    for run in ("run", "straight"):
+        done = subprocess.run(pretrain(2, tmp_path / run, *sets), cwd=ROOT, env=env(), capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    assert "resumed from" in outputs[0] and "step_2" in outputs[0]
+    assert close_to(losses(tmp_path / "run"), losses(tmp_path / "straight"))
+    assert CheckpointDir(tmp_path / "run").complete()[-1] == 6
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_save_in_flight_commits_it_and_resumes_exactly(tmp_path):
+    """SIGTERM while the background write of step 2 is under way (held 5 s): the run stops at the
+    step the ranks agree on with a checkpoint there, having waited for step 2's write (both
+    committed), exit 75; the rerun continues with the uninterrupted run's losses. A full disk in the background
+    write (ENOSPC) is one line and exit 1, step 2 still latest."""
+    from megatron_kappa.checkpoint.listing import CheckpointDir
+    sets = ["train.steps=8", "checkpoint.interval=2"]
+    marker = tmp_path / "writing"
+    proc = subprocess.Popen(pretrain(1, tmp_path / "run", *sets), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=env({"step": 2, "marker": str(marker), "sleep": 5}))
+    wait_for(marker, proc)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 75, out[-3000:]
+    stopped = CheckpointDir(tmp_path / "run").complete()  # the stop agreement ends the step after the next
+    assert stopped[0] == 2 and stopped[-1] < 8 and CheckpointDir(tmp_path / "run").latest() == stopped[-1], out
+    assert "waited" in out and "save of step 2" in out and f"stopped at step {stopped[-1]}/8" in out
+    for run in ("run", "straight"):
+        done = subprocess.run(pretrain(1, tmp_path / run, *sets), cwd=ROOT, env=env(), capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert close_to(losses(tmp_path / "run"), losses(tmp_path / "straight"))
+    # ENOSPC in the background write of step 4 of a new run: one line, exit 1, step 2 stands
+    done = subprocess.run(pretrain(1, tmp_path / "full", *sets), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=env({"step": 4, "raise": "enospc"}))
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert "step_4: saving failed (rank 0: no space left on the device" in errors[0] and "step_2" in errors[0]
+    assert CheckpointDir(tmp_path / "full").latest() == 2

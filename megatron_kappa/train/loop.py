@@ -171,8 +171,6 @@ def run(cfg: Config, log=print) -> dict:
         resume.check(meta.get("config"), to_dict(cfg), where)
     lock = hold_run_dir(run_dir, rank)  # one training per run.dir, for the run's life
     try:
-        if rank == 0:
-            resume.record(run_dir, to_dict(cfg), latest or 0)  # config.yaml and the run's config history
         dist.barrier()
         return train(cfg, layout, device, log, latest or 0)
     finally:
@@ -229,7 +227,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         log(f"resumed from {ckpts.folder(start)}" + ("" if written == now else f" (written with {written}, now {now})"))
         if start >= steps:  # a finished run started again, or train.steps lowered below the checkpoint
             log(f"nothing to do: the checkpoint is at step {start} and the run has {steps} steps (train.steps)")
-            return {}
+            return {}  # and no file changed: config.yaml and its history are written below
+    if rank == 0:
+        resume.record(run_dir, to_dict(cfg), start)  # config.yaml and the run's config history
     metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0, wandb=cfg.log.wandb, config=to_dict(cfg),
                          start=start, log=log)
     metrics.truncate_after(start)

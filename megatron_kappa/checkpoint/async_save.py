@@ -41,21 +41,26 @@ from megatron_kappa.checkpoint.store import FORMAT, Checkpoints
 class SyncSaver:
     """checkpoint.async_save false: the save is written before the next step."""
 
-    def __init__(self, ckpts: Checkpoints):
-        self.ckpts = ckpts
+    def __init__(self, ckpts: Checkpoints, exports=None):
+        self.ckpts, self.exports = ckpts, exports  # exports: rank 0's HfExports (checkpoint.hf_every), or None
 
     def save(self, engine, model, step: int, meta: dict, device: torch.device):
         self.ckpts.save(engine, model, step, meta, device)
+        if self.exports is not None:
+            self.exports.committed(step)
 
-    def finish(self):
-        pass
+    def finish(self, exports: bool = True):
+        """The run ends; `exports`: wait for the Hugging Face exports too (not on a stop signal,
+        whose grace period they need not fit: a process of their own, they go on)."""
+        if exports and self.exports is not None:
+            self.exports.finish()
 
 
 class AsyncSaver:
     """checkpoint.async_save true: one background save at a time (collective: every rank makes one)."""
 
-    def __init__(self, ckpts: Checkpoints, timeout_s: float, log=print):
-        self.ckpts, self.log = ckpts, log
+    def __init__(self, ckpts: Checkpoints, timeout_s: float, log=print, exports=None):
+        self.ckpts, self.log, self.exports = ckpts, log, exports
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.pinned: dict = {}  # GPU: key path → pinned host buffer, reused by every save
         self.stream = None
@@ -81,6 +86,8 @@ class AsyncSaver:
             if ready is not None:
                 ready.synchronize()  # the copies into the pinned buffers are done
             self.ckpts._write(step, meta, state, group=self.group)
+            if self.exports is not None:
+                self.exports.committed(step)
         except BaseException as e:  # said by the training thread, at its next save or at the end
             self.error = e
 
@@ -103,9 +110,12 @@ class AsyncSaver:
                 + (f"the latest checkpoint is still {self.ckpts.folder(previous)}" if previous
                    else "no checkpoint exists yet"))
 
-    def finish(self):
-        """The run ends (its last step, a stop signal, a divergence): the save in flight is written."""
+    def finish(self, exports: bool = True):
+        """The run ends (its last step, a stop signal, a divergence): the save in flight is written
+        (and with `exports` the Hugging Face exports started)."""
         self.wait()
+        if exports and self.exports is not None:
+            self.exports.finish()
 
     @staticmethod
     def _copy(state: dict) -> dict:
@@ -141,6 +151,13 @@ class AsyncSaver:
         return out, done
 
 
-def saver(ckpts: Checkpoints, async_save: bool, timeout_s: float, log=print):
-    """The run's saver: SyncSaver, or AsyncSaver (collective to make: every rank calls it)."""
-    return AsyncSaver(ckpts, timeout_s, log) if async_save else SyncSaver(ckpts)
+def saver(ckpts: Checkpoints, checkpoint, run_dir, timeout_s: float, log=print):
+    """The run's saver for its `checkpoint` config section: SyncSaver, or AsyncSaver (collective to
+    make: every rank calls it); rank 0's starts the Hugging Face exports of checkpoint.hf_every."""
+    exports = None
+    if checkpoint.hf_every and dist.get_rank() == 0:
+        from megatron_kappa.checkpoint.hf_exports import HfExports
+        exports = HfExports(ckpts, run_dir, checkpoint.hf_every, checkpoint.hf_keep, log)
+    if checkpoint.async_save:
+        return AsyncSaver(ckpts, timeout_s, log, exports)
+    return SyncSaver(ckpts, exports)

@@ -164,7 +164,8 @@ class Checkpoints(CheckpointDir):
             atomic_write_text(self.root / "latest", tag + "\n")
             self.set_aside_damaged()  # never kept in place of a good one
             for old in self.complete()[:-self.keep]:
-                shutil.rmtree(self.folder(old), ignore_errors=True)
+                if old not in getattr(self, "protected", ()):  # a Hugging Face export reads it (hf_exports.py)
+                    shutil.rmtree(self.folder(old), ignore_errors=True)
 
         for part in (lambda: rank0(prepare), lambda: stage(write_own), lambda: gather_sums(), lambda: rank0(publish)):
             failed = _gather_failures(part(), group)

@@ -262,7 +262,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset
         core = CoreSubset(cfg, engine, device)
-    saver = async_save.saver(ckpts, cfg.checkpoint.async_save, cfg.parallel.timeout_s, log)
+    saver = async_save.saver(ckpts, cfg.checkpoint, run_dir, cfg.parallel.timeout_s, log)
     stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
@@ -338,7 +338,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
                        device)
             saved = done
         if stopping:
-            saver.finish()
+            saver.finish(exports=False)
             profiler.close()
             metrics.close()
             raise Preempted(done, steps, stop.signum, ckpts.folder(done))

@@ -151,13 +151,9 @@ class AsyncSaver:
         return out, done
 
 
-def saver(ckpts: Checkpoints, checkpoint, run_dir, timeout_s: float, log=print):
+def saver(ckpts: Checkpoints, checkpoint, timeout_s: float, log=print, exports=None):
     """The run's saver for its `checkpoint` config section: SyncSaver, or AsyncSaver (collective to
-    make: every rank calls it); rank 0's starts the Hugging Face exports of checkpoint.hf_every."""
-    exports = None
-    if checkpoint.hf_every and dist.get_rank() == 0:
-        from megatron_kappa.checkpoint.hf_exports import HfExports
-        exports = HfExports(ckpts, run_dir, checkpoint.hf_every, checkpoint.hf_keep, log)
+    make: every rank calls it). `exports`: told each committed step (train/hf_exports.py), or None."""
     if checkpoint.async_save:
         return AsyncSaver(ckpts, timeout_s, log, exports)
     return SyncSaver(ckpts, exports)

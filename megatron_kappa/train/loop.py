@@ -49,7 +49,7 @@ from megatron_kappa.metrics.log import MetricsLog
 from megatron_kappa.metrics.memory import peak_memory
 from megatron_kappa.metrics.step_line import done_line, step_line
 from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
-from megatron_kappa.train import pipeline, recipe
+from megatron_kappa.train import hf_exports, pipeline, recipe
 from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # noqa: F401 (TrainingDiverged: the loop's API)
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.preemption import Preempted, StopAgreement
@@ -262,7 +262,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset
         core = CoreSubset(cfg, engine, device)
-    saver = async_save.saver(ckpts, cfg.checkpoint, run_dir, cfg.parallel.timeout_s, log)
+    saver = async_save.saver(ckpts, cfg.checkpoint, cfg.parallel.timeout_s, log,
+                             hf_exports.for_run(ckpts, cfg.checkpoint, run_dir, log))
     stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias

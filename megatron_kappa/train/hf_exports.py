@@ -17,6 +17,15 @@ import threading
 from pathlib import Path
 
 
+def for_run(ckpts, checkpoint, run_dir, log=print):
+    """Rank 0's HfExports for the `checkpoint` config section when checkpoint.hf_every is set, else
+    None (the savers of checkpoint/async_save.py call its `committed`)."""
+    import torch.distributed as dist
+    if not checkpoint.hf_every or dist.get_rank() != 0:
+        return None
+    return HfExports(ckpts, run_dir, checkpoint.hf_every, checkpoint.hf_keep, log)
+
+
 class HfExports:
     def __init__(self, ckpts, run_dir, hf_every: int, hf_keep: int, log=print):
         self.ckpts, self.every, self.keep, self.log = ckpts, hf_every, hf_keep, log

@@ -264,6 +264,8 @@ def main(argv=None) -> int:
         ("bench: activation memory vs the planner", ["bench/activation_memory.py"]
          + (["--config", "configs/tiny.yaml"] if small else ["--config", "configs/moe8.yaml", "--micro-batch", "4"])),
         ("bench: planner rates", ["bench/plan_rates.py"] + (["--quick"] if small else [])),
+        ("bench: checkpoint async vs sync", ["bench/checkpoint_async.py"]  # on a GPU: pinned host buffers
+         + (["--shape", "tiny", "--steps", "6", "--interval", "2"] if small else ["--writer-probe"])),
         ("bench: throughput moe8", ["bench/throughput.py"]
          + (["--config", "configs/tiny.yaml", "--steps", "2"] if small else
             ["--config", "configs/moe8.yaml", "--micro-batch", "4", "--recompute", "none", "selective"])),

@@ -28,6 +28,9 @@ def test_gpu_check_stages_on_the_cpu(tmp_path):
     assert "| train: resume is exact | ok |" in (tmp_path / "report.md").read_text()
     profiled = next(s for s in report["stages"] if s["name"] == "train: profiler and memory")["result"]
     assert profiled["steps"] == ["step 3", "step 4"] and profiled["peak_rss_gib"] > 0
+    saves = next(s for s in report["stages"] if s["name"] == "bench: checkpoint async vs sync")["result"]
+    assert saves[0]["shape"] == "tiny" and saves[0]["sync_blocked_s"] > 0 and saves[0]["async_blocked_s"] > 0
+    assert saves[0]["pinned_buffers"] == 0  # on a GPU the snapshot goes to pinned buffers instead
 
 
 @pytest.mark.parametrize("output, cpu, ok", [

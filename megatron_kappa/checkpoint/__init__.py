@@ -1,6 +1,7 @@
 """Checkpoints of a run: `listing` says which exist (no torch), `store` saves and loads them.
 
 Modules:
+  async_save.py       Checkpoints that do not stop training (checkpoint.async_save)
   listing.py          Which checkpoints a run directory holds, read without torch (the preflight,
                       the study, the plots and evaluation all ask; megatron_kappa.checkpoint.store
                       writes them)

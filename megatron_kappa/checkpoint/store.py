@@ -70,10 +70,10 @@ def _deepspeed_without_module_copy(engine):
         del engine.module_state_dict
 
 
-def _gather_failures(mine: str | None) -> str | None:
+def _gather_failures(mine: str | None, group=None) -> str | None:
     """The first failing rank's message, the same on every rank (None when all succeeded)."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     return next((m for m in every if m), None)
 
 
@@ -103,20 +103,26 @@ class Checkpoints(CheckpointDir):
         files = self.rank_files(step)
         return sharding.local_state([(f["coords"], f["weights"]) for f in files], files[rank]["coords"])
 
+    def rank_state(self, engine, model, device: torch.device) -> dict:
+        """What this rank's file holds (collective: the optimizer state's all-reduces). The
+        "weights" are the live parameters (detached, not copied); "optimizer" is made afresh."""
+        moments, steps = optimizer_state.by_parameter(engine, model)
+        return {"rng": rng_state(device), "coords": sharding.rank_coords(model),
+                "weights": sharding.owned_state(model), "optimizer": moments, "optimizer_steps": steps}
+
     def save(self, engine, model, step: int, meta: dict, device: torch.device):
         """Checkpoint `step` of `model` trained by `engine` (collective: every rank calls it)."""
-        moments, steps = optimizer_state.by_parameter(engine, model)
-        rank_state = {"rng": rng_state(device), "coords": sharding.rank_coords(model),
-                      "weights": sharding.owned_state(model), "optimizer": moments, "optimizer_steps": steps}
-        self._write(step, {**meta, "format": FORMAT}, rank_state)
+        self._write(step, {**meta, "format": FORMAT}, self.rank_state(engine, model, device))
 
-    def _write(self, step: int, meta: dict, rank_state: dict):
+    def _write(self, step: int, meta: dict, rank_state: dict, group=None):
         """Write checkpoint `step`: every rank's files into checkpoints/.tmp/step_<N>, each rank's
         checksum of its own file, then rank 0 records every file's size and checksum in meta.json
         (what `verify` checks) and moves it in place. A
         failure on any rank (no space, an I/O error) removes the partial files, leaves the previous
-        checkpoint the latest and raises CheckpointSaveError (one line) on every rank."""
-        rank = dist.get_rank()
+        checkpoint the latest and raises CheckpointSaveError (one line) on every rank. `group`: the
+        process group the ranks agree on (checkpoint.async_save: a gloo group of its own, as this
+        runs in a background thread beside the training's collectives)."""
+        rank = dist.get_rank(group)
         tag = f"step_{step}"
         staging = self.tmp / tag
 
@@ -125,6 +131,8 @@ class Checkpoints(CheckpointDir):
                 part()
             except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
                 return f"rank {rank}: {write_failure(e, self.root)}"
+            except Exception as e:  # anything else too: a rank that raised alone would leave the others waiting
+                return f"rank {rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             return None
 
         def rank0(part):
@@ -142,8 +150,8 @@ class Checkpoints(CheckpointDir):
             sums[f"rank_{rank}.pt"] = file_checksum(staging / f"rank_{rank}.pt")  # read back from the page cache
 
         def gather_sums():
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, sums)
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, sums, group=group)
             sums.update({k: v for part in every for k, v in part.items()})
 
         def publish():
@@ -156,10 +164,11 @@ class Checkpoints(CheckpointDir):
             atomic_write_text(self.root / "latest", tag + "\n")
             self.set_aside_damaged()  # never kept in place of a good one
             for old in self.complete()[:-self.keep]:
-                shutil.rmtree(self.folder(old), ignore_errors=True)
+                if old not in getattr(self, "protected", ()):  # a Hugging Face export reads it (hf_exports.py)
+                    shutil.rmtree(self.folder(old), ignore_errors=True)
 
         for part in (lambda: rank0(prepare), lambda: stage(write_own), lambda: gather_sums(), lambda: rank0(publish)):
-            failed = _gather_failures(part())
+            failed = _gather_failures(part(), group)
             if failed:
                 if rank == 0:
                     shutil.rmtree(staging, ignore_errors=True)

@@ -80,6 +80,13 @@ class ProfileConfig:
 class CheckpointConfig:
     interval: int = _f(1000, "steps between checkpoints (one is always written at the end)", range=POSITIVE)
     keep: int = _f(2, "checkpoints kept", range=POSITIVE)
+    async_save: bool = _f(False, "write checkpoints in the background: each rank copies what it saves (pinned host "
+                                 "buffers on a GPU) and trains on while a thread writes, checksums and publishes it "
+                                 "(docs/checkpoints.md)")
+    hf_every: int = _f(0, "the checkpoints at multiples of this step are also exported for Hugging Face to "
+                          "<run.dir>/hf/step_<N>, in a process of their own once committed, as `python -m "
+                          "megatron_kappa.export --step N` would (0: none)", range=NON_NEGATIVE)
+    hf_keep: int = _f(2, "Hugging Face exports kept under <run.dir>/hf", range=POSITIVE)
 
 
 @dataclass

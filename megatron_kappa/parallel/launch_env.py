@@ -306,11 +306,26 @@ def exit_process(code: int | None = 0):
     sys.exit(code)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in a command line run by run_command: a KeyboardInterrupt, so that what cleans up
+    after Ctrl-C (the export's `<output>.tmp`) cleans up after it too."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def run_command(main, interrupted: str):
     """`exit_process(main())` for a command line, with Ctrl-C as one line and exit status 130 (the
-    shell's for SIGINT) instead of a traceback; `interrupted` says what an interrupt leaves."""
+    shell's for SIGINT) instead of a traceback, and SIGTERM likewise with 143 (it killed the process
+    at once, leaving what it was writing); `interrupted` says what an interrupt leaves."""
+    import signal
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = main()
+    except Terminated:
+        print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         code = 130

@@ -9,6 +9,8 @@ Modules:
   divergence.py  A run whose loss or gradients are no longer numbers stops, and says so in one line,
                  without a checkpoint of the dead model (Megatron-LM's --check-for-nan-in-loss-and-
                  grad is the model)
+  hf_exports.py  Hugging Face exports written while the run goes on (checkpoint.hf_every,
+                 checkpoint.hf_keep)
   loop.py        The training job: config → model/parallel setup → data → train loop →
                  checkpoints/metrics → eval
   pipeline.py    The training step with pipeline stages (`parallel.pp > 1`): megatron-core's 1F1B

@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
 from megatron_kappa import routers
-from megatron_kappa.checkpoint import resume
+from megatron_kappa.checkpoint import async_save, resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, TrainConfig, to_dict
@@ -49,7 +49,7 @@ from megatron_kappa.metrics.log import MetricsLog
 from megatron_kappa.metrics.memory import peak_memory
 from megatron_kappa.metrics.step_line import done_line, step_line
 from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
-from megatron_kappa.train import pipeline, recipe
+from megatron_kappa.train import hf_exports, pipeline, recipe
 from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # noqa: F401 (TrainingDiverged: the loop's API)
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
 from megatron_kappa.train.preemption import Preempted, StopAgreement
@@ -173,8 +173,6 @@ def run(cfg: Config, log=print) -> dict:
             log(note)
     lock = hold_run_dir(run_dir, rank)  # one training per run.dir, for the run's life
     try:
-        if rank == 0:
-            resume.record(run_dir, to_dict(cfg), latest or 0)  # config.yaml and the run's config history
         dist.barrier()
         return train(cfg, layout, device, log, latest or 0)
     finally:
@@ -232,7 +230,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         log(f"resumed from {ckpts.folder(start)}" + ("" if written == now else f" (written with {written}, now {now})"))
         if start >= steps:  # a finished run started again, or train.steps lowered below the checkpoint
             log(f"nothing to do: the checkpoint is at step {start} and the run has {steps} steps (train.steps)")
-            return {}
+            return {}  # and no file changed: config.yaml and its history are written below
+    if rank == 0:
+        resume.record(run_dir, to_dict(cfg), start)  # config.yaml and the run's config history
     metrics = MetricsLog(run_dir, cfg.log.tensorboard, enabled=rank == 0, wandb=cfg.log.wandb, config=to_dict(cfg),
                          start=start, log=log)
     metrics.truncate_after(start)
@@ -265,6 +265,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     if cfg.eval.core_every:
         from megatron_kappa.evaluation.core_subset import CoreSubset
         core = CoreSubset(cfg, engine, device)
+    saver = async_save.saver(ckpts, cfg.checkpoint, cfg.parallel.timeout_s, log,
+                             hf_exports.for_run(ckpts, cfg.checkpoint, run_dir, log))
     stop = StopAgreement()  # SIGUSR1/SIGTERM: every rank stops after the same step (preemption.py)
     aux_weight = model.config.moe_aux_loss_coeff  # model.moe.aux_loss as megatron's coefficient
     after_step = routers.lookup(cfg.model.moe.router).after_step  # sigmoid: the expert bias
@@ -298,6 +300,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         loss_value = step_loss.item()  # the step's one host sync, on logging/checkpoint steps
         bad_now, bad_worst = bad_steps.read()
         if bad_steps.diverged(bad_worst):
+            saver.finish()  # the save in flight (of a good step) is written first
             last = ckpts.latest(content=False)
             what = (f"loss is {loss_value}" if not math.isfinite(loss_value) else
                     f"non-finite gradients (or loss) in {bad_worst} step{'s' * (bad_worst > 1)} in a row")
@@ -335,13 +338,15 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         else:
             discard_step_metrics()
         if saving:
-            ckpts.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
+            saver.save(engine, model, done, {"layout": layout_record(cfg.parallel, world), "config": to_dict(cfg)},
                        device)
             saved = done
         if stopping:
+            saver.finish(exports=False)
             profiler.close()
             metrics.close()
             raise Preempted(done, steps, stop.signum, ckpts.folder(done))
+    saver.finish()
     profiler.close()
     stop.close()
     metrics.close()

@@ -95,7 +95,10 @@ class RunLock:
     def check(self):
         """Raise the one-line refusal when a live run other than this process holds the lock."""
         holder = self.holder()
-        if holder is not None and not self._stale(holder):
+        if holder == {} and not self._stale(holder):  # a start writing it this instant, or one that failed to:
+            time.sleep(max(UNREADABLE_AFTER_S - self._age(), 0.0) + 0.1)  # wait, as acquire() does, and see
+            holder = self.holder()
+        if holder is not None and not self._stale(holder):  # still unreadable: stale now, acquire() takes it
             raise self.refusal(holder)
 
     def acquire(self):

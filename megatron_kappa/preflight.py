@@ -12,10 +12,8 @@ the vocabulary, the CORE bundle, the init weights, and a checkpoint to resume ag
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import struct
-from pathlib import Path
 
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, ModelConfig, stage_layout, to_dict
@@ -179,22 +177,10 @@ def check_tokenizer(cfg: Config):
 def check_tokenizer_made_the_shards(cfg: Config):
     """The data prep manifest.json beside each shard prefix records the sha256 of the tokenizer
     that made its token ids; another tokenizer would train on ids it does not mean (and CORE and
-    export would decode them with it)."""
-    import hashlib
-    if cfg.data.mock:
-        return
-    digest = hashlib.sha256(Path(cfg.data.tokenizer).read_bytes()).hexdigest()
-    for key, paths in (("data.paths", cfg.data.paths), ("data.valid_paths", cfg.data.valid_paths)):
-        for prefix in parse_blend(paths, key)[0]:
-            manifest = Path(prefix).parent / "manifest.json"
-            try:
-                made_with = json.loads(manifest.read_text()).get("tokenizer", {}).get("sha256")
-            except (OSError, ValueError, AttributeError):
-                continue  # no manifest (shards made elsewhere): nothing recorded to compare
-            if made_with and made_with != digest:
-                raise ConfigError(f"config: data.tokenizer: {cfg.data.tokenizer} is not the tokenizer {key} "
-                                  f"{prefix} was made with ({manifest} records sha256 {made_with[:12]}…, this "
-                                  f"file is {digest[:12]}…)")
+    export would decode them with it). Evaluation, export and the study make the same check
+    (megatron_kappa.data.made_with)."""
+    from megatron_kappa.data.made_with import check_run_shards
+    check_run_shards(cfg.data.tokenizer, cfg.data, "config: data.tokenizer")
 
 
 # --- evaluation, init weights, resume -----------------------------------------------------------

@@ -13,4 +13,6 @@ Modules:
   indexed.py   Megatron indexed shards (`<prefix>.bin` + `<prefix>.idx`): the index format, read and
                written only here (data_prep writes shards with `index_bytes`; the preflight checks
                them with `read_index`)
+  made_with.py Whether shards were made by a given tokenizer (their data prep manifest.json's
+               sha256): the one check of training, evaluation, export and the study
 """

@@ -91,6 +91,8 @@ def plan(checkpoint: str | Path, target: str = "auto", tokenizer: str | None = N
         if vocab > cfg.model.vocab_size:
             raise ConfigError(f"--tokenizer: {tok}: its {vocab} pieces do not fit the model's vocabulary "
                               f"(model.vocab_size {cfg.model.vocab_size})")
+        from megatron_kappa.data.made_with import check_run_shards  # the ids the model learnt
+        check_run_shards(tok, cfg.data, "--tokenizer" if tokenizer else f"{run_dir}/config.yaml: data.tokenizer")
     return cfg, layout, target, ckpts, step, tok or None
 
 

@@ -152,3 +152,24 @@ def test_the_export_help_is_whole_and_names_every_target(capsys):
     target_help = text.split("options:", 1)[1].split("--target {", 1)[1].split("--dtype", 1)[0]
     assert all(f"{a.name} ({a.architecture})" in target_help for a in targets.TARGETS.values())
     assert "deepseek_v3 (DeepseekV3ForCausalLM)" in target_help and "--step STEP" in text and "--license" in text
+
+
+def test_a_licence_the_hub_does_not_know_is_one_line_before_any_work(tmp_path, capsys):
+    """--license not-a-license was written into the card's header: now it is refused in one line,
+    exit 2, before the checkpoint is even looked for (the one given does not exist), naming the
+    nearest identifiers; a Hub identifier goes on to the next check (control: the missing run)."""
+    from megatron_kappa.export.__main__ import main
+    from megatron_kappa.export.licenses import HUB_LICENSES
+    base = ["--checkpoint", str(tmp_path / "no_run"), "--output", str(tmp_path / "hf"), "--no-progress"]
+    for bad, near in (("not-a-license", ""), ("Apache-2.0", "did you mean 'apache-2.0'?"),
+                      ("cc-by-4", "did you mean 'cc-by-4.0'")):
+        assert main([*base, "--license", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --license: {bad!r} is not a Hugging Face Hub licence identifier (") and \
+            near in err and err.count("\n") == 1, err
+    for good in ("apache-2.0", "other", "llama3.1"):
+        assert main([*base, "--license", good]) == 2
+        err = capsys.readouterr().err
+        assert "--license" not in err and "no_run" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+    assert len(set(HUB_LICENSES)) == len(HUB_LICENSES) and all(x == x.lower().strip() for x in HUB_LICENSES)

@@ -19,7 +19,8 @@ from megatron_kappa.checkpoint.listing import locate
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.export import convert, targets
-from megatron_kappa.export.card import card, check_license
+from megatron_kappa.export.card import card
+from megatron_kappa.export.licenses import check_license
 from megatron_kappa.paths import folder_problem
 
 DTYPES = {"checkpoint": None, "fp32": torch.float32, "bf16": torch.bfloat16}

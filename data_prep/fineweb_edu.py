@@ -420,8 +420,12 @@ def main(argv=None) -> int:
         return 1
     except OSError as e:  # a full disk, an I/O error: the finished shards stay, and the run resumes
         from megatron_kappa.checkpoint.listing import write_failure
-        where = getattr(e, "filename", None) or "the output folder"
-        print(f"error: writing {where}: {write_failure(e, os.path.dirname(os.path.abspath(str(where))) or '.')}; "
+        out = os.path.abspath(parse_args(argv).output)  # run() got past parsing them
+        where = os.path.abspath(e.filename) if isinstance(e.filename, str) else None
+        if where and os.path.commonpath([where, out]) != out:  # not a write of ours: an input, say
+            print(f"error: {where}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"error: writing {where or 'into ' + out}: {write_failure(e, out)}; "
               "the finished shards are kept and the same command resumes", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

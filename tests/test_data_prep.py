@@ -5,6 +5,7 @@ Runs on a slice of the bundled sample and a 600-piece tokenizer so everything st
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -421,3 +422,50 @@ def test_a_full_disk_is_one_line_and_the_finished_shards_stay(work, tmp_path, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: writing ") and "no space left on the device" in err[-1], err
     assert "the same command resumes" in err[-1] and not (out / "manifest.json").exists()
+
+
+def test_a_full_disk_names_the_output_folder_and_its_free_space(work, tmp_path, monkeypatch, capsys):
+    """The buffered shard write fails as a full disk does (ENOSPC, no file name) while the command
+    runs from another folder on a disk with room: the line names the shard being written, the
+    output folder and the free space there (it named the current folder's, and "torch said");
+    the rerun after freeing space finishes with the bytes of a run that never failed."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from data_prep import fineweb_edu, shards
+    out = tmp_path / "out"
+    usage = namedtuple("usage", "total used free")
+    real_usage, real_open, writes = shutil.disk_usage, open, [0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 0)
+                        if str(path).startswith(str(out)) else real_usage(path))
+
+    class FullDisk:  # a .bin file whose third write finds the disk full, as a buffered write says it
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            writes[0] += 1
+            if writes[0] == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    monkeypatch.setattr(shards, "open", lambda path, *a, **k: FullDisk(real_open(path, *a, **k))
+                        if str(path).endswith(".bin.tmp") else real_open(path, *a, **k), raising=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = ["--input", str(work / "slice.parquet"), "--output", str(out), "--tokenizer", str(work / "tok.model"),
+            "--workers", "1", *COMMON]
+    assert fineweb_edu.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"error: writing {re.escape(str(out))}/train_\d+\.bin\.tmp: no space left on the device \(0 MiB free in "
+        rf"{re.escape(str(out))}\); the finished shards are kept and the same command resumes", err[0]), err
+    monkeypatch.undo()  # space freed
+    assert fineweb_edu.main(argv) == 0
+    whole = tmp_path / "whole"
+    run([*argv[:3], str(whole), *argv[4:]])
+    assert files(out) == files(whole) and writes[0] >= 3

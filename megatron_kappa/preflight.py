@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import struct
+from pathlib import Path
 
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, ModelConfig, stage_layout, to_dict
@@ -245,6 +246,8 @@ def preflight(cfg: Config, world: int | None = None):
     if cfg.train.init_weights and os.path.isdir(cfg.train.init_weights):  # a Hugging Face folder: the model's
         from megatron_kappa.import_hf.folder import HFFolder  # config against it (this imports torch)
         HFFolder(cfg.train.init_weights, "config: train.init_weights").check(cfg)
+        from megatron_kappa.import_hf.weights import Tensors  # their headers, before config.yaml is written
+        Tensors(Path(cfg.train.init_weights), "config: train.init_weights")
     elif cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file or folder "
                           "(expected a state dict file or a Hugging Face model folder)")

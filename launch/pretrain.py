@@ -19,6 +19,7 @@ import sys
 from megatron_kappa.checkpoint.listing import CheckpointSaveError
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.data.cache import DataCacheError
 from megatron_kappa.train import preemption  # signals only: no heavy imports
 from megatron_kappa.train.divergence import TrainingDiverged  # torch-free at import
 from megatron_kappa.parallel.launch_env import LaunchEnvError, exit_process, export_environment
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         finished = True
+        return 1
+    except DataCacheError as e:  # rank 0 writes the caches; the others end with it (not finished)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except TrainingDiverged as e:  # every rank read the same global numbers: all stop here
         if rank == 0:

@@ -412,7 +412,22 @@ def run(argv=None) -> dict:
     return manifest
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main process: the pool is shut down and the finished shards kept, as
+    on Ctrl-C (it died at once: exit 143 without a word, and the resource tracker then warned of
+    the pool's leaked semaphores)."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the clean-up
+    raise Terminated
+
+
 def main(argv=None) -> int:
+    from concurrent.futures.process import BrokenProcessPool
+    import threading
+    ours = threading.current_thread() is threading.main_thread()  # signal.signal needs the main thread
+    previous = signal.signal(signal.SIGTERM, _terminated) if ours else None
     try:
         run(argv)
     except DataPrepError as e:
@@ -431,6 +446,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: the finished shards are kept; the same command resumes", file=sys.stderr)
         return 130
+    except (Terminated, BrokenProcessPool) as e:
+        # SIGTERM to the whole group can end a worker before this process hears its own
+        if not isinstance(e, Terminated) and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            raise
+        print("terminated (SIGTERM): the finished shards are kept; the same command resumes", file=sys.stderr)
+        return 143
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

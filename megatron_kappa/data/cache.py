@@ -27,9 +27,10 @@ def _os_error(error: BaseException | None) -> OSError | None:
 
 
 @contextlib.contextmanager
-def writing_cache(folder: str | Path):
+def writing_cache(folder: str | Path, describe):
     """Run the dataset builder: an OSError of a write into `folder` (however megatron-core wrapped
-    it) becomes a DataCacheError, after the files this build made there are removed."""
+    it) becomes a DataCacheError, after the files this build made there are removed. `describe`:
+    (error, folder) -> the failure in words (the trainer's: checkpoint.listing.write_failure)."""
     folder = Path(folder)
     before = set(folder.iterdir()) if folder.is_dir() else set()
     try:
@@ -41,7 +42,6 @@ def writing_cache(folder: str | Path):
             raise  # not a write into the cache (a shard that cannot be read names itself)
         for path in (set(folder.iterdir()) if folder.is_dir() else set()) - before:
             path.unlink(missing_ok=True)
-        from megatron_kappa.checkpoint.listing import write_failure
         raise DataCacheError(f"data: the dataset index cache in {folder} could not be written: "
-                             f"{write_failure(cause, folder)}; none of its new files were kept: free space there "
+                             f"{describe(cause, folder)}; none of its new files were kept: free space there "
                              "(or set data.cache_dir) and run again") from None

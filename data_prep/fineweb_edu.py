@@ -443,7 +443,22 @@ def run(argv=None) -> dict:
     return manifest
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main process: the pool is shut down and the finished shards kept, as
+    on Ctrl-C (it died at once: exit 143 without a word, and the resource tracker then warned of
+    the pool's leaked semaphores)."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the clean-up
+    raise Terminated
+
+
 def main(argv=None) -> int:
+    from concurrent.futures.process import BrokenProcessPool
+    import threading
+    ours = threading.current_thread() is threading.main_thread()  # signal.signal needs the main thread
+    previous = signal.signal(signal.SIGTERM, _terminated) if ours else None
     try:
         run(argv)
     except DataPrepError as e:
@@ -451,13 +466,26 @@ def main(argv=None) -> int:
         return 1
     except OSError as e:  # a full disk, an I/O error: the finished shards stay, and the run resumes
         from megatron_kappa.checkpoint.listing import write_failure
-        where = getattr(e, "filename", None) or "the output folder"
-        print(f"error: writing {where}: {write_failure(e, os.path.dirname(os.path.abspath(str(where))) or '.')}; "
+        out = os.path.abspath(parse_args(argv).output)  # run() got past parsing them
+        where = os.path.abspath(e.filename) if isinstance(e.filename, str) else None
+        if where and os.path.commonpath([where, out]) != out:  # not a write of ours: an input, say
+            print(f"error: {where}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"error: writing {where or 'into ' + out}: {write_failure(e, out)}; "
               "the finished shards are kept and the same command resumes", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: the finished shards are kept; the same command resumes", file=sys.stderr)
         return 130
+    except (Terminated, BrokenProcessPool) as e:
+        # SIGTERM to the whole group can end a worker before this process hears its own
+        if not isinstance(e, Terminated) and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            raise
+        print("terminated (SIGTERM): the finished shards are kept; the same command resumes", file=sys.stderr)
+        return 143
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

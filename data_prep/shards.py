@@ -7,6 +7,7 @@ name is either finished or (if the run died before recording it) deleted on resu
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -44,6 +45,18 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """A buffered write's OSError names no file (a full disk mid-shard said only "[Errno 28] No
+    space left on device"): it gets the shard's, for the one-line error."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 class ShardWriter:
     """Streams documents into `<prefix>.bin.tmp`; `close()` writes the index and renames both."""
 
@@ -58,13 +71,15 @@ class ShardWriter:
         return self.prefix.with_name(self.prefix.name + ext + ".tmp")
 
     def add(self, doc: np.ndarray) -> None:
-        self._bin.write(memoryview(doc))
+        with _naming(self._tmp(".bin")):
+            self._bin.write(memoryview(doc))
         self.lengths.append(len(doc))
         self.tokens += len(doc)
 
     def add_many(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Consecutive documents already laid out back to back (lengths sum to len(tokens))."""
-        self._bin.write(memoryview(tokens))
+        with _naming(self._tmp(".bin")):
+            self._bin.write(memoryview(tokens))
         self.lengths.extend(lengths.tolist())
         self.tokens += len(tokens)
 
@@ -74,10 +89,12 @@ class ShardWriter:
 
     def close(self) -> dict:
         """Finish the shard under its final name; returns its manifest entry."""
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        _write_synced(self._tmp(".idx"), index_bytes(np.array(self.lengths), self.dtype))
+        with _naming(self._tmp(".bin")):
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+        with _naming(self._tmp(".idx")):
+            _write_synced(self._tmp(".idx"), index_bytes(np.array(self.lengths), self.dtype))
         os.replace(self._tmp(".bin"), self.prefix.with_name(self.prefix.name + ".bin"))
         os.replace(self._tmp(".idx"), self.prefix.with_name(self.prefix.name + ".idx"))
         return {"prefix": self.prefix.name, "documents": self.documents, "tokens": self.tokens,

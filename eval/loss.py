@@ -43,19 +43,24 @@ def run(args, logits_fn, tokenizer, max_seq_len) -> dict:
 
 
 def check_data(args):
-    """Before the model loads: the shards are whole and their token ids fit the checkpoint's
-    vocabulary (shards made with a larger tokenizer would index past it)."""
+    """Before the model loads: the shards are whole, their token ids fit the checkpoint's
+    vocabulary (shards made with a larger tokenizer would index past it), and their manifest
+    names the run's tokenizer."""
     from megatron_kappa.checkpoint.listing import run_of
     from megatron_kappa.config import ConfigError, load_recorded
     from megatron_kappa.preflight import check_shard
     config = run_of(args.checkpoint, args.step)[0] / "config.yaml"
-    model = load_recorded(config).model if config.is_file() else None
+    cfg = load_recorded(config) if config.is_file() else None
+    model = cfg.model if cfg is not None else None
     vocab = model.vocab_size if model is not None else None
     if model is not None and args.seq_len is not None and args.seq_len > model.seq_length:  # it was clamped silently
         raise ConfigError(f"--seq-len: {args.seq_len} is longer than the model's context (model.seq_length "
                           f"{model.seq_length} in {config}); give at most that, or leave it out")
     for prefix in args.data:
         check_shard("--data", prefix, vocab)
+    if cfg is not None and cfg.data.tokenizer:  # another tokenizer's ids: a wrong loss and bits per byte
+        from megatron_kappa.data.made_with import check_made_with
+        check_made_with(cfg.data.tokenizer, args.data, "--data", "--data: the run's data.tokenizer")
 
 
 def main(argv=None) -> int:

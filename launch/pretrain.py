@@ -10,8 +10,9 @@ Resumes from the latest checkpoint in run.dir. Bad configs and inputs exit with 
 line (megatron_kappa.preflight), before any process group is created or anything is written.
 On SIGUSR1 or SIGTERM every rank finishes the step, a checkpoint is written and the process exits
 with status 75 (megatron_kappa.train.preemption): the same command resumes. A collective that
-fails (a dead or hung rank) is reported with the ranks that no longer answer
-(megatron_kappa.parallel.failures) before the traceback; the status is then 1.
+fails (a dead or hung rank) is one line naming the ranks that no longer answer
+(megatron_kappa.parallel.failures), status 1; the traceback follows only when every rank still
+answered (a failure that line cannot explain).
 """
 import argparse
 import sys
@@ -19,6 +20,7 @@ import sys
 from megatron_kappa.checkpoint.listing import CheckpointSaveError
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.data.cache import DataCacheError
 from megatron_kappa.train import preemption  # signals only: no heavy imports
 from megatron_kappa.train.divergence import TrainingDiverged  # torch-free at import
 from megatron_kappa.parallel.launch_env import LaunchEnvError, exit_process, export_environment
@@ -67,6 +69,9 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         finished = True
         return 1
+    except DataCacheError as e:  # rank 0 writes the caches; the others end with it (not finished)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except TrainingDiverged as e:  # every rank read the same global numbers: all stop here
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -79,10 +84,12 @@ def main(argv=None) -> int:
         finished = True  # every rank stops at the step they agreed on
         return preemption.EXIT_RESUMABLE
     except Exception as e:
-        from megatron_kappa.parallel.failures import explain
+        from megatron_kappa.parallel.failures import explain, names_the_lost
         note = explain(e)  # None unless a collective failed; else who did not answer
         if note:
             print(f"error: rank {rank}: {note}", file=sys.stderr, flush=True)
+            if names_the_lost(note):  # the line says it all: no gloo traceback after it
+                return 1
         raise
     finally:
         if "megatron_kappa.parallel.groups" in sys.modules:  # the groups exist only once training started

@@ -155,6 +155,9 @@ def plan(args) -> tuple[list[Run], dict]:
                 raise StudyError(f"--valid-data: {prefix}{ext}: no such file")
     if not cfg.data.tokenizer:
         raise StudyError("data.tokenizer: not set (bits per byte and CORE need the tokenizer)")
+    if args.valid_data:  # data.valid_paths were checked with the config; bits per byte from another
+        from megatron_kappa.data.made_with import check_made_with  # tokenizer's ids would be wrong
+        check_made_with(cfg.data.tokenizer, valid, "--valid-data", "--valid-data: data.tokenizer")
     bundle = None if args.no_core else (args.core_bundle or cfg.eval.core_bundle)
     if bundle and "://" not in bundle:
         bundle = os.path.abspath(bundle)

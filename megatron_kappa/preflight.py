@@ -12,7 +12,6 @@ the vocabulary, the CORE bundle, the init weights, and a checkpoint to resume ag
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import struct
 from pathlib import Path
@@ -182,22 +181,10 @@ def check_tokenizer(data: DataConfig, vocab_size: int):
 def check_tokenizer_made_the_shards(data: DataConfig):
     """The data prep manifest.json beside each shard prefix records the sha256 of the tokenizer
     that made its token ids; another tokenizer would train on ids it does not mean (and CORE and
-    export would decode them with it)."""
-    import hashlib
-    if data.mock:
-        return
-    digest = hashlib.sha256(Path(data.tokenizer).read_bytes()).hexdigest()
-    for key, paths in (("data.paths", data.paths), ("data.valid_paths", data.valid_paths)):
-        for prefix in parse_blend(paths, key)[0]:
-            manifest = Path(prefix).parent / "manifest.json"
-            try:
-                made_with = json.loads(manifest.read_text()).get("tokenizer", {}).get("sha256")
-            except (OSError, ValueError, AttributeError):
-                continue  # no manifest (shards made elsewhere): nothing recorded to compare
-            if made_with and made_with != digest:
-                raise ConfigError(f"config: data.tokenizer: {data.tokenizer} is not the tokenizer {key} "
-                                  f"{prefix} was made with ({manifest} records sha256 {made_with[:12]}…, this "
-                                  f"file is {digest[:12]}…)")
+    export would decode them with it). Evaluation, export and the study make the same check
+    (megatron_kappa.data.made_with)."""
+    from megatron_kappa.data.made_with import check_run_shards
+    check_run_shards(data.tokenizer, data, "config: data.tokenizer")
 
 
 # --- evaluation, init weights, resume -----------------------------------------------------------
@@ -264,6 +251,8 @@ def preflight(cfg: Config, world: int | None = None):
     if cfg.train.init_weights and os.path.isdir(cfg.train.init_weights):  # a Hugging Face folder: the model's
         from megatron_kappa.import_hf.folder import HFFolder  # config against it (this imports torch)
         HFFolder(cfg.train.init_weights, "config: train.init_weights").check(cfg)
+        from megatron_kappa.import_hf.weights import Tensors  # their headers, before config.yaml is written
+        Tensors(Path(cfg.train.init_weights), "config: train.init_weights")
     elif cfg.train.init_weights and not os.path.isfile(cfg.train.init_weights):
         raise ConfigError(f"config: train.init_weights: {cfg.train.init_weights}: no such file or folder "
                           "(expected a state dict file or a Hugging Face model folder)")

@@ -203,6 +203,85 @@ def test_export_with_a_junk_tokenizer_is_one_line_before_writing(trained, sample
     assert ok.returncode == 0 and (tmp_path / "hf/tokenizer.json").is_file(), ok.stderr[-2000:]  # control
 
 
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    """Another SentencePiece model than the run's (60 pieces, trained here)."""
+    import sentencepiece as spm
+    folder = tmp_path_factory.mktemp("other_tokenizer")
+    text = folder / "text.txt"
+    text.write_text("\n".join(f"a sentence number {i} about {w}" for i, w in enumerate(["cats", "dogs"] * 200)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(folder / "other"), vocab_size=60, minloglevel=2)
+    return folder / "other.model"
+
+
+def shards_listed_as_made_with(tokenizer, sample_shards, folder):
+    """The sample's valid shard copied into `folder`, with the data prep manifest.json it would
+    have had if `tokenizer` had made it (only the recorded sha256 differs)."""
+    import hashlib
+    import json
+    import shutil
+    folder.mkdir()
+    name = Path(sample_shards["valid"][0]).name
+    for ext in (".bin", ".idx"):
+        shutil.copy(sample_shards["valid"][0] + ext, folder / (name + ext))
+    manifest = json.loads((sample_shards["dir"] / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return str(folder / name)
+
+
+@pytest.mark.slow
+def test_eval_loss_refuses_shards_of_another_tokenizer(trained, sample_shards, other_tokenizer, tmp_path):
+    """Shards whose manifest records another tokenizer than the run's: one line before the model
+    loads, exit 2 (it scored them: rc 0, a loss and bits per byte of the wrong ids); the same
+    shards listed under the run's own tokenizer are scored (control)."""
+    wrong = shards_listed_as_made_with(other_tokenizer, sample_shards, tmp_path / "wrong")
+    done = cli("eval/loss.py", "--checkpoint", str(trained), "--data", wrong, "--max-tokens", "64", "--no-progress")
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.strip().count("\n") == 0
+    assert done.stderr.startswith(f"error: --data: the run's data.tokenizer: {sample_shards['tokenizer']} is not the "
+                                  f"tokenizer --data {wrong} was made with ({tmp_path / 'wrong' / 'manifest.json'} "
+                                  "records sha256 "), done.stderr
+    right = shards_listed_as_made_with(sample_shards["tokenizer"], sample_shards, tmp_path / "right")
+    ok = cli("eval/loss.py", "--checkpoint", str(trained), "--data", right, "--max-tokens", "64", "--no-progress")
+    assert ok.returncode == 0 and ok.stdout.startswith("loss "), ok.stderr[-2000:]
+
+
+def test_a_tokenizer_replaced_since_training_is_refused_by_every_tool(trained, other_tokenizer, tmp_path, capsys):
+    """The run's data.tokenizer file no longer the one that made its shards (or export's
+    --tokenizer another one): eval/core.py, eval/loss.py, eval/generate.py and export stop in one
+    line before the model loads (they would have encoded and decoded text with other ids)."""
+    import shutil
+
+    from eval import core, generate, loss
+    from megatron_kappa.export.__main__ import main as export
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("checkpoints"))
+    config = (run / "config.yaml").read_text()
+    tokenizer = next(line.split(": ", 1)[1] for line in config.splitlines() if line.startswith("  tokenizer: "))
+    (run / "config.yaml").write_text(config.replace(f"  tokenizer: {tokenizer}\n", f"  tokenizer: {other_tokenizer}\n"))
+    (run / "checkpoints").symlink_to(trained / "checkpoints")
+    expected = f"error: checkpoint: {run}/config.yaml: data.tokenizer: {other_tokenizer} is not the tokenizer data.paths "
+    for main, extra in ((core.main, ["--bundle", str(ROOT / "tests/core_bundle")]), (generate.main, ["--prompt", "hi"])):
+        assert main(["--checkpoint", str(run), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(expected) and err.count("\n") == 1, err
+    valid = load_config(run / "config.yaml").data.valid_paths  # the run's own shards, now another tokenizer's
+    assert loss.main(["--checkpoint", str(run), "--data", *valid]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --data: the run's data.tokenizer: {other_tokenizer} is not the tokenizer --data "
+                          f"{valid[0]} was made with") and err.count("\n") == 1, err
+    assert export(["--checkpoint", str(run), "--output", str(tmp_path / "hf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected.replace("error: checkpoint: ", "error: ")) and err.count("\n") == 1, err
+    assert export(["--checkpoint", str(trained), "--output", str(tmp_path / "hf"), "--tokenizer", str(other_tokenizer),
+                   "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer: {other_tokenizer} is not the tokenizer data.paths ") and \
+        err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
 def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
     """A full disk while the export writes: one line saying so, exit 1, no output folder and no
     partial .tmp folder left (it was a traceback)."""

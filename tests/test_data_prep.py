@@ -5,6 +5,7 @@ Runs on a slice of the bundled sample and a 600-piece tokenizer so everything st
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -322,6 +323,37 @@ def test_ctrl_c_is_one_line_and_the_rerun_finishes(work, tmp_path):
     assert files(out) == files(whole)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [False, True])
+def test_sigterm_is_one_line_without_a_leak_and_the_rerun_finishes(work, tmp_path, to_group):
+    """SIGTERM once a shard is finished, to the CLI alone (kill PID) or to its process group (as a
+    scheduler may): one line saying what happened, exit 143, no traceback and no resource
+    tracker warning of leaked semaphores (it died at once, silent but for that warning); the same
+    command then finishes with the uninterrupted run's bytes."""
+    inputs, args, prep_cli, env = _two_worker_prep(work)
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([*prep_cli, "--output", str(out), *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if to_group:
+        _signal_after_shards(proc, out, 1, signal.SIGTERM)
+    else:
+        state = out / ".progress" / "state.json"
+        while proc.poll() is None and not (state.exists() and json.loads(state.read_text())["checkpoints"]):
+            time.sleep(0.01)
+        assert proc.poll() is None, "the data prep CLI ended before it could be signalled"
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip() == "terminated (SIGTERM): the finished shards are kept; the same command resumes", \
+        err[-2000:]
+    assert not (out / "manifest.json").exists()
+    rerun = subprocess.run([*prep_cli, "--output", str(out), *args], env=env, capture_output=True)
+    assert rerun.returncode == 0, rerun.stderr.decode()[-2000:]
+    whole = tmp_path / "whole"
+    run(["--input", *inputs, "--output", str(whole), *args])
+    assert files(out) == files(whole)
+
+
 def expect_error(match, *argv):
     with pytest.raises(DataPrepError, match=match) as info:
         run(list(map(str, argv)))
@@ -451,3 +483,50 @@ def test_progress_in_a_log_is_one_line_per_report_at_a_modest_rate():
     terminal = report(Terminal(), 0.0, 3)
     assert terminal.count("\r") >= 2 and terminal.count("\n") == 1  # one line, redrawn
     assert report(io.StringIO(), 0.0, 3) and progress(10, 0, True, stream=io.StringIO()).disable  # --quiet
+
+
+def test_a_full_disk_names_the_output_folder_and_its_free_space(work, tmp_path, monkeypatch, capsys):
+    """The buffered shard write fails as a full disk does (ENOSPC, no file name) while the command
+    runs from another folder on a disk with room: the line names the shard being written, the
+    output folder and the free space there (it named the current folder's, and "torch said");
+    the rerun after freeing space finishes with the bytes of a run that never failed."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from data_prep import fineweb_edu, shards
+    out = tmp_path / "out"
+    usage = namedtuple("usage", "total used free")
+    real_usage, real_open, writes = shutil.disk_usage, open, [0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 0)
+                        if str(path).startswith(str(out)) else real_usage(path))
+
+    class FullDisk:  # a .bin file whose third write finds the disk full, as a buffered write says it
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            writes[0] += 1
+            if writes[0] == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    monkeypatch.setattr(shards, "open", lambda path, *a, **k: FullDisk(real_open(path, *a, **k))
+                        if str(path).endswith(".bin.tmp") else real_open(path, *a, **k), raising=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = ["--input", str(work / "slice.parquet"), "--output", str(out), "--tokenizer", str(work / "tok.model"),
+            "--workers", "1", *COMMON]
+    assert fineweb_edu.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"error: writing {re.escape(str(out))}/train_\d+\.bin\.tmp: no space left on the device \(0 MiB free in "
+        rf"{re.escape(str(out))}\); the finished shards are kept and the same command resumes", err[0]), err
+    monkeypatch.undo()  # space freed
+    assert fineweb_edu.main(argv) == 0
+    whole = tmp_path / "whole"
+    run([*argv[:3], str(whole), *argv[4:]])
+    assert files(out) == files(whole) and writes[0] >= 3

@@ -170,3 +170,24 @@ def test_the_card_is_titled_with_the_runs_name_not_the_output_folders(tmp_path, 
     assert f"\n# {title}\n" in text and f"step\n3 of the run `{title}`" in text
     assert 'from_pretrained("hf"' in text
     assert "# hf" not in text and "`hf`" not in text and text.count('"hf"') == 2
+
+
+def test_a_licence_the_hub_does_not_know_is_one_line_before_any_work(tmp_path, capsys):
+    """--license not-a-license was written into the card's header: now it is refused in one line,
+    exit 2, before the checkpoint is even looked for (the one given does not exist), naming the
+    nearest identifiers; a Hub identifier goes on to the next check (control: the missing run)."""
+    from megatron_kappa.export.__main__ import main
+    from megatron_kappa.export.licenses import HUB_LICENSES
+    base = ["--checkpoint", str(tmp_path / "no_run"), "--output", str(tmp_path / "hf"), "--no-progress"]
+    for bad, near in (("not-a-license", ""), ("Apache-2.0", "did you mean 'apache-2.0'?"),
+                      ("cc-by-4", "did you mean 'cc-by-4.0'")):
+        assert main([*base, "--license", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --license: {bad!r} is not a Hugging Face Hub licence identifier (") and \
+            near in err and err.count("\n") == 1, err
+    for good in ("apache-2.0", "other", "llama3.1"):
+        assert main([*base, "--license", good]) == 2
+        err = capsys.readouterr().err
+        assert "--license" not in err and "no_run" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+    assert len(set(HUB_LICENSES)) == len(HUB_LICENSES) and all(x == x.lower().strip() for x in HUB_LICENSES)

@@ -279,6 +279,33 @@ def test_the_preflight_checks_the_folder_against_the_model(folders, tmp_path):
         preflight(load_config("configs/tiny.yaml", [*sets, f"train.init_weights={tmp_path / 'none'}"]), world=1)
 
 
+def test_a_junk_or_truncated_safetensors_file_is_one_line_before_anything_is_written(folders, tmp_path):
+    """model.safetensors junk (it was a 21-line SafetensorError traceback, after config.yaml was
+    written) or cut short: the launcher stops in one line naming the file before it writes
+    anything; the intact folder passes the same preflight (control, above)."""
+    import shutil
+
+    from megatron_kappa.import_hf.folder import HFFolder
+    from megatron_kappa.preflight import preflight
+    folder = tmp_path / "hf"
+    shutil.copytree(folders["mixtral"], folder)
+    whole = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(b"\x00junk, not a safetensors file" * 10)
+    run_dir = tmp_path / "run"
+    overrides = [*HFFolder(folder, "--hf").overrides(), f"train.init_weights={folder}", f"run.dir={run_dir}",
+                 "data.mock=true", "model.seq_length=32", "train.steps=1"]
+    done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *overrides],
+                          cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: config: train.init_weights: {folder / 'model.safetensors'}: not a "
+                                  "readable safetensors file ("), done.stderr
+    assert not (run_dir / "config.yaml").exists()
+    (folder / "model.safetensors").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"^config: train.init_weights: .*model.safetensors: not a readable "
+                                          r"safetensors file \(.*\)$"):
+        preflight(run_config(folder, "data.mock=true", f"run.dir={run_dir}"), world=1)
+
+
 def test_the_cli_prints_the_settings_and_writes_a_config(folders, tmp_path):
     out = tmp_path / "run.yaml"
     done = subprocess.run([sys.executable, "-m", "megatron_kappa.import_hf", "--hf", str(folders["deepseek_v3"]),

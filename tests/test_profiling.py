@@ -78,12 +78,21 @@ def test_other_ranks_a_run_that_ends_early_and_no_profile(tmp_path):
     (["profile.steps=[4, 3]"], "config: profile.steps: expected [] or [first, last]"),
     (["profile.steps=[0, 3]"], "config: profile.steps: expected [] or [first, last]"),
     (["profile.ranks=[-1]"], "config: profile.ranks: expected a list of global ranks"),
+    # issue 62: past the run's end nothing was traced, without a word ([50, 60] of 50 steps: control, below)
+    (["profile.steps=[51, 60]", "train.steps=50"],
+     "config: profile.steps: [51, 60] starts after the run's last step"),
     (["log.wandb.mode=cloud"], "config: log.wandb.mode: expected one of ['disabled', 'offline', 'online']"),
 ])
 def test_bad_profile_and_wandb_settings_are_one_line(sets, message):
     from megatron_kappa.config import ConfigError
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config("configs/tiny.yaml", sets)
+
+
+def test_profile_steps_reaching_past_the_end_start_inside_the_run():
+    """The control of the row above: a range that starts at the run's last step is kept (its trace
+    ends where the run ends)."""
+    assert load_config("configs/tiny.yaml", ["profile.steps=[50, 60]", "train.steps=50"]).profile.steps == [50, 60]
 
 
 def test_profile_ranks_beyond_the_world_are_refused_by_the_preflight():

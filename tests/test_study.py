@@ -219,6 +219,33 @@ def test_bad_input_fails_before_any_run(data, tmp_path, args, message):
     assert not (study / "runs").exists()
 
 
+def test_valid_data_of_another_tokenizer_is_refused_before_any_run(data, tmp_path):
+    """--valid-data whose manifest records another tokenizer than data.tokenizer: one line before
+    the first run (eval/loss.py would refuse it only after every run had trained); the same shards
+    listed under the run's tokenizer pass (control)."""
+    import shutil
+
+    from launch import study
+    for case, sha in (("other", "0" * 64), ("same", None)):
+        folder = tmp_path / case
+        folder.mkdir()
+        name = Path(data["valid"][0]).name
+        for ext in (".bin", ".idx"):
+            shutil.copy(data["valid"][0] + ext, folder / (name + ext))
+        manifest = json.loads((data["dir"] / "manifest.json").read_text())
+        manifest["tokenizer"]["sha256"] = sha or manifest["tokenizer"]["sha256"]
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        args = study.parse_args([str(c) for c in study_cmd(data, tmp_path / "study", launcher="python", core=False)[2:]]
+                                + ["--valid-data", str(folder / name)])
+        if case == "other":
+            with pytest.raises(study.ConfigError, match=rf"^--valid-data: data.tokenizer: {data['tokenizer']} is not "
+                                                        rf"the tokenizer --valid-data {folder / name} was made with"):
+                study.plan(args)
+        else:
+            assert study.plan(args)[1]["valid"] == [str(folder / name)]
+    assert not (tmp_path / "study" / "runs").exists()
+
+
 def test_student_t_p_value_against_numerical_integration():
     def pdf(x, df):
         c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)

@@ -44,7 +44,8 @@ OTHER_CAUSE = re.compile(r"No such file|Permission denied|Read-only file system|
 def write_failure(error: BaseException, folder) -> str:
     """A failed write in words for a one-line error: torch.save reports a full disk as
     "[enforce fail at inline_container.cc:672] unexpected pos ..." or "PytorchStreamWriter failed
-    writing ...", which say nothing to a user; with (nearly) no space left in `folder`, it is said."""
+    writing ...", which say nothing to a user; with (nearly) no space left in `folder` (the folder
+    written to: its free space is the one that matters), it is said."""
     first = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__
     try:
         usage = shutil.disk_usage(folder)
@@ -54,8 +55,11 @@ def write_failure(error: BaseException, folder) -> str:
     # torch's wording hides the errno; a folder of a size-less file system (/proc, /sys) or an
     # error that names another cause is no full disk (it was called one: "0 MiB free in /proc")
     worded = code is None and usage.total > 0 and usage.free < FULL_BELOW and not OTHER_CAUSE.search(first)
-    if code == errno.ENOSPC or worded:
-        return f"no space left on the device ({usage.free / 2**20:.0f} MiB free in {folder}; torch said: {first[:120]})"
+    if code == errno.ENOSPC:  # the caller names the file; the errno's words add nothing
+        return f"no space left on the device ({usage.free / 2**20:.0f} MiB free in {folder})"
+    if worded:  # torch's or safetensors' words: kept, as what failed
+        return f"no space left on the device ({usage.free / 2**20:.0f} MiB free in {folder}; the write failed " \
+               f"with: {first[:120]})"
     return first
 
 

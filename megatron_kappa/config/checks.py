@@ -117,6 +117,9 @@ def validate(cfg: Config):
     if cfg.precision == "fp8":
         _validate_fp8(m, par, cfg.train, need)
     _validate_profile(cfg.profile, need)
+    need(not cfg.profile.steps or cfg.profile.steps[0] <= cfg.train.steps, "profile.steps",
+         f"{cfg.profile.steps} starts after the run's last step (train.steps={cfg.train.steps}): nothing "
+         "would be traced")
 
 
 def _whole(value) -> bool:

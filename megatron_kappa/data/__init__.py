@@ -9,8 +9,12 @@ Modules:
   bos.py       Whether a run's training documents start with BOS: the question CORE must answer the
                same way as training did (a model trained without BOS scores worse with it, and the
                other way round)
+  cache.py     The dataset index cache: a write into it that fails (a full disk) is one line
+               naming the folder, and leaves none of its files behind
   coverage.py  How many times a run reads its training documents
   indexed.py   Megatron indexed shards (`<prefix>.bin` + `<prefix>.idx`): the index format, read and
                written only here (data_prep writes shards with `index_bytes`; the preflight checks
                them with `read_index`)
+  made_with.py Whether shards were made by a given tokenizer (their data prep manifest.json's
+               sha256): the one check of training, evaluation, export and the study
 """

@@ -69,7 +69,11 @@ def _run_config(run_dir: str | Path):
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"checkpoint: {run_dir}: no config.yaml (expected a training run directory)")
-    return load_recorded(run_dir / "config.yaml")
+    cfg = load_recorded(run_dir / "config.yaml")
+    if cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():  # replaced since the run was trained?
+        from megatron_kappa.data.made_with import check_run_shards
+        check_run_shards(cfg.data.tokenizer, cfg.data, f"checkpoint: {run_dir}/config.yaml: data.tokenizer")
+    return cfg
 
 
 def load_model_for_eval(checkpoint: str | Path, step: int | None = None):

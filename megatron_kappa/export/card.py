@@ -10,13 +10,12 @@ eval/core.py that name this run and step, in the run directory or the folder abo
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import yaml
 
 from megatron_kappa.attention_kinds import name_of as attention_kind
-from megatron_kappa.config import ConfigError, EvalConfig
+from megatron_kappa.config import EvalConfig
 from megatron_kappa.export.adapter import ffn_sizes
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import moe_layer_pattern
@@ -26,13 +25,6 @@ NO_TOKENIZER = "\nNo tokenizer was exported (the run named none): encode with th
 TOKENIZER_ALONE = ("\nWithout `trust_remote_code`, `PreTrainedTokenizerFast.from_pretrained` loads the tokenizer "
                    "alone (it is transformers' own class; `AutoTokenizer` reads `config.json` first, which names "
                    "the modeling code, and asks).")
-LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's licence identifiers: apache-2.0, mit, cc-by-4.0, other
-
-
-def check_license(license: str) -> str:
-    if not LICENSE.fullmatch(license):
-        raise ConfigError(f"--license: {license!r}: expected a Hub licence identifier such as apache-2.0, mit or other")
-    return license
 
 
 def step_records(run_dir: Path, step: int) -> dict:

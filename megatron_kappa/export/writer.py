@@ -19,7 +19,8 @@ from megatron_kappa.checkpoint.listing import locate
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import ConfigError, load_recorded
 from megatron_kappa.export import convert, targets
-from megatron_kappa.export.card import card, check_license
+from megatron_kappa.export.card import card
+from megatron_kappa.export.licenses import check_license
 from megatron_kappa.paths import folder_problem
 
 DTYPES = {"checkpoint": None, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,6 +92,8 @@ def plan(checkpoint: str | Path, target: str = "auto", tokenizer: str | None = N
         if vocab > cfg.model.vocab_size:
             raise ConfigError(f"--tokenizer: {tok}: its {vocab} pieces do not fit the model's vocabulary "
                               f"(model.vocab_size {cfg.model.vocab_size})")
+        from megatron_kappa.data.made_with import check_run_shards  # the ids the model learnt
+        check_run_shards(tok, cfg.data, "--tokenizer" if tokenizer else f"{run_dir}/config.yaml: data.tokenizer")
     return cfg, layout, target, ckpts, step, tok or None
 
 

@@ -33,10 +33,15 @@ class Tensors:
     """The folder's safetensors, by name, memory-mapped."""
 
     def __init__(self, folder: Path, source: str):
-        from safetensors import safe_open
+        """Opening reads each file's header only (the preflight opens them before anything is
+        written): a junk or truncated file is one ConfigError line naming it."""
+        from safetensors import SafetensorError, safe_open
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{source}: {index}: not a safetensors index ({_first_line(e)})") from None
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files:
@@ -44,12 +49,20 @@ class Tensors:
         self.where = {}
         self.opened = []
         for name in files:
-            handle = safe_open(str(folder / name), framework="pt")
+            try:
+                handle = safe_open(str(folder / name), framework="pt")
+            except (SafetensorError, OSError) as e:  # it was a 21-line SafetensorError traceback
+                raise ConfigError(f"{source}: {folder / name}: not a readable safetensors file "
+                                  f"({_first_line(e)})") from None
             self.opened.append(handle)
             self.where.update({key: handle for key in handle.keys()})
 
     def get(self, names) -> dict:
         return {n: self.where[n].get_tensor(n) for n in names}
+
+
+def _first_line(e: BaseException) -> str:
+    return ((str(e).splitlines() or [type(e).__name__])[0] or type(e).__name__)[:160]
 
 
 class ImportedState(Mapping):

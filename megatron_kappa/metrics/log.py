@@ -27,6 +27,23 @@ def _warn(what: str, error: BaseException):
     print(f"warning: {what}: {first}; training goes on without it", file=sys.stderr, flush=True)
 
 
+def _quiet_tensorboard_thread():
+    """TensorBoard writes its events in a thread of its own: a write that fails there (a full disk)
+    printed that thread's 25-line traceback after the warning line, and the writer hands the same
+    error to the next add/flush, which is where MetricsLog says it in one line. So an OSError of
+    that thread is left to MetricsLog; any other thread, or error, goes to the hook as before."""
+    import threading
+    if getattr(threading.excepthook, "kappa_tensorboard", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+    hook.kappa_tensorboard = True
+    threading.excepthook = hook
+
+
 def read_records(path: str | Path) -> tuple[list[dict], list[int]]:
     """metrics.jsonl's records, and the line numbers (1-based) of lines that are not a whole JSON
     record: what a crash (a kill, a full disk) left half-written. Blank lines are skipped."""
@@ -60,6 +77,7 @@ class MetricsLog:
         self.torn_tail = None  # whether the file ends inside a record (None: not looked yet)
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            _quiet_tensorboard_thread()
             try:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
                 if config is not None:  # indented four spaces: TensorBoard's markdown shows it as code

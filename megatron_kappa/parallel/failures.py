@@ -111,6 +111,13 @@ def unresponsive_ranks(timeout_s: float) -> str:
            "was only slow"
 
 
+def names_the_lost(note: str) -> bool:
+    """Whether explain()'s line says who is gone or hung (a rank, a host, the store): then it is the
+    whole story, and the collective's traceback (about 100 lines of gloo's through the checkpoint
+    code) adds nothing. Not when every rank answered: that failure is not understood."""
+    return "every rank answered" not in note
+
+
 def explain(exc: BaseException) -> str | None:
     """For an exception out of training: None unless it is a collective that failed in a world
     of several ranks; else one line naming the ranks that did not answer (see the module)."""

@@ -15,9 +15,11 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+from megatron_kappa.checkpoint.listing import write_failure
 from megatron_kappa.config import Config, DataConfig, ModelConfig, TrainConfig
 from megatron_kappa.data.bestfit import BestFitConfig, BestFitDataset
 from megatron_kappa.data.blend import parse_blend
+from megatron_kappa.data.cache import writing_cache
 
 
 class StubTokenizer:
@@ -65,8 +67,9 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int):
     # weights, so a weighted blend states 0 for it (README's [0.7, a, 0.3, b] form crashed there)
     blends = [config.blend] if getattr(config, "blend", None) else list(getattr(config, "blend_per_split", None) or [])
     weighted = any(b is not None and b[1] is not None for b in blends)
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        cls, [train_samples, valid_samples, 0 if weighted else None], lambda: True, config).build()
+    with writing_cache(config.path_to_cache, write_failure):  # a full disk: one line naming the folder, no half index
+        train, valid, _ = BlendedMegatronDatasetBuilder(
+            cls, [train_samples, valid_samples, 0 if weighted else None], lambda: True, config).build()
     return train, valid
 
 

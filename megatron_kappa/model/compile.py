@@ -150,7 +150,8 @@ def describe(done: dict) -> str:
     text = (f"compile: {done['layers']} layers, {other} graph break{'s' * (other != 1)}, "
             f"{time.perf_counter() - done['start']:.0f} s")
     if done["moe_layers"]:
-        text += f" (the MoE dispatch of {done['moe_layers']} layers eager at its named boundary"
+        n = done["moe_layers"]
+        text += f" (the MoE dispatch of {n} layer{'s' * (n != 1)} eager at its named boundary"
         if done["eager_experts"]:
             text += f"; fp32 experts eager in {done['eager_experts']}: grouped GEMMs trace in bf16 only"
         text += ")"

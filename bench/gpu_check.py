@@ -17,7 +17,8 @@ Stages, each a separate process with a time limit, each recorded whether it pass
      bf16 against fp8), bench/activation_memory.py (the planner's activation estimate against
      the allocator; GPU only), bench/plan_rates.py (the GEMM, grouped-GEMM and attention rates
      and the per-layer fixed cost behind the planner's step time) and bench/throughput.py at the
-     paper's moe8 / sandwich28 shapes (tiny shapes with --quick or --cpu).
+     paper's moe8 / sandwich28 shapes (tiny shapes with --quick or --cpu), and bench/compile.py
+     (model.compile against eager in bf16 with MFU, κ against plain SwiGLU both compiled).
   6. the EP overlap (bench/ep_overlap.py: parallel.overlap_moe_expert_parallel_comm on and off)
      over every GPU, EP = their number; with one GPU it is recorded as not run (megatron refuses
      the overlap at EP 1, and NCCL puts one rank on a GPU); with --cpu, 2 gloo ranks.
@@ -269,6 +270,10 @@ def main(argv=None) -> int:
         ("bench: throughput moe8", ["bench/throughput.py"]
          + (["--config", "configs/tiny.yaml", "--steps", "2"] if small else
             ["--config", "configs/moe8.yaml", "--micro-batch", "4", "--recompute", "none", "selective"])),
+        # model.compile: compiled vs eager (bf16 on the GPU, with MFU), κ vs plain both compiled
+        ("bench: compiled vs eager", ["bench/compile.py", "--kappa-vs-plain"]
+         + (["--cases", "tiny", "--reps", "2"] if small else
+            ["--config", "configs/moe8.yaml", "--set", "parallel.ep=1", "--precision", "bf16", "--micro-batch", "4"])),
     ]
     if not small:
         benches.append(("bench: throughput sandwich28 (8 layers)",

@@ -56,7 +56,9 @@ def test_apply_patches_on_cpu_only(world1):
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     assert mappings._gather_along_first_dim.__name__ == "gather"
     assert importlib.import_module("megatron.core.transformer.utils").get_default_causal_mask(3).device.type == "cpu"
-    assert torch._dynamo.config.disable
+    # megatron's jit_fuser functions run eager on CPU (model.compile), with no global Dynamo switch
+    assert not hasattr(importlib.import_module("megatron.core.fusions.fused_bias_swiglu").weighted_swiglu,
+                       "_torchdynamo_orig_callable")
     import deepspeed.ops
     assert all(deepspeed.ops.__compatible_ops__[op] is False for op in compat.DEEPSPEED_OPS_OFF)
 

@@ -87,3 +87,20 @@ def test_the_profile_stage_checks_what_a_gpu_run_leaves(tmp_path):
         output = fake_profiled_run(run_dir, not cpu, **kw)
         with pytest.raises((ValueError, FileNotFoundError)):
             profile_result(run_dir, output, cpu)
+
+
+def test_the_compile_bench_rows():
+    """bench/compile.py's rows (its GPU stage cannot run here): ratios, the compile time of the
+    first compiled variant only, and MFU against a peak; negative controls: no peak, no MFU; an
+    eager row has no compile time or compiled/eager ratio."""
+    from bench.compile import summarize
+    ms = {("kappa", "eager"): 200.0, ("kappa", "compiled"): 100.0, ("plain", "compiled"): 80.0}
+    first = {("kappa", "eager"): 250.0, ("kappa", "compiled"): 5200.0, ("plain", "compiled"): 300.0}
+    flops = dict.fromkeys(ms, 1e9)
+    rows = {(r["activation"], r["mode"]): r for r in summarize(ms, first, 4096, flops, 1000.0)}
+    assert rows[("kappa", "compiled")]["compiled_over_eager"] == 0.5
+    assert rows[("kappa", "compiled")]["kappa_over_plain"] == 1.25
+    assert rows[("kappa", "compiled")]["compile_s"] == 5.0 and rows[("plain", "compiled")]["compile_s"] is None
+    assert rows[("kappa", "eager")]["compile_s"] is None and rows[("kappa", "eager")]["compiled_over_eager"] is None
+    assert abs(rows[("plain", "compiled")]["mfu"] - 1e9 * 4096 / 0.08 / 1e12 / 1000) < 1e-12
+    assert all(r["mfu"] is None for r in summarize(ms, first, 4096, flops, None))

@@ -35,7 +35,8 @@ def _check(value, kind, key: str):
         (inner,) = [a for a in args if a is not type(None)]
         return _check(value, inner, key)
     if origin is Literal:
-        if value not in typing.get_args(kind):
+        # by type too: 1 == True, and a Literal of true/false takes no 1
+        if not any(value == a and type(value) is type(a) for a in typing.get_args(kind)):
             raise ConfigError(f"config: {key}: expected one of {list(typing.get_args(kind))}, got {value!r}")
         return value
     if dataclasses.is_dataclass(kind):

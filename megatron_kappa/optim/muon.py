@@ -48,7 +48,7 @@ from megatron_kappa.config import KappaConfig, ModelConfig, TrainConfig
 from megatron_kappa.model.params import is_embedding_or_output, is_kappa_alpha, is_router
 from megatron_kappa.optim import sharded_alpha
 from megatron_kappa.optim.groups import ADAMW_KINDS, adamw_groups, adamw_kind, in_kappa_group
-from megatron_kappa.optim.matrix import RowBlocks, as_blocks, matrix_update
+from megatron_kappa.optim.matrix import RowBlocks, as_blocks, orthogonalize
 from megatron_kappa.optim.schedule import peak_weight_decays
 
 if TYPE_CHECKING:  # megatron's config class, for the annotation only: this module imports without megatron
@@ -125,14 +125,18 @@ def update_fn(train: TrainConfig, compute_dtype: torch.dtype = torch.float32):
 
     def muon_update(grad, momentum, beta=0.95, ns_steps=None, nesterov=None, ns_method=None,
                     is_expert_group=False, num_heads=None, **_):
-        buf = momentum.clone()
-        direction = matrix_update(grad, buf, beta, mu.nesterov, blocks=as_blocks(num_heads), **options)
-        # On the device: no synchronisation. The direction's finiteness too: a matrix gathered over
-        # ranks (sharded_alpha) comes out non-finite on every rank if one rank's shard is, so every
-        # rank keeps its momentum, as one process does. Elsewhere it adds nothing (the momentum
-        # is finite, so the direction is finite exactly when the gradient is).
-        finite = torch.isfinite(grad).all() & torch.isfinite(direction).all()
-        momentum.copy_(torch.where(finite, buf, momentum))
+        # the new momentum out of place (one pass, where a clone and an in-place lerp were two),
+        # kept only if the step is finite
+        buf = momentum.lerp(grad.to(momentum.dtype), 1 - beta)
+        x = grad.to(buf.dtype).lerp(buf, beta) if mu.nesterov else buf
+        direction = orthogonalize(x, blocks=as_blocks(num_heads), **options)
+        # One check, on the device (no synchronisation), as the authors check once: the direction
+        # is finite exactly when the gradient is (the momentum is finite; a non-finite entry turns
+        # its whole Newton–Schulz block non-finite through the norm), and a matrix gathered over
+        # ranks (sharded_alpha) is non-finite on every rank if one rank's shard is, so every rank
+        # keeps its momentum, as one process does.
+        finite = torch.isfinite(direction).all()
+        torch.where(finite, buf, momentum, out=momentum)
         return torch.where(finite, direction.to(grad.dtype), grad)
     return muon_update
 

@@ -2,8 +2,8 @@
 
 `apply(device)` is called once per process before the first model build (by
 megatron_kappa.parallel.groups.init_distributed) and does nothing unless the device is the CPU.
-It covers megatron-core 0.19.2 (the sites below), torch.compile (megatron's jit_fuser: a cold
-start per process for nothing on CPU) and DeepSpeed's JIT-built ops (a 25-40 s compile each; the
+It covers megatron-core 0.19.2 (the sites below), megatron's jit_fuser (torch.compile: a cold
+start per process on CPU; its functions run eager there, Dynamo stays on for model.compile) and DeepSpeed's JIT-built ops (a 25-40 s compile each; the
 shm comm op serves only inference, and the optimizer is torch's). `PATCHED` lists each library
 symbol replaced here; tests/test_compat.py checks they all still exist, so an upgrade that moves
 one fails loudly instead of silently unpatched.
@@ -189,12 +189,18 @@ def apply(device: torch.device | str = "cpu") -> bool:
     if missing:  # patching would add them, and nothing upstream would call them
         raise RuntimeError(f"megatron_kappa.parallel.compat: {', '.join(missing)} no longer exist "
                            "upstream; review the CPU patches for this library version")
-    # megatron's jit_fuser is torch.compile: a 20 s cold start per process for nothing on CPU.
-    importlib.import_module("torch._dynamo").config.disable = True
+    # megatron's jit_fuser is torch.compile: a 20 s cold start per process on CPU, where eager is
+    # the default. Its functions run eager; model.compile true compiles them inside each layer
+    # (megatron_kappa.model.compile). Dynamo itself stays on.
+    importlib.import_module("megatron_kappa.model.compile").eager_fusers()
     ds_ops = importlib.import_module("deepspeed.ops")
     for op in DEEPSPEED_OPS_OFF:
         ds_ops.__compatible_ops__[op] = False
     _shim_cuda()
+    # Dynamo's table of torch functions is built by name (again at every init_process_group), so it
+    # takes the stand-in for torch.cuda.current_device, a function it folds to a constant: the
+    # stand-in is folded too (model.compile; else a graph break at each of megatron's device moves)
+    importlib.import_module("torch._dynamo.variables.torch").constant_fold_functions[torch.cuda.current_device] = None
     rnd = importlib.import_module("megatron.core.tensor_parallel.random")
     rnd._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     rnd._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)

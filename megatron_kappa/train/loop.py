@@ -32,6 +32,7 @@ from megatron_kappa.config import Config, ConfigError, TrainConfig, to_dict
 from megatron_kappa.data import coverage
 from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
+from megatron_kappa.model import compile as model_compile
 from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
@@ -218,6 +219,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     steps = total_steps(cfg, model)
     flops_token = throughput.flops_per_token(cfg.model, full_count(model, cfg))
     peak = throughput.peak_tflops(cfg.log, device)
+    compiled = model_compile.apply(model, cfg.model.compile, device)  # before DeepSpeed wraps the model
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg.model.kappa)
     engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)
@@ -287,6 +289,9 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         # QK-Clip (train.qk_clip): the step's largest logits scale the query/key weights it just updated
         max_logit = qk_clip.clip(model) if cfg.train.qk_clip is not None else None
         bad_steps.observe(step_loss, engine.get_global_grad_norm(), engine.skipped_steps)
+        if compiled is not None:  # Dynamo compiles at the first call: the start line after the first step
+            log(model_compile.describe(compiled))
+            compiled = None
         if after_step is not None:
             after_step(model, cfg.model.moe)
         done = step + 1

@@ -1,0 +1,170 @@
+"""model.compile: each transformer layer compiled on its own, as torchtitan compiles its blocks.
+
+`apply(model, setting, device)` is called by the trainer after the model is built and before
+DeepSpeed wraps it. Each TransformerLayer (the MTP layers' too) is compiled in place with
+`nn.Module.compile`, so parameter names, state dicts and checkpoints are those of the eager model
+and a run resumes across the switch.
+
+One named boundary stays eager, MOE_DISPATCH: each MoE layer's forward (the router, the dispatch:
+permute, the all-to-all or all-gather with its split sizes read on the host, unpermute, and the
+combine) is data-dependent host work around collectives, as the authors leave theirs eager (their
+own `torch.compiler.disable` marks). The router goes with it: megatron's aux-loss scaler
+(MoEAuxLossAutoScaler reads a class attribute in backward) does not trace. Inside the boundary
+the experts are a compiled graph of their own where grouped GEMMs trace: `torch._grouped_mm`'s
+tracer takes only bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager.
+
+Graph breaks are read from Dynamo's own counters (`torch._dynamo.utils.counters`); the breaks at
+the named boundary are deliberate and counted apart (`graph_breaks`).
+"""
+from __future__ import annotations
+
+import os
+import time
+import types
+import warnings
+
+import torch
+
+# the reasons given to torch.compiler.disable: Dynamo's graph-break counter names them
+MOE_DISPATCH = "megatron_kappa MoE dispatch: data-dependent host work around collectives, left eager"
+
+
+def enabled(setting: str | bool, device) -> bool:
+    """model.compile resolved for `device`: auto is on for CUDA, off elsewhere."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)
+
+
+def dynamo_off() -> bool:
+    """Dynamo switched off for the process: TORCHDYNAMO_DISABLE=1 (torch.compile reads it itself)."""
+    return torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE", "") == "1"
+
+
+def check_dynamo(setting: str | bool):
+    """model.compile true with Dynamo switched off for the process (TORCHDYNAMO_DISABLE=1):
+    refused in one line rather than silently eager."""
+    if setting is True and dynamo_off():
+        raise ValueError("model.compile: true, but Dynamo is off in this process (TORCHDYNAMO_DISABLE=1 in "
+                         "the environment): unset it, or set model.compile false")
+
+
+def eager_fusers() -> int:
+    """megatron's jit_fuser functions (torch.compile'd when megatron imports them) back to the
+    plain functions, in every megatron.core module loaded and their classes: on CPU they run eager
+    unless model.compile compiles them inside the layers. Returns how many were replaced."""
+    import sys
+
+    replaced = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        owners = [module] + [v for v in vars(module).values()
+                             if isinstance(v, type) and v.__module__ == name]
+        for owner in owners:
+            for attr, value in list(vars(owner).items()):
+                if not isinstance(value, types.FunctionType):  # (megatron's TE stand-ins are mocks: any attribute)
+                    continue
+                original = getattr(value, "_torchdynamo_orig_callable", None)
+                if isinstance(original, types.FunctionType):
+                    setattr(owner, attr, original)
+                    replaced += 1
+    return replaced
+
+
+def transformer_layers(model) -> list[torch.nn.Module]:
+    """Every TransformerLayer of `model` (decoder and MTP), outermost first, none nested."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    found = []
+    for module in model.modules():
+        if isinstance(module, TransformerLayer) and not any(module is not o and _contains(o, module) for o in found):
+            found.append(module)
+    return found
+
+
+def _contains(outer, inner) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _moe_layers(layer) -> list[torch.nn.Module]:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in layer.modules() if isinstance(m, MoELayer)]
+
+
+def _grouped_gemm_traces(experts) -> bool:
+    weight = getattr(experts, "fc1_weight", None)
+    return weight is None or weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def compile_layers(model) -> dict:
+    """Compile each transformer layer of `model` in place; returns what was done, for the start
+    line (`describe`): the layer count and the MoE layers whose experts stay eager."""
+    layers = transformer_layers(model)
+    # megatron 0.19.2 warns on rank 0 inside its linears' forward ("tp_group is None, using default
+    # tp group", a DeprecationWarning with keyword arguments, which Dynamo can neither trace nor
+    # reorder): inside compiled code the call is dropped instead of breaking every layer's graph
+    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    eager_experts = 0
+    for layer in layers:
+        for moe in _moe_layers(layer):
+            # the MoE layer is the one eager boundary; its experts are a graph of their own inside it
+            moe.forward = torch.compiler.disable(moe.forward, reason=MOE_DISPATCH)
+            if _grouped_gemm_traces(moe.experts):
+                moe.experts.compile()
+            else:
+                eager_experts += 1
+        layer.compile()
+    return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(l)) for l in layers),
+            "eager_experts": eager_experts, "start": time.perf_counter(),
+            "breaks_before": graph_breaks()}
+
+
+def graph_breaks() -> dict:
+    """Dynamo's graph-break counter so far: {"deliberate": n at the named boundaries, "other": n}."""
+    from torch._dynamo.utils import counters
+
+    deliberate = other = 0
+    for reason, n in counters["graph_break"].items():
+        if MOE_DISPATCH in reason:
+            deliberate += n
+        else:
+            other += n
+    return {"deliberate": deliberate, "other": other}
+
+
+def break_reasons() -> list[str]:
+    """The first line of every graph break that is not at a named boundary (for tests and errors)."""
+    from torch._dynamo.utils import counters
+
+    return [reason.splitlines()[0] for reason in counters["graph_break"]
+            if MOE_DISPATCH not in reason]
+
+
+def describe(done: dict) -> str:
+    """The start line, after the first step (Dynamo compiles at the first call), e.g.
+    `compile: 4 layers, 0 graph breaks, 41 s (the MoE dispatch of 3 layers eager at its named boundary)`:
+    the breaks are those outside the named boundary, the time the compile and first step's."""
+    other = graph_breaks()["other"] - done["breaks_before"]["other"]
+    text = (f"compile: {done['layers']} layers, {other} graph break{'s' * (other != 1)}, "
+            f"{time.perf_counter() - done['start']:.0f} s")
+    if done["moe_layers"]:
+        n = done["moe_layers"]
+        text += f" (the MoE dispatch of {n} layer{'s' * (n != 1)} eager at its named boundary"
+        if done["eager_experts"]:
+            text += f"; fp32 experts eager in {done['eager_experts']}: grouped GEMMs trace in bf16 only"
+        text += ")"
+    return text
+
+
+def apply(model, setting: str | bool, device) -> dict | None:
+    """model.compile for a built model, before DeepSpeed wraps it: the layers compiled (returns
+    compile_layers' record, for `describe` after the first step) or left eager (None; on CPU
+    megatron's jit_fuser functions run eager too)."""
+    check_dynamo(setting)
+    if not enabled(setting, device) or dynamo_off():  # auto on CUDA under TORCHDYNAMO_DISABLE=1
+        if torch.device(device).type == "cpu":
+            eager_fusers()
+        return None
+    return compile_layers(model)

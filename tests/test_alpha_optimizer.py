@@ -6,8 +6,8 @@ At 14c9b04 α (`mlp.experts.kappa_scale`, [E, F]) is 2-D and only names starting
 of the MoE block's Aurora groups (gpt.py 2396-2404): momentum 0.95, Nesterov, 5 Newton–Schulz steps,
 2 row-equilibration rounds with exponent 0.5, lr matrix_lr × batch scale × the main multiplier
 (base_train.py 886, 1811-1814), step scale 0.2·√max(E, F) capped at 1 (optim.py 181, 305-311) and
-plain decoupled weight decay (optim.py 163). The reference below re-states that step in float64
-from optim.py 78-134 and 161-164; it calls nothing of the project.
+plain decoupled weight decay (optim.py 163). The reference (tests/support/optim_reference.py)
+re-states that step in float64 from optim.py 78-134 and 161-164; it calls nothing of the project.
 """
 import json
 import math

@@ -1,7 +1,8 @@
 """Muon / Aurora (megatron_kappa.optim.matrix) against an independent float64 reference.
 
-The reference below is written from the sources (KellerJordan/Muon muon.py; the authors'
-nanochat/optim.py aurora_grad_update_fused) as explicit formulas, one 2-D matrix at a time.
+The reference (tests/support/optim_reference.py) is written from the sources (KellerJordan/Muon
+muon.py; the authors' nanochat/optim.py aurora_grad_update_fused) as explicit formulas, one 2-D
+matrix at a time.
 The same reference checks the DeepSpeed path in tests/test_optimizers.py.
 """
 

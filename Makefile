@@ -36,7 +36,7 @@ venv: $(VENV)/.installed $(VENV)/.quiet-hook
 # launches, end-to-end training, the Slurm clusters and two hosts) on two workers a file each, the
 # longest files first (tests/conftest.py), as their launches leave a core idle (imports,
 # launchers, one-process references, waits for daemons and timeouts). Those also marked `serial`
-# (wall-clock timeouts) pass beside the others (tests/under_load.py). The 25 slowest are listed.
+# (wall-clock timeouts) pass beside the others (tests/support/under_load.py). The 25 slowest are listed.
 test: venv
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow" --durations=25 tests

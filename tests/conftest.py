@@ -115,8 +115,8 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """One Slurm cluster (slurmctld + slurmd on this machine) for every Slurm test of the session;
-    skips, saying why, without Slurm or root (tests/slurm_cluster.py)."""
-    from slurm_cluster import slurm_cluster
+    skips, saying why, without Slurm or root (tests/support/slurm_cluster.py)."""
+    from tests.support.slurm_cluster import slurm_cluster
     with slurm_cluster(session_dir(tmp_path_factory, "slurm")) as c:
         yield c
 

@@ -6,8 +6,8 @@ At 14c9b04 α (`mlp.experts.kappa_scale`, [E, F]) is 2-D and only names starting
 of the MoE block's Aurora groups (gpt.py 2396-2404): momentum 0.95, Nesterov, 5 Newton–Schulz steps,
 2 row-equilibration rounds with exponent 0.5, lr matrix_lr × batch scale × the main multiplier
 (base_train.py 886, 1811-1814), step scale 0.2·√max(E, F) capped at 1 (optim.py 181, 305-311) and
-plain decoupled weight decay (optim.py 163). The reference below re-states that step in float64
-from optim.py 78-134 and 161-164; it calls nothing of the project.
+plain decoupled weight decay (optim.py 163). The reference (tests/support/optim_reference.py)
+re-states that step in float64 from optim.py 78-134 and 161-164; it calls nothing of the project.
 """
 import json
 import math
@@ -17,52 +17,13 @@ import torch
 
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel.groups import current_device
+from tests.support.optim_reference import authors_aurora_direction, authors_scale
 
 D = torch.float64
 ALPHA = "decoder.layers.*.mlp.experts.kappa_alpha"
 TINY = ["data.mock=true", "model.seq_length=16", "train.micro_batch=2", "train.global_batch=4",
         "train.grad_clip=0", "train.optimizer=aurora", "train.warmup=1", "model.moe.aux_loss=1e-2",
         "model.num_query_groups=2", "log.tensorboard=false"]
-
-
-# ---- 14c9b04's Aurora step, re-stated in float64 -----------------------------------------------
-def polar_simple_quintic(M: torch.Tensor, iters: int) -> torch.Tensor:
-    """optim.py 78-94: X/(‖X‖_F + 1e-7), then X ← 2X + (-1.5A + 0.5A²)X, A = XXᵀ, on the wide side."""
-    X = M.mT if M.size(-2) > M.size(-1) else M
-    X = X / (torch.linalg.matrix_norm(X) + 1e-7)
-    for _ in range(iters):
-        A = X @ X.mT
-        X = 2.0 * X + (-1.5 * A + 0.5 * (A @ A)) @ X
-    return X.mT if M.size(-2) > M.size(-1) else X
-
-
-def authors_aurora_direction(grad: torch.Tensor, momentum: float = 0.95, ns_steps: int = 5,
-                             pp_iterations: int = 2, pp_beta: float = 0.5) -> torch.Tensor:
-    """optim.py 97-134 from a zero momentum buffer (α's first step): the unscaled direction of one
-    [m, n] matrix."""
-    buf = torch.zeros_like(grad).lerp(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum)  # Nesterov
-    m, n = update.shape
-    if m == n:
-        return polar_simple_quintic(update, ns_steps)
-    transposed = m < n
-    if transposed:
-        update, (m, n) = update.mT, (n, m)
-    target_row_sq = n / m
-    Dg = update.norm(dim=-1, keepdim=True).clamp(min=1e-7).reciprocal()
-    for it in range(pp_iterations):
-        U = polar_simple_quintic(Dg * update, ns_steps)
-        if it < pp_iterations - 1:
-            row_sq = U.square().sum(dim=-1, keepdim=True).clamp(min=1e-14)
-            Dg = Dg * (target_row_sq / row_sq) ** pp_beta
-    return U.mT if transposed else U
-
-
-def authors_scale(shape, capped: bool = True) -> float:
-    """get_muon_lr_scale with match_rms_adamw (optim.py 299-311) and the cap of 1.0 that
-    _resolve_matrix_adjust_lr adds (optim.py 180-181)."""
-    scale = 0.2 * max(shape[-2], shape[-1]) ** 0.5
-    return min(scale, 1.0) if capped else scale
 
 
 def authors_step(W: torch.Tensor, grad: torch.Tensor, lr: float, wd: float, capped: bool = True):

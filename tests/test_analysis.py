@@ -1,6 +1,6 @@
 """The paper's analyses as metrics (megatron_kappa.metrics.paper_analyses) against direct computations:
 known geometry (a router vector equal to a gate row gives alignment 1, orthogonal gives 0), a
-naive float64 loop over routed pairs, megatron's capacity rule, and, in tests/analysis_worker.py,
+naive float64 loop over routed pairs, megatron's capacity rule, and, in tests/support/analysis_worker.py,
 the same numbers from TP / EP / ETP layouts on 4 processes."""
 import json
 import math
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import analysis_reference as ref
-import parity
+from tests.support import analysis_reference as ref
+from tests.support import parity
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.metrics import paper_analyses as analysis
@@ -197,7 +197,7 @@ def test_watch_keeps_references_not_copies(world1):
 
 @pytest.fixture(scope="module")
 def parallel_runs(world1, tmp_path_factory):
-    """All layouts in one 4-process torchrun launch (tests/analysis_worker.py); references here."""
+    """All layouts in one 4-process torchrun launch (tests/support/analysis_worker.py); references here."""
     tmp = tmp_path_factory.mktemp("analysis")
     plan, refs = [], {}
     for name, kw in CASES.items():
@@ -211,7 +211,7 @@ def parallel_runs(world1, tmp_path_factory):
     torch.save(plan, tmp / "plan.pt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           str(ROOT / "tests/analysis_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
+                           str(ROOT / "tests/support/analysis_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return refs, torch.load(tmp / "out.pt", weights_only=False)
@@ -271,7 +271,8 @@ def test_training_run_logs_the_analyses(world1, tmp_path):
     written = {p.name for p in plots.make_plots(tmp_path)}
     assert written == {"overview.png", "loss.png", "kappa.png", "alpha_b.png", "alignment.png", "gate_bias.png",
                        "token_cos.png", "load.png", "dropped.png", "alignment_final.png", "kappa_params_final.png"}
-    from test_plots import problems  # every axis labelled with its unit, tokens beside steps, no path in a title
+    # every axis labelled with its unit, tokens beside steps, no path in a title
+    from tests.support.figure_checks import problems
     for name, fig in plots.build_figures(tmp_path).items():
         assert problems(fig) == [], name
         plots.plt.close(fig)

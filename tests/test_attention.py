@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import parity
-from compare import max_gap
+from tests.support import parity
+from tests.support.compare import max_gap
 from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.parallel.groups import init_distributed
 

@@ -3,51 +3,25 @@ register(...) trains through the unchanged training loop and is refused by the e
 planner in one line; one key names the kind (model.attention_kind), the retired MLA switch
 (model.mla.enabled) is refused saying what to write; the registry stays torch-free and is the only
 reader of MLA's keys."""
-import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import yaml
-from megatron.core.transformer.attention import SelfAttention
 
 from megatron_kappa import attention_kinds
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import ConfigError, facts, load_config, load_recorded, to_dict
 from megatron_kappa.config.schema import Config
-from bare_python import run_bare
-from test_mla import MLA  # the tiny MLA settings
+from tests.support.bare_python import run_bare
+from tests.support.settings import MLA  # the tiny MLA settings
+from tests.support.toy_attention import TOY, CountingAttention, toy_kind
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = "toy_mha"
 STEPS, MICRO_BATCHES, LAYERS = 2, 2, 4  # configs/tiny.yaml: 4 layers
 TRAIN = [f"train.steps={STEPS}", "log.interval=1", "data.mock=true", "model.seq_length=32",
          "train.micro_batch=2", f"train.global_batch={2 * MICRO_BATCHES}", "eval.valid_every=0",
          "checkpoint.interval=2", "log.tensorboard=false"]
-
-
-class CountingAttention(SelfAttention):
-    """megatron's SelfAttention, counting its forwards."""
-    forwards = 0
-
-    def forward(self, *args, **kwargs):
-        CountingAttention.forwards += 1
-        return super().forward(*args, **kwargs)
-
-
-def _toy_rules(model, par, need):
-    need(model.num_query_groups is None, "model.num_query_groups", f"must be null with {TOY} (multi-head)")
-    need(not model.value_embeddings, "model.value_embeddings", f"must be false with {TOY}")
-
-
-def toy_kind() -> attention_kinds.Kind:
-    """A plain multi-head attention with a bias on q, k and v (as Qwen2's): its megatron settings,
-    its rules and its self-attention class; nothing for the planner or the export."""
-    return attention_kinds.Kind(
-        help=f"{TOY}: multi-head attention with a q/k/v bias",
-        megatron=lambda model: dict(num_query_groups=None, kv_channels=model.head_dim, add_qkv_bias=True),
-        attention=lambda spec, attention_fp8: dataclasses.replace(spec, module=CountingAttention),
-        validate=_toy_rules)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The paper recipe trained by the project's own loop (megatron_kappa.train.loop.run: megatron-core,
 DeepSpeed ZeRO-1, the project's Aurora and schedules) against 14c9b04's own training loop (its GPT,
-optimizer and schedules, vendored unmodified: tests/authors_loop.py), in fp32 on the CPU, from the
+optimizer and schedules, vendored unmodified: tests/support/authors_loop.py), in fp32 on the CPU, from the
 same start weights and the same batches, step for step through the κ freeze, the unfreeze, U's
 ramp, κ's learning-rate warm-up and decay, the aux-weight anneal and the main warm-down.
 
@@ -27,7 +27,7 @@ import torch
 
 from megatron_kappa.config import load_config
 
-import authors_loop
+from tests.support import authors_loop
 
 STEPS, LAYERS, HEADS, D, VOCAB, SEQ = 16, 4, 4, 64, 512, 32
 PROJECT = ["model.num_layers=4", "model.aspect_ratio=null", f"model.hidden_size={D}", f"model.num_attention_heads={HEADS}",

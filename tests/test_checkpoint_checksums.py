@@ -10,6 +10,7 @@ import pytest
 
 from megatron_kappa.checkpoint.listing import CheckpointDir, file_checksum
 from megatron_kappa.config import load_config
+from tests.support.checkpoint_files import flip_one_byte
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2",
@@ -21,12 +22,6 @@ def zero_block(path: Path, offset: int, size: int = 65536):
     data = bytearray(path.read_bytes())
     assert len(data) > offset + size
     data[offset:offset + size] = bytes(size)
-    path.write_bytes(bytes(data))
-
-
-def flip_one_byte(path: Path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
 
 

@@ -21,9 +21,8 @@ import torch
 from megatron_kappa.checkpoint.listing import CheckpointDir, file_checksum, locate
 from megatron_kappa.config import ConfigError, load_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import hf_env, two_steps  # noqa: E402,F401
-from test_checkpoint_checksums import flip_one_byte  # noqa: E402
+from tests.support.export_runs import hf_env, two_steps  # noqa: F401
+from tests.support.checkpoint_files import flip_one_byte
 
 ROOT = Path(__file__).resolve().parents[1]
 

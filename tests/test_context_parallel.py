@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.cp_attention import context_parallel_attention, rank_chunks
+from tests.support.context_parallel_reference import sequence_positions
 
 S, B, HEADS, D = 24, 2, 4, 8
 
@@ -19,13 +20,6 @@ def full_attention(q, k, v, scale, groups):
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     scores = scores.masked_fill(torch.triu(torch.ones(q.shape[0], q.shape[0], dtype=torch.bool), 1), float("-inf"))
     return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v)
-
-
-def sequence_positions(rank: int, size: int, seq_length: int) -> torch.Tensor:
-    """The positions in the full sequence of CP rank `rank`'s tokens, in its order: megatron's
-    load-balanced layout (chunks r and 2·CP−1−r of 2·CP), written out from its definition."""
-    chunk = seq_length // (2 * size)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(rank, size)])
 
 
 def split_attention(q, k, v, cp, scale, groups, positions=sequence_positions):
@@ -160,7 +154,7 @@ def test_config_refusals_are_one_line():
         message = str(refused.value)
         assert message.startswith(start) and words in message and "\n" not in message, message
         cfg_with("parallel.cp=1", *overrides)  # control: allowed without context parallelism
-    from test_mla import MLA
+    from tests.support.settings import MLA
     assert cfg_with("parallel.cp=2", *MLA).parallel.cp == 2
 
 

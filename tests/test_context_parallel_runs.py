@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from megatron_kappa.config import load_config
-from test_pipeline import COMMON, STEPS, assert_same_run, base_sets, final_weights, launch, nanochat_sets, records
+from tests.support.pipeline_runs import COMMON, STEPS, assert_same_run, base_sets, final_weights, launch, nanochat_sets
+from tests.support.processes import records
 
 # name: (processes, overrides); validation: each DP rank takes every DP-th micro-batch, so DP2
 # with 2 iterations sees the 4 of DP1
@@ -18,7 +19,7 @@ LAYOUTS = {"cp2": (2, ["parallel.cp=2"]), "cp2_ep2": (2, ["parallel.cp=2", "para
            "cp2_tp2": (4, ["parallel.cp=2", "parallel.tp=2"]), "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
            "cp2_pp2_vpp2": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2"]),
            "cp2_dp2_zero2": (4, ["parallel.cp=2", "zero.stage=2", "eval.valid_iters=2"])}
-NEGATIVES = ("cp_positions_not_offset", "cp_unbalanced_split")  # tests/training_worker.py
+NEGATIVES = ("cp_positions_not_offset", "cp_unbalanced_split")  # tests/support/training_worker.py
 EVERY_STEP = ["checkpoint.interval=1", "checkpoint.keep=3"]  # the resumes start from step 1's
 
 
@@ -35,8 +36,8 @@ def truncated_copy(run, to):
 def cp_runs(world1, tmp_path_factory):
     """{name: (one-process run, context-parallel run)}: the layouts, the nanochat block, MLA, the
     negative controls and the two resumes, from three one-process references (base, nanochat, mla)."""
-    from test_mla import MLA
-    from weights import save_init_weights
+    from tests.support.settings import MLA
+    from tests.support.weights import save_init_weights
 
     from megatron_kappa.train.loop import run
     base, sets = base_sets(tmp_path_factory.mktemp("cp"))
@@ -80,7 +81,7 @@ def test_context_parallel_matches_one_process(cp_runs, name):
     assert weights[0].keys() == weights[1].keys()
     # 1e-4, a thirtieth of one step's learning rate (3e-3): Adam divides each element's gradient by
     # its own root mean square, so where a gradient element is near zero the reduction order of TP
-    # or CP moves that element's update by up to a whole step. Measured from tests/weights.py's
+    # or CP moves that element's update by up to a whole step. Measured from tests/support/weights.py's
     # start weights: 1.1e-5 (cp2_tp2), the others under 1e-5; from other start weights up to 3e-5
     # (nanochat). The losses and gradient norms stay within 1e-5 (above)
     assert max((weights[1][k] - weights[0][k]).abs().max().item() for k in weights[0]) < 1e-4, name

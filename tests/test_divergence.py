@@ -64,7 +64,7 @@ def test_a_dead_model_stops_without_a_checkpoint_of_it(world1, tmp_path):
 
 @pytest.mark.slow
 def test_divergence_under_the_deepspeed_launcher_is_one_line_and_exit_3(tmp_path):
-    from test_training import deepspeed_cmd, env, free_port
+    from tests.support.processes import deepspeed_cmd, env, free_port
     run_dir = tmp_path / "run"
     cmd = deepspeed_cmd(ROOT / "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *TRAIN,
                         "parallel.ep=2", "train.global_batch=4", f"run.dir={run_dir}", port=free_port())

@@ -164,9 +164,9 @@ def runs(tmp_path_factory):
         plan.append({"name": f"train_{name}", "kind": "train", "negative": negative,
                      "overrides": TRAIN + [f"run.dir={tmp / name}"] + extra})
     (tmp / "plan.json").write_text(json.dumps(plan))
-    from test_training import env, free_port
+    from tests.support.processes import env, free_port
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "tests/ep_overlap_worker.py", str(tmp / "plan.json"),
+                           f"--master_port={free_port()}", "tests/support/ep_overlap_worker.py", str(tmp / "plan.json"),
                            str(tmp / "out.pt")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp, torch.load(tmp / "out.pt", weights_only=False)
@@ -185,9 +185,9 @@ def runs4(tmp_path_factory):
              "overrides": TRAIN + extra + [f"run.dir={tmp / layout / name}"] + flags}
             for layout, extra in LAYOUTS4.items() for name, flags in (("off", []), ("on", DELAY))]
     (tmp / "plan.json").write_text(json.dumps(plan))
-    from test_training import env, free_port
+    from tests.support.processes import env, free_port
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           f"--master_port={free_port()}", "tests/ep_overlap_worker.py", str(tmp / "plan.json"),
+                           f"--master_port={free_port()}", "tests/support/ep_overlap_worker.py", str(tmp / "plan.json"),
                            str(tmp / "out.pt")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp, torch.load(tmp / "out.pt", weights_only=False)

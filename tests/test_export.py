@@ -5,16 +5,13 @@ layout; plain models load into transformers' own Qwen3-MoE and Mixtral classes (
 wrote agreeing with ours). Negative controls: κ dropped from the exported config, and Qwen3-MoE's
 top-k weights left unnormalised, are seen. Generation and lm-eval: tests/test_export_tools.py."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import ROOT, close, export, hf_env, hf_logits, runs, tokens, training_logits  # noqa: E402,F401
+from tests.support.export_runs import ROOT, close, export, hf_env, hf_logits, runs, tokens, training_logits  # noqa: F401
 
 
 @pytest.mark.slow

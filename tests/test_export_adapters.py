@@ -2,7 +2,6 @@
 target, `from_hf` gives back every tensor `to_hf` wrote under its megatron name, bit for bit (the
 later Hugging Face import reads through it), and the converter holds no target's name. Negative
 controls: an adapter whose names collide, and one whose join swaps two tensors, are caught."""
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,9 @@ from megatron_kappa.export.targets.mixtral import Mixtral
 from megatron_kappa.export.targets.qwen3_moe import Qwen3Moe
 from megatron_kappa.model.layout import model_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_mla import MLA  # noqa: E402
+from tests.support.settings import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAIN = ["model.kappa.enabled=false"]
-MODELS = {  # a model each target holds, with every optional part it can carry
-    "kappa_moe": ["model.block=nanochat", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=32",
-                  "model.num_query_groups=2"],
-    "qwen3_moe": PLAIN,
-    "mixtral": [*PLAIN, "model.qk_layernorm=false", "model.first_dense=0"],
-    "deepseek_v3": [*MLA, *PLAIN, "model.moe.router=sigmoid", "model.moe.num_groups=2", "model.moe.group_topk=1",
-                    "model.moe.shared_ffn_hidden_size=256", "model.norm_eps=1e-6"],
-}
 NOT_EXPORTED = ("_extra_state", "local_tokens_per_expert")  # megatron's bookkeeping, not weights
 
 

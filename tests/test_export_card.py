@@ -13,8 +13,7 @@ import pytest
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import ROOT, hf_env, two_steps  # noqa: E402,F401
+from tests.support.export_runs import ROOT, hf_env, two_steps  # noqa: F401
 
 
 def card_of(folder: Path) -> tuple[dict, str]:

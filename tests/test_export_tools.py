@@ -5,13 +5,11 @@ export leaves no folder."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import ROOT, export, hf_env, runs  # noqa: E402,F401
+from tests.support.export_runs import ROOT, export, hf_env, runs  # noqa: F401
 
 
 @pytest.mark.slow

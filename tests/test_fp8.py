@@ -345,7 +345,7 @@ def losses(run_dir):
 def test_fp8_training_tracks_bf16(world1, tmp_path):
     """20 steps of the tiny model from the same weights: fp8 follows bf16, and is not bf16."""
     from megatron_kappa.train.loop import run
-    from weights import save_init_weights
+    from tests.support.weights import save_init_weights
     init = save_init_weights(tmp_path / "init.pt", TRAIN)
     got = {}
     for precision in ("bf16", "fp8"):
@@ -365,13 +365,13 @@ def test_fp8_training_tracks_bf16(world1, tmp_path):
 def test_fp8_tp2_and_ep2_train_and_resume_exactly(tmp_path):
     """TP2 (sequence parallel) and EP2 with fp8 under DeepSpeed: 4 steps straight, then the same
     run resumed from its step-2 checkpoint gives the same steps 3-4."""
-    from test_training import deepspeed_cmd, env, free_port
+    from tests.support.processes import deepspeed_cmd, env, free_port
     layouts = {"tp2": ["parallel.tp=2"], "ep2": ["parallel.ep=2"]}
     common = TRAIN + ["precision=fp8", "train.steps=4", "checkpoint.interval=2"]
 
     def launch(plan):
         (tmp_path / "plan.json").write_text(json.dumps(plan))
-        done = subprocess.run(deepspeed_cmd(ROOT / "tests/training_worker.py", str(tmp_path / "plan.json"),
+        done = subprocess.run(deepspeed_cmd(ROOT / "tests/support/training_worker.py", str(tmp_path / "plan.json"),
                                             port=free_port()),
                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

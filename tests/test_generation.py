@@ -8,7 +8,7 @@ import torch
 from megatron_kappa.config import load_config
 from megatron_kappa.evaluation.generation import Sampling, generate, next_token
 from megatron_kappa.model.build import build_model
-from test_mla import MLA  # the tiny MLA settings
+from tests.support.settings import MLA  # the tiny MLA settings
 
 
 def model_of(*sets):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compare import max_gap
+from tests.support.compare import max_gap
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

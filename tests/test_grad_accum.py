@@ -3,7 +3,7 @@ micro-batches' gradients are summed and reduced in fp32, and every update sees f
 
 - N micro-batches' gradients, accumulated and reduced by DeepSpeed (DP2 ZeRO-1/2, EP2, PP2;
   AdamW, Aurora and Muon), against the float64 sum of the gradients autograd handed over
-  (tests/grad_accum_worker.py): within fp32 rounding; bf16 accumulation (the negative control)
+  (tests/support/grad_accum_worker.py): within fp32 rounding; bf16 accumulation (the negative control)
   misses it by orders of magnitude, and under ZeRO-2 beside Muon groups DeepSpeed's own
   reduce-scatter merge (grad_precision item 4 left out: the control) loses AdamW gradients whole.
 - Hooks on the update (the patched muon_update and torch AdamW's step): fp32 gradients and fp32
@@ -21,7 +21,7 @@ from megatron_kappa.config import load_config
 from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel import grad_precision
 from megatron_kappa.parallel.groups import current_device
-from test_training import ROOT, deepspeed_cmd, env, free_port
+from tests.support.processes import ROOT, deepspeed_cmd, env, free_port
 
 
 def test_upstream_names_exist():
@@ -128,7 +128,7 @@ def accumulated(tmp_path_factory):
                                              f"run.dir={tmp / f'run{i}'}"], "merge_fix": a != "upstream merge"}
             for i, (k, a) in enumerate(keys)]
     (tmp / "plan.json").write_text(json.dumps(plan))
-    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/grad_accum_worker.py", str(tmp / "plan.json"),
+    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/support/grad_accum_worker.py", str(tmp / "plan.json"),
                                         str(tmp / "out.json"), port=free_port()),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

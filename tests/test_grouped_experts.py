@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import parity
-from compare import max_gap
+from tests.support import parity
+from tests.support.compare import max_gap
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.sharding import gather_full

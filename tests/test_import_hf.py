@@ -24,8 +24,7 @@ import torch
 
 from megatron_kappa.config import ConfigError, load_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_runs import hf_env  # noqa: E402
+from tests.support.export_runs import hf_env
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 300  # not a multiple of 128: the import pads the rows for the layout
@@ -166,7 +165,7 @@ def test_settings_read_back_the_models_that_each_target_exports(target):
     """Every target's `settings` inverts its `config` on the export tests' models (each with every
     optional part its class can carry, tests/test_export_adapters.py): the settings make a model
     whose config.json is the same. Negative control: a κ setting changed is seen."""
-    from test_export_adapters import MODELS as EXPORTED
+    from tests.support.settings import MODELS as EXPORTED
 
     from megatron_kappa.export import targets
     from megatron_kappa.import_hf.folder import config_class
@@ -325,7 +324,7 @@ def test_the_cli_prints_the_settings_and_writes_a_config(folders, tmp_path):
 def test_export_import_export_round_trips_through_a_parallel_layout(folders, tmp_path):
     """Each folder starts a 2-process run (TP2 or EP2) that takes one step at learning rate 0; the
     run's export is the folder again, bit for bit, and its config.json has the folder's fields."""
-    from test_pipeline import launch
+    from tests.support.pipeline_runs import launch
     from megatron_kappa.import_hf.folder import HFFolder
     zero = ["train.lr=0", "train.lr_non_matrix=0", "model.kappa.lr=0", "model.kappa.lr_end=0",
             "train.lr_resid_scalar=0", "train.lr_x0_scalar=0", "model.moe.bias_update_rate=0", "model.kappa.freeze_fraction=0", "train.steps=1",

@@ -1,8 +1,8 @@
-"""tests/weights.py's start weights are the same whatever the process built before: the runs that
+"""tests/support/weights.py's start weights are the same whatever the process built before: the runs that
 are compared across layouts start from them, in whichever order pytest runs the files."""
 import torch
 
-from weights import save_init_weights
+from tests.support.weights import save_init_weights
 
 
 def test_the_start_weights_do_not_depend_on_earlier_builds(world1, tmp_path):

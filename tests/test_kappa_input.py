@@ -14,7 +14,7 @@ from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.build import kappa_settings
 from megatron_kappa.optim import schedule
 from megatron_kappa.train import recipe
-from moe_reference import authors_normalized, authors_scale_grad
+from tests.support.moe_reference import authors_normalized, authors_scale_grad
 
 T, E, H, F, K = 13, 4, 16, 8, 2
 

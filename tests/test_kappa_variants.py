@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-import analysis_reference as ref
-import parity
+from tests.support import analysis_reference as ref
+from tests.support import parity
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.build import kappa_settings

@@ -106,15 +106,14 @@ def test_model_with_the_chunked_loss_trains_like_megatrons_loss(world1):
     (0), from the same weights: the first step's loss within 2e-6 and gradients within 1e-5.
 
     Only the first step: megatron's loss computes in fp32 whatever the model's dtype, so this
-    comparison cannot move to float64 as the other kernel comparisons did (tests/parity.py), and in
+    comparison cannot move to float64 as the other kernel comparisons did (tests/support/parity.py), and in
     fp32 three Adam steps of a top-k MoE turn the two losses' summation orders into a routing
     decision that differs on some CPUs. From the same weights only rounding differs: the loss
     (~7.6, ulp 4.8e-7) is a mean of 64 per-token log-sum-exps over 2,048 logits, whose rounding
     (~sqrt(2048)·6e-8 relative each) averages out: measured one ulp on AVX-512, AVX2 and the
     default kernels; 2e-6 allows four. A gradient's largest error is a few fp32 ulps of its
     tensor's largest entry (measured <= 6.1e-7); 1e-5 allows ~80."""
-    import parity
-    from compare import max_gap
+    from tests.support import parity
     from megatron_kappa.model.loss import ChunkedLossGPTModel
     from megatron_kappa.parallel.groups import init_distributed
 

@@ -1,54 +1,19 @@
 """Muon / Aurora (megatron_kappa.optim.matrix) against an independent float64 reference.
 
-The reference below is written from the sources (KellerJordan/Muon muon.py; the authors'
-nanochat/optim.py aurora_grad_update_fused) as explicit formulas, one 2-D matrix at a time.
+The reference (tests/support/optim_reference.py) is written from the sources (KellerJordan/Muon
+muon.py; the authors' nanochat/optim.py aurora_grad_update_fused) as explicit formulas, one 2-D
+matrix at a time.
 The same reference checks the DeepSpeed path in tests/test_optimizers.py.
 """
-import math
 
 import pytest
 import torch
 
 from megatron_kappa.optim.matrix import (RowBlocks, aurora_polar, matrix_update, newton_schulz,
                                                orthogonalize)
+from tests.support.optim_reference import ref_direction
 
 D = torch.float64
-
-
-# ---- reference (float64, 2-D, explicit formulas) ------------------------------------------
-def ref_ns(G, coeffs, steps):
-    a, b, c = coeffs
-    X = G.T if G.shape[0] > G.shape[1] else G
-    X = X / (torch.sqrt((X * X).sum()) + 1e-7)
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + b * (A @ X) + c * (A @ A @ X)
-    return X.T if G.shape[0] > G.shape[1] else X
-
-
-def ref_aurora(G, steps, rounds=2, beta=0.5):
-    m, n = G.shape
-    if m == n:
-        return ref_ns(G, (2.0, -1.5, 0.5), steps)
-    V = G.T if m < n else G
-    d = 1.0 / torch.clamp(torch.sqrt((V * V).sum(1)), min=1e-7)
-    for r in range(rounds):
-        U = ref_ns(d[:, None] * V, (2.0, -1.5, 0.5), steps)
-        if r < rounds - 1:
-            d = d * ((V.shape[1] / V.shape[0]) / torch.clamp((U * U).sum(1), min=1e-14)) ** beta
-    return U.T if m < n else U
-
-
-def ref_scale(m, n, method):
-    return math.sqrt(max(1.0, m / n)) if method == "muon" else min(0.2 * math.sqrt(max(m, n)), 1.0)
-
-
-def ref_direction(v, method, steps, nesterov_scale=True):
-    if method == "muon":
-        P = ref_ns(v, (3.4445, -4.7750, 2.0315), steps)
-    else:
-        P = ref_aurora(v, steps)
-    return P * (ref_scale(*v.shape, method) if nesterov_scale else 1.0)
 
 
 def ref_run(W0, grads, method, lr, beta, wd, steps, nesterov=True, scale=True):

@@ -14,9 +14,7 @@ import torch
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model
-
-MLA = ["model.attention_kind=mla", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
+from tests.support.settings import MLA
 
 
 def rms(x, eps, gain=None):

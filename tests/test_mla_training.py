@@ -4,22 +4,20 @@ over 3 steps, gradient clipping active), an exact resume from a PP2 checkpoint, 
 the PP2 checkpoint into the one process's weights, evaluation of it as one process, and κ's
 experts beside it unchanged (their α, b statistics equal). The gradient-level comparison, with
 megatron's own MLASelfAttention as the negative control, is in tests/test_parallel.py."""
-import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_kappa.config import load_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pipeline import COMMON, assert_same_run, final_weights, launch, records, resume_from_step_1  # noqa: E402
-from test_mla import MLA  # noqa: E402
+from tests.support.pipeline_runs import COMMON, assert_same_run, final_weights, launch, resume_from_step_1
+from tests.support.processes import records
+from tests.support.settings import MLA
 
 
 @pytest.fixture(scope="module")
 def mla_runs(world1, tmp_path_factory):
     from megatron_kappa.train.loop import run
-    from weights import save_init_weights
+    from tests.support.weights import save_init_weights
     tmp = tmp_path_factory.mktemp("mla")
     init = save_init_weights(tmp / "init.pt", COMMON + MLA)
     sets = COMMON + MLA + [f"train.init_weights={init}"]

@@ -5,7 +5,7 @@ import torch
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
 from megatron_kappa.model.layout import model_layout
-from moe_reference import expert_grads, layer_weights, naive_moe
+from tests.support.moe_reference import expert_grads, layer_weights, naive_moe
 
 S, B, H = 8, 3, 16
 

@@ -4,8 +4,6 @@ gradient is 0 then, and not otherwise); its modules are counted apart by the sum
 reports them; in training, TP2×EP2 and PP2×EP2 (the MTP modules and their copy of the input
 embedding on the last stage) match one process from the same weights, resume exactly, and
 evaluation loads them as one process."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,6 @@ import torch
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def gradients(weight: float | None, state=None):
@@ -69,9 +66,9 @@ def test_the_summary_counts_mtp_apart(world1):
 
 @pytest.fixture(scope="module")
 def mtp_runs(world1, tmp_path_factory):
-    from test_pipeline import COMMON, LAYOUTS, launch
+    from tests.support.pipeline_runs import COMMON, LAYOUTS, launch
     from megatron_kappa.train.loop import run
-    from weights import save_init_weights
+    from tests.support.weights import save_init_weights
     tmp = tmp_path_factory.mktemp("mtp")
     sets = COMMON + ["model.mtp.num_layers=1", "model.mtp.loss_weight=0.5"]
     init = save_init_weights(tmp / "init.pt", sets)
@@ -93,7 +90,8 @@ def test_mtp_layouts_match_one_process(mtp_runs, name):
     """The losses, mtp_loss and gradient norms of every step and the validation loss. With PP2 the
     last stage's embedding copy must take the first stage's update: left with its own gradient
     (the MTP part only: the negative control), the MTP loss leaves the 1e-5 band."""
-    from test_pipeline import assert_same_run, records
+    from tests.support.pipeline_runs import assert_same_run
+    from tests.support.processes import records
     tmp, _ = mtp_runs
     ref, got = records(tmp / "ref"), records(tmp / name)
     assert_same_run(ref, got, name, keys=("loss", "mtp_loss"))
@@ -127,7 +125,8 @@ def test_the_embedding_copy_stays_the_first_stages(mtp_runs, name):
 def test_mtp_resume_and_evaluation(mtp_runs):
     import shutil
 
-    from test_pipeline import STEPS, launch, records
+    from tests.support.pipeline_runs import STEPS, launch
+    from tests.support.processes import records
 
     from megatron_kappa.evaluation.loading import load_model_for_eval
     tmp, sets = mtp_runs
@@ -155,7 +154,7 @@ def test_a_logged_steps_mtp_loss_is_its_own(world1, tmp_path):
     for interval in (1, 2):
         run(load_config("configs/tiny.yaml", [*sets, f"log.interval={interval}", f"run.dir={tmp_path / str(interval)}"]),
             log=lambda *a: None)
-        from test_pipeline import records
+        from tests.support.processes import records
         logged[interval] = {r["step"]: r["mtp_loss"] for r in records(tmp_path / str(interval))}
     assert list(logged[2]) == [2] and abs(logged[2][2] - logged[1][2]) <= 1e-6, logged
     assert abs(logged[1][1] + logged[1][2] - logged[2][2]) > 1  # what an uncleared tracker would give
@@ -167,7 +166,7 @@ def test_an_export_leaves_the_mtp_modules_behind(mtp_runs, tmp_path):
     model's, as evaluation loads it."""
     import json
 
-    from export_runs import close, export, hf_logits, tokens, training_logits
+    from tests.support.export_runs import close, export, hf_logits, tokens, training_logits
     tmp, _ = mtp_runs
     out = tmp_path / "hf"
     export(tmp / "pp2_ep2", out, "--target", "kappa_moe")

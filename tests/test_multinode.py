@@ -1,5 +1,5 @@
 """Several hosts: launch/pretrain.py and the evaluation on a real 2-host cluster built from network
-namespaces (tests/netns_cluster.py: two hosts, their own addresses, hostnames and hosts files,
+namespaces (tests/support/netns_cluster.py: two hosts, their own addresses, hostnames and hosts files,
 one slurmd and one sshd each; skipped, saying why, without root, Slurm, sshd/pdsh or namespaces).
 
 Every job runs configs/tiny.yaml on 4 CPU ranks, 2 per host, EP4 (experts and the dense data
@@ -17,17 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from compare import max_gap
+from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two hosts; a lost host is named by timing
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_cluster import netns_cluster  # noqa: E402
-from slurm_cluster import FINAL_STATES  # noqa: E402
-from slurm_jobs import job_log, records, wait_for_steps  # noqa: E402
-from weights import save_init_weights  # noqa: E402
+from tests.support.netns_cluster import netns_cluster  # noqa: E402
+from tests.support.slurm_cluster import FINAL_STATES  # noqa: E402
+from tests.support.slurm_jobs import job_log, records, wait_for_steps  # noqa: E402
+from tests.support.weights import save_init_weights  # noqa: E402
 
 STEPS = 12
 MODEL = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=8", "model.kappa.warmup=2",

@@ -1,5 +1,5 @@
 """The nanochat block (model.block: nanochat; issue 33) against a float64 forward written from the
-authors' formulas (tests/nanochat_reference.py), dense and MoE layers, κ on and off, with negative
+authors' formulas (tests/support/nanochat_reference.py), dense and MoE layers, κ on and off, with negative
 controls; its keys, parameters, optimizer groups and counts."""
 import pytest
 import torch
@@ -8,7 +8,8 @@ from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model, kappa_settings
 from megatron_kappa.model.layout import has_value_embedding
 from megatron_kappa.optim.optimizer import describe_groups
-import nanochat_reference as ref
+from tests.support import nanochat_reference as ref
+from tests.support.weights import randomize
 
 S, B = 12, 2
 # tiny: 4 layers, layer 0 dense and 1-3 MoE (4 experts, top-2), d 64, 4 heads of 16
@@ -19,28 +20,6 @@ def build(*sets, seed=0):
     cfg = load_config("configs/tiny.yaml", [*SETS, *sets])
     torch.manual_seed(seed)
     return cfg, build_model(cfg, "cpu").eval()
-
-
-def randomize(model, seed=1):
-    """Weights where every part matters: the zero-initialised projections, gates, κ's α and b and
-    the λ drawn at random; routers and experts scaled so that routing and κ move."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("linear_proj.weight", "linear_fc2.weight", "fc2_weight")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            elif name.endswith("value_gate"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name.endswith(("kappa_alpha", "kappa_bias")):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name.endswith("resid_lambda"):
-                p.copy_(1 + 0.3 * torch.randn(1, generator=gen))
-            elif name.endswith("x0_lambda"):
-                p.copy_(0.5 * torch.randn(1, generator=gen))
-            elif name.endswith("router.weight"):
-                p.mul_(4.0)
-            elif name == "output_layer.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)  # logits of tens: the softcap bends them
 
 
 def reference(cfg, model, ids, **knobs):

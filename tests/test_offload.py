@@ -68,7 +68,8 @@ def test_offload_with_pipeline_stages_equals_the_default_and_resumes(tmp_path):
     path ran (the control); a resume from step 1 continues exactly."""
     import shutil
 
-    from test_pipeline import launch, records
+    from tests.support.pipeline_runs import launch
+    from tests.support.processes import records
     sets = ["data.mock=true", "log.tensorboard=false", "eval.valid_every=0", "precision=bf16", "log.interval=1",
             "train.steps=3", "parallel.pp=2", "train.grad_clip=0.05", "checkpoint.interval=1", "checkpoint.keep=3"]
     out = launch(tmp_path, [{"overrides": sets + [f"run.dir={tmp_path / 'default'}"], "report_offload": True},

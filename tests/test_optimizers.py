@@ -16,20 +16,15 @@ import time
 import pytest
 import torch
 
-from compare import max_gap
+from tests.support.compare import max_gap
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.parallel.groups import current_device
-from test_matrix_optim import ref_direction
-from test_training import ROOT, deepspeed_cmd, env, free_port, losses, records
-from weights import save_init_weights
+from tests.support.optim_reference import ref_direction
+from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, losses, records
+from tests.support.weights import save_init_weights
+from tests.support.optimizer_runs import COMMON, STEPS, tp_emulation
 
 D = torch.float64
-STEPS = 4
-COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "checkpoint.interval=100",
-          "eval.valid_every=0", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
-          "train.grad_clip=0", "model.kappa.freeze_fraction=0.25", "model.kappa.warmup=2",
-          "model.moe.aux_loss=1e-2", "log.tensorboard=false", "model.num_query_groups=2",
-          "train.warmup=1"]  # the peak learning rate from the first step: differences show sooner
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -186,45 +181,6 @@ def overrides(init, run_dir, method, zero=2, ep=1, tp=1, extra=()):
                      f"parallel.ep={ep}", f"parallel.tp={tp}", f"train.init_weights={init}", *extra]
 
 
-class TPBlocks:
-    """On a full tensor, the blocks that TP = t orthogonalises (the documented blockwise choice):
-    cut it as megatron shards it ([gate_t; up_t] for a SwiGLU fc1), give each piece the blocks
-    muon.matrix_blocks gives that shard, put the pieces back."""
-
-    def __init__(self, name, param, config, t, shard_blocks):
-        self.dim, self.t = param.partition_dim, t
-        self.glu = name.endswith(("linear_fc1.weight", "experts.fc1_weight"))
-        shape = list(param.shape)
-        shape[self.dim] //= t
-        self.inner = shard_blocks(name, torch.empty(shape, device="meta"), config)
-
-    def _cut(self, X):
-        if not self.glu:
-            return list(X.chunk(self.t, self.dim))
-        gate, up = X.chunk(2, self.dim)
-        return [torch.cat(p, self.dim) for p in zip(gate.chunk(self.t, self.dim), up.chunk(self.t, self.dim))]
-
-    def _join(self, pieces):
-        if not self.glu:
-            return torch.cat(pieces, self.dim)
-        halves = [p.chunk(2, self.dim) for p in pieces]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], self.dim)
-
-    def apply(self, X, orth):
-        return self._join([orth(p) if self.inner is None else self.inner.apply(p, orth) for p in self._cut(X)])
-
-
-def tp_emulation(t):
-    from megatron_kappa.optim import muon
-    shard_blocks = muon.matrix_blocks
-
-    def blocks(name, param, config):
-        if not getattr(param, "tensor_model_parallel", False):
-            return shard_blocks(name, param, config)
-        return TPBlocks(name, param, config, t, shard_blocks)
-    return blocks
-
-
 # The resume runs use the authors' recipe (their schedules, router on the matrix optimizer, AdamW
 # settings; megatron_kappa.optim.schedule), so that it is what resumes exactly.
 RESUME = ["train.steps=6", "checkpoint.interval=2", "train.lr_decay_style=wsd", "train.warmup=0",
@@ -266,7 +222,8 @@ def runs(init_weights, tmp_path_factory):
     plan.append({"overrides": case(("ep2", "aurora", 2, "false"), "aurora", ep=2,
                                    extra=["model.moe.grouped_gemm=false"])})
     (tmp / "plan.json").write_text(json.dumps(plan))
-    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/training_worker.py", str(tmp / "plan.json"), port=free_port()),
+    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/support/training_worker.py", str(tmp / "plan.json"),
+                                        port=free_port()),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -309,7 +266,7 @@ def launch_until(plan, tmp, marker=None):
     path.write_text(json.dumps(plan))
     log = path.with_suffix(".log")
     with open(log, "w") as stdout:
-        proc = subprocess.Popen(deepspeed_cmd(ROOT / "tests/training_worker.py", str(path), port=free_port()),
+        proc = subprocess.Popen(deepspeed_cmd(ROOT / "tests/support/training_worker.py", str(path), port=free_port()),
                                 cwd=ROOT, env=env(), stdout=stdout, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         deadline = time.time() + 900

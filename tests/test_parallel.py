@@ -1,14 +1,14 @@
 """TP / EP / expert-TP (+DP) runs on 4 CPU processes equal a single-process run of the same model.
 
 The reference runs here (one process, the global batch as DP-sized micro-batches with gradient
-accumulation); the parallel runs share one torchrun launch of 4 processes (tests/parallel_worker.py).
+accumulation); the parallel runs share one torchrun launch of 4 processes (tests/support/parallel_worker.py).
 Every case starts from the reference's weights (α, b nonzero so κ matters from step 0). The
 experts are grouped GEMMs (the default) except in the cases named "sequential".
 """
 import pytest
 
-import parity
-from compare import max_gap, max_rel_grad_error
+from tests.support import parity
+from tests.support.compare import max_gap, max_rel_grad_error
 from megatron_kappa.parallel.sharding import gather_full
 
 WORLD = 4
@@ -64,7 +64,7 @@ def cases():
     out.append(("tp2ep2_etp2-kappa-softmax-alltoall-fp8-NEG-fp8_sp_grad", "tp2ep2_etp2", fp8, "fp8_sp_grad"))
     # multi-head latent attention: the latents split over TP and sequence; the negative control is
     # megatron's own MLASelfAttention, whose key RoPE gradient is partial under TP (model/attention_kinds/mla.py)
-    from test_mla import MLA
+    from tests.support.settings import MLA
     mla = dict(kappa=True, router="softmax", dispatcher="alltoall", overrides=tuple(MLA))
     for layout in ("tp2", "tp2ep2_etp2"):
         out.append((f"{layout}-kappa-softmax-alltoall-mla", layout, mla, None))

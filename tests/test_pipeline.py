@@ -5,45 +5,13 @@ what pipeline stages refuse."""
 import json
 import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from megatron_kappa.config import ConfigError, load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 3
-COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", f"eval.valid_every={STEPS}", "eval.valid_iters=4", "model.seq_length=32",
-          "train.micro_batch=2", "train.global_batch=8", "train.grad_clip=0.05", "model.kappa.freeze_fraction=0.0",
-          "model.kappa.warmup=1", "model.moe.aux_loss=1e-2", "log.tensorboard=false", "zero.stage=1",
-          "checkpoint.interval=100"]
-# validation: each DP rank takes every DP-th micro-batch, so DP2 with 2 iterations sees the 4 of DP1
-LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2", "eval.valid_iters=2"]),
-           "pp2_dp2": (4, ["parallel.pp=2", "eval.valid_iters=2"]),
-           # four stages: the middle ones hold neither the embedding nor the output layer, so
-           # DeepSpeed's optimizer groups differ by stage (megatron_kappa.parallel.stage_norm)
-           "pp4": (4, ["parallel.pp=4"]),
-           # virtual stages with TP2 and sequence parallelism: the chunks' p2p tensors are s/TP long
-           "pp2_vpp2_tp2": (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2"])}
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def launch(tmp_path, plan, nproc, check=True):
-    import sys
-
-    from test_training import env, free_port
-    (tmp_path / f"plan{nproc}.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "tests/training_worker.py", str(tmp_path / f"plan{nproc}.json")]
-    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
-    if not check:
-        return done
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+from tests.support.pipeline_runs import (COMMON, LAYOUTS, STEPS, assert_same_run, base_sets, final_weights, launch,
+                                         nanochat_sets)
+from tests.support.processes import records
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +43,6 @@ def stage_runs(world1, tmp_path_factory):
     return out
 
 
-def resume_from_step_1(tmp, sets):
-    """The PP2 run in tmp/pp2 resumed from its step-1 checkpoint in tmp/pp2-resumed; its log."""
-    resumed = tmp / "pp2-resumed"
-    shutil.copytree(tmp / "pp2", resumed)
-    for step in range(2, STEPS + 1):
-        shutil.rmtree(resumed / f"checkpoints/step_{step}")
-    out = launch(tmp, [{"overrides": sets + ["parallel.pp=2", f"run.dir={resumed}"], "log": True}], 2)
-    assert f"resumed from {resumed}/checkpoints/step_1" in out
-    return resumed
-
-
-def base_sets(tmp):
-    from weights import save_init_weights
-    init = save_init_weights(tmp / "init.pt", COMMON)
-    return tmp, COMMON + [f"train.init_weights={init}"]
-
-
 @pytest.fixture(scope="module")
 def runs(stage_runs):
     return stage_runs["base"]
@@ -114,18 +65,6 @@ def resumed(stage_runs):
     for folder in folders.values():
         assert f"resumed from {folder}/checkpoints/step_1" in out
     return folders
-
-
-def assert_same_run(ref: list, got: list, name: str, keys=("loss",)):
-    """A run in another layout against the one-process run's records: every step, the `keys` and
-    the gradient norm ≤ 1e-5 (with clipping active in the reference), the validation loss."""
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for r, g in zip(ref, got):
-        for key in keys:
-            assert abs(r[key] - g[key]) <= 1e-5, (name, key, r[key], g[key])
-        assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (name, r, g)
-    assert all(r["grad_norm"] > 0.05 for r in ref)  # clipping was active: the norms decided the updates
-    assert abs(ref[-1]["valid_loss"] - got[-1]["valid_loss"]) <= 1e-5, (name, ref[-1], got[-1])
 
 
 @pytest.mark.slow
@@ -199,26 +138,6 @@ def test_evaluation_of_a_pipeline_checkpoint(runs):
     assert (logits["pp2"] - logits["ref"]).abs().max().item() < 1e-4
 
 
-# The nanochat block (model.block: nanochat) through two stages: x0 travels beside the hidden state
-# and its gradient comes back; the value embeddings of stage 2's layers read the tokens there.
-NANOCHAT = ["model.block=nanochat"]
-
-
-def nanochat_sets(tmp):
-    import torch
-
-    from weights import save_init_weights
-    init = save_init_weights(tmp / "init.pt", COMMON + NANOCHAT)
-    state, gen = torch.load(init), torch.Generator().manual_seed(7)
-    for name, value in state.items():  # the zero-initialised parts drawn, so that each has a gradient at step 1
-        if not value.any():
-            state[name] = torch.randn(value.shape, generator=gen) * 0.3
-        if name.endswith("x0_lambda"):  # x0 weighs like the residual stream: its gradient path matters
-            state[name] = torch.full_like(value, 1.5)
-    torch.save(state, init)
-    return tmp, COMMON + NANOCHAT + [f"train.init_weights={init}"]
-
-
 @pytest.fixture(scope="module")
 def nanochat_runs(stage_runs):
     return stage_runs["nanochat"]
@@ -245,14 +164,6 @@ def test_nanochat_block_through_pipeline_stages(nanochat_runs):
     embedding = "embedding.word_embeddings.weight"
     wrong = (weights["neg"][embedding] - weights["ref"][embedding]).abs().max().item()
     assert gap < 1e-5 and wrong > 100 * max(gap, 1e-7), (gap, wrong)
-
-
-def final_weights(run_dir):
-    from megatron_kappa.checkpoint.store import Checkpoints
-    from megatron_kappa.parallel.sharding import consolidate
-    ckpts = Checkpoints(run_dir)
-    full = consolidate([(f["coords"], f["weights"]) for f in ckpts.rank_files(ckpts.latest())])
-    return {k: v.float() for k, v in full.items()}
 
 
 @pytest.mark.slow
@@ -337,7 +248,7 @@ VPP_LAYOUT = ["parallel.pp=2", "parallel.vpp=2", "parallel.layout=Et|t|t|ttL"]
 
 
 def uneven_sets(tmp):
-    from weights import save_init_weights
+    from tests.support.weights import save_init_weights
     init = save_init_weights(tmp / "init.pt", COMMON + UNEVEN[:1])
     return tmp, COMMON + UNEVEN[:1] + [f"train.init_weights={init}"]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from test_pipeline import COMMON, launch
+from tests.support.pipeline_runs import COMMON, launch
 
 GUARD = ["parallel.pp=2", "parallel.timeout_s=20", "train.steps=2", "eval.valid_every=2", "log.interval=1"]
 FEATURES = {  # what each run turns on beyond tiny (κ and its L2 penalty, the aux and z losses: always)

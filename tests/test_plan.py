@@ -16,7 +16,7 @@ from megatron_kappa.config import ConfigError, load_config
 from plan import GIB, Layout, search, speed
 from plan.planned import Planned
 from plan.routing import routed_rows_per_rank
-from test_mla import MLA  # the tiny MLA settings
+from tests.support.settings import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -63,7 +63,7 @@ def built(tmp_path_factory):
     (tmp / "plan.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={WORLD}", "tests/plan_worker.py", str(tmp / "plan.json"),
+                           f"--nproc_per_node={WORLD}", "tests/support/plan_worker.py", str(tmp / "plan.json"),
                            str(tmp / "out.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return cases, json.loads((tmp / "out.json").read_text())
@@ -398,14 +398,15 @@ def memory_cases(tmp) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
-    from test_training import env, free_port
+    from tests.support.processes import env, free_port
     tmp = tmp_path_factory.mktemp("memory")
     cases, results = memory_cases(tmp), {}
     for world in (2, 4):
         mine = [case for case in cases if case["world"] == world]
         (tmp / f"plan{world}.json").write_text(json.dumps(mine))
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={world}", f"--master_port={free_port()}", "tests/memory_worker.py",
+                               f"--nproc_per_node={world}", f"--master_port={free_port()}",
+                               "tests/support/memory_worker.py",
                                str(tmp / f"plan{world}.json"), str(tmp / f"out{world}.json")],
                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -14,7 +14,7 @@ from megatron_kappa.model.cp_attention import context_parallel_attention
 from plan import Layout, speed
 from plan import context as plan_context
 from plan.planned import Planned
-from test_mla import MLA  # the tiny MLA settings
+from tests.support.settings import MLA  # the tiny MLA settings
 
 CASES = {  # name: (cp, tp, extra config)
     "cp2": (2, 1, []), "cp4_gqa": (4, 1, ["model.num_query_groups=2"]), "cp2_tp2": (2, 2, []),

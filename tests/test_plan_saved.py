@@ -11,25 +11,9 @@ import torch
 
 import plan as planner
 from megatron_kappa.config import load_config
+from tests.support.saved_memory import saved_bytes
 
 MICRO = 2
-
-
-def saved_bytes(model, tokens, labels=None) -> int:
-    """Bytes autograd keeps for backward in one forward of `model` on `tokens` [b, s] (with
-    `labels`, through the loss): each storage once, at its size when the forward ends, parameters
-    left out. tests/test_recompute.py uses it too."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
-        return t
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, None, labels=labels)
-    return sum(s.nbytes() for s in storages.values())
 
 
 def kept_for_backward(cfg) -> int:
@@ -150,7 +134,7 @@ def test_the_estimate_is_below_what_autograd_keeps_by_a_known_share(world1):
     composite RMSNorm on the CPU, which keeps x·rstd beside x; the small tensors (norm statistics,
     router scores and indices, RoPE tables, SDPA's logsumexp). A guard, not a pin: a term counted
     twice or dropped moves it out of the band."""
-    from test_mla import MLA  # the tiny MLA settings
+    from tests.support.settings import MLA  # the tiny MLA settings
     for overrides in ((), ("model.kappa.enabled=false",), ("model.layout=dense",), ("model.recompute=selective",),
                       ("model.attention=local",), ("precision=bf16",), MLA,
                       (*MLA, "model.recompute=selective", "model.recompute_modules=[mla_up_proj]")):

@@ -9,7 +9,7 @@ import torch
 import plan as planner
 from megatron_kappa.config import load_config
 from plan import Layout, search, speed
-from test_mla import MLA  # the tiny MLA settings
+from tests.support.settings import MLA  # the tiny MLA settings
 
 # per-expert matmuls (torch's counter has no formula for grouped_mm), 2 sequences of 64 tokens
 SHAPE = ("model.moe.grouped_gemm=false", "model.seq_length=64", "train.global_batch=2", "train.micro_batch=2",

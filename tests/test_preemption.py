@@ -229,7 +229,7 @@ def test_timeout_config_is_checked():
 
 
 def _pretrain(run_dir, steps, init, extra=()):
-    from test_training import env
+    from tests.support.processes import env
     return subprocess.Popen([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
                              *SETTINGS, f"train.steps={steps}", f"run.dir={run_dir}", f"train.init_weights={init}",
                              *extra], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -246,7 +246,7 @@ def test_ctrl_c_checkpoints_and_resumes_exactly_and_twice_stops_at_once(world1, 
     """Ctrl-C (SIGINT) on one process: one line, a checkpoint at the step it stopped, exit 75; the
     rerun ends with an uninterrupted run's losses. Twice: exit 130 at once without a checkpoint,
     saying the last one stands."""
-    from weights import save_init_weights
+    from tests.support.weights import save_init_weights
     from megatron_kappa.checkpoint.listing import CheckpointDir
     init = save_init_weights(tmp_path / "init.pt", SETTINGS)
     steps = 30
@@ -281,7 +281,7 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_dies(world1, tmp_path)
     """torchrun with 2 ranks, killed (SIGKILL) at step 2 of 200: the ranks, orphaned, notice it,
     agree on a step, checkpoint there and exit, long before their last step (they used to train
     to the end)."""
-    from test_training import env
+    from tests.support.processes import env
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
     steps = 200
@@ -304,8 +304,8 @@ def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1
     SIGTERM and waits 30 s, which the ranks also read as a stop), the runner says so in one line
     with exit status 130 (no KeyboardInterrupt traceback); the rerun ends with an uninterrupted
     run's losses."""
-    from test_training import deepspeed_cmd, env
-    from weights import save_init_weights
+    from tests.support.processes import deepspeed_cmd, env
+    from tests.support.weights import save_init_weights
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
     init = save_init_weights(tmp_path / "init.pt", SETTINGS)
@@ -361,7 +361,7 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
     a step, checkpoint there and exit; the rerun resumes from that checkpoint and finishes. The
     same with 4 ranks in two pipeline stages of two virtual stages each (the interleaved
     schedule between the signal and the agreed step)."""
-    from test_training import deepspeed_cmd, env
+    from tests.support.processes import deepspeed_cmd, env
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
     steps = 200

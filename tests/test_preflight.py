@@ -10,7 +10,7 @@ from data_prep.shards import ShardWriter
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.data.blend import split_ranges
 from megatron_kappa.preflight import preflight
-from bare_python import run_bare
+from tests.support.bare_python import run_bare
 
 ROOT = Path(__file__).resolve().parents[1]
 

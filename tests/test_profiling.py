@@ -5,8 +5,9 @@ megatron_kappa.metrics.memory) and the step line's time, ETA and final line
 A profiled run's Chrome trace holds `step <n>` ranges of the chosen steps only, each with its
 forward, backward and optimizer ranges and the operators inside; the peak RSS in metrics.jsonl is
 the kernel's own peak (VmHWM of /proc/self/status). The CUDA path (NVTX, peak allocated/reserved,
-the memory snapshot) runs in bench/gpu_check.py's profile stage; here the CUDA functions it calls
-are checked to exist."""
+the memory snapshot) runs in bench/gpu_check.py's profile stage; here every torch.cuda and
+torch.profiler name its source reads is checked to exist in the installed torch."""
+import ast
 import json
 import resource
 from collections import Counter
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from megatron_kappa.config import ProfileConfig, load_config
+from megatron_kappa.metrics import memory
 from megatron_kappa.metrics.log import read_records
 from megatron_kappa.metrics.memory import GIB, memory_words, peak_memory
 from megatron_kappa.metrics.step_line import clock, done_line, step_line
@@ -121,14 +123,60 @@ def test_peak_rss_is_the_kernels_peak(world1):
     assert memory_words({"mem_peak_rss_gib": value}) == f"rss {value:.2f} GiB"
 
 
-def test_the_cuda_functions_of_the_gpu_path_exist():
-    """What the CUDA path calls (bench/gpu_check.py runs it on a GPU): a rename in torch fails here."""
-    for name in ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "cudart"):
-        assert callable(getattr(torch.cuda, name)), name
-    for name in ("_record_memory_history", "_dump_snapshot"):
-        assert callable(getattr(torch.cuda.memory, name)), name
-    assert callable(torch.cuda.nvtx.range_push) and callable(torch.cuda.nvtx.range_pop)
-    assert torch.profiler.ProfilerActivity.CUDA is not None
+GPU_PATH = [Path(profiling.__file__), Path(memory.__file__)]
+
+
+def torch_names(source: str) -> set[str]:
+    """The whole dotted names under torch.cuda and torch.profiler that `source` reads
+    (torch.cuda.memory._dump_snapshot, not its prefixes; a call ends a name: torch.cuda.cudart)."""
+    tree = ast.parse(source)
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            parts, at = [], node
+            while isinstance(at, ast.Attribute):
+                parts.insert(0, at.attr)
+                at = at.value
+            if isinstance(at, ast.Name) and at.id == "torch" and parts[0] in ("cuda", "profiler"):
+                found.add(".".join(["torch", *parts]))
+    return found
+
+
+def missing_in_torch(names) -> list[str]:
+    """The names that do not resolve, attribute by attribute, in the installed torch."""
+    missing = []
+    for name in sorted(names):
+        at = torch
+        for part in name.split(".")[1:]:
+            at = getattr(at, part, missing)
+            if at is missing:
+                break
+        if at is missing:
+            missing.append(name)
+    return missing
+
+
+def test_every_cuda_name_of_the_gpu_path_exists_in_torch():
+    """What the CUDA path reads (bench/gpu_check.py runs it on a GPU), from its source: a rename or a
+    removal in torch fails here, on the CPU."""
+    names = set().union(*(torch_names(path.read_text()) for path in GPU_PATH))
+    # the scan sees what the GPU path is known to call (a scan that found nothing would pass)
+    assert names >= {"torch.cuda.max_memory_allocated", "torch.cuda.max_memory_reserved",
+                     "torch.cuda.reset_peak_memory_stats", "torch.cuda.cudart", "torch.cuda.nvtx.range_push",
+                     "torch.cuda.nvtx.range_pop", "torch.cuda.memory._record_memory_history",
+                     "torch.cuda.memory._dump_snapshot", "torch.profiler.ProfilerActivity.CUDA",
+                     "torch.profiler.profile"}
+    assert missing_in_torch(names) == []
+
+
+def test_negative_control_a_name_torch_lacks_is_found():
+    source = ("def f(device):\n    torch.cuda.max_memory_alocated(device)\n"
+              "    return torch.profiler.ProfilerActivity.GPU, torch.cuda.nvtx.range_push, torch.cuda.cudart().x\n")
+    names = torch_names(source)
+    assert names == {"torch.cuda.max_memory_alocated", "torch.profiler.ProfilerActivity.GPU",
+                     "torch.cuda.nvtx.range_push", "torch.cuda.cudart"}
+    assert missing_in_torch(names) == ["torch.cuda.max_memory_alocated", "torch.profiler.ProfilerActivity.GPU"]
 
 
 def test_the_step_line():

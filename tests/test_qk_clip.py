@@ -197,7 +197,7 @@ def test_context_parallel_chunks_give_the_whole_sequences_maxima():
     without their mask see later tokens and give larger maxima."""
     from megatron_kappa.model.attention import head_max_logits
     from megatron_kappa.model.cp_attention import context_parallel_attention
-    from test_context_parallel import sequence_positions
+    from tests.support.context_parallel_reference import sequence_positions
     S, B, HEADS, GROUPS, HD, scale = 24, 2, 4, 2, 8, 8 ** -0.5
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(S, B, n, HD, generator=gen) for n in (HEADS, GROUPS, GROUPS))
@@ -348,8 +348,8 @@ def test_data_parallel_maxima_are_reduced(world1, tmp_path):
     """DP2 (each rank its own micro-batch) and CP2 (each rank two chunks of every sequence) against
     one process: the same losses and logged maxima only when the clip uses the maxima of both
     ranks (negative control: DP2 with each rank's own)."""
-    from test_training import ROOT, deepspeed_cmd, env, free_port, records
-    from weights import save_init_weights
+    from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, records
+    from tests.support.weights import save_init_weights
     from megatron_kappa.train.loop import run
     init = save_init_weights(tmp_path / "init.pt", DP)
     runs = {name: tmp_path / name for name in ("one", "dp2", "local", "cp2")}
@@ -358,7 +358,8 @@ def test_data_parallel_maxima_are_reduced(world1, tmp_path):
     plan = [{"overrides": sets("dp2")}, {"overrides": sets("local"), "local_max": True},
             {"overrides": sets("cp2") + ["parallel.cp=2"]}]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    done = subprocess.run(deepspeed_cmd(ROOT / "tests/qk_clip_worker.py", str(tmp_path / "plan.json"), port=free_port()),
+    done = subprocess.run(deepspeed_cmd(ROOT / "tests/support/qk_clip_worker.py", str(tmp_path / "plan.json"),
+                                        port=free_port()),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     one, dp2, local, cp2 = (records(runs[name]) for name in ("one", "dp2", "local", "cp2"))

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import parity
-from test_mla import MLA  # the tiny MLA settings
+from tests.support import parity
+from tests.support.settings import MLA  # the tiny MLA settings
 
 
 def train(recompute, kappa, grouped, state=None, extra=()):
@@ -58,7 +58,7 @@ SHARED = ("model.moe.shared_ffn_hidden_size=32",)
 def saved_bytes(model) -> int:
     """Bytes autograd keeps for backward in one forward of the tiny model (test_plan_saved's
     count): what recomputation trades for compute."""
-    from test_plan_saved import saved_bytes as kept
+    from tests.support.saved_memory import saved_bytes as kept
     return kept(model, parity.global_batch()[0][:, :-1])
 
 

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -444,7 +445,7 @@ def test_every_numeric_key_has_a_range_that_refuses_values_outside_it():
         value = outside[spec] if keys[key] is float or float(outside[spec]).is_integer() else -1
         with pytest.raises(ConfigError, match=rf"config: {key}: "):
             load_config("configs/tiny.yaml", [f"{key}={value}"])
-    assert "| `train.lr_wsd_decay_fraction` | `0.5` | finite number (0, 1] |" in open("docs/config.md").read()
+    assert "| `train.lr_wsd_decay_fraction` | `0.5` | finite number (0, 1] |" in Path("docs/config.md").read_text()
 
 
 def test_library_escape_warnings_stay_quiet_without_bytecode(tmp_path):

@@ -4,7 +4,6 @@ steps have the losses of the run that went on in its own layout (which resumes b
 tests/test_preemption.py). Negative control: the optimizer moments reset instead of loaded."""
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from megatron_kappa.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 STEPS = 5
 COMMON = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=8",
@@ -52,10 +50,10 @@ CASES = {  # name: (processes, settings) before → after
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory):
     """Every case's run in its first layout, then its copy at step 2 resumed in the second: the runs
-    of one process count share a launch (tests/training_worker.py; the imports dominate on CPU).
+    of one process count share a launch (tests/support/training_worker.py; the imports dominate on CPU).
     Also the straight EP2 run of the one-process test below. Returns (folder, {case: the resumed
     run's log})."""
-    from test_pipeline import launch
+    from tests.support.pipeline_runs import launch
     tmp = tmp_path_factory.mktemp("reshard")
     for nproc in (2, 4):
         plan = [{"overrides": COMMON + before + [f"run.dir={tmp / case / 'straight'}"]}

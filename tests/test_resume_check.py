@@ -15,7 +15,7 @@ from megatron_kappa.config import Config, ConfigError, load_config, to_dict
 from megatron_kappa.config.schema import flat_keys
 from megatron_kappa.model.build import build_model
 from megatron_kappa.optim.optimizer import param_groups
-from test_attention_kinds import TOY, toy_kind  # an attention kind with a q/k/v bias: another model
+from tests.support.toy_attention import TOY, toy_kind  # an attention kind with a q/k/v bias: another model
 
 BASES = {"tiny": [], "softmoe": ["model.moe.router=softmoe"], "nanochat": ["model.block=nanochat"],
          "aurora": ["train.optimizer=aurora"]}

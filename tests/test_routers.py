@@ -11,7 +11,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_kappa import routers
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.moe import KappaRouter
-from bare_python import run_bare
+from tests.support.bare_python import run_bare
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.5

@@ -1,7 +1,7 @@
 """Weights & Biases and TensorBoard beside metrics.jsonl (log.wandb, log.tensorboard).
 
 A W&B offline run's transaction log, read back with wandb's own protobuf classes
-(tests/wandb_records.py), holds the run's resolved config (config.yaml) and exactly the records of
+(tests/support/wandb_records.py), holds the run's resolved config (config.yaml) and exactly the records of
 metrics.jsonl; a resume continues the same W&B run id. TensorBoard's event file holds the config as
 text and, per MoE layer, histograms of κ and of the tokens per expert whose counts and sums agree
 with the same step's metrics. With log.wandb disabled, wandb is never imported."""
@@ -15,7 +15,7 @@ import yaml
 
 from megatron_kappa.config import WandbConfig, load_config
 from megatron_kappa.metrics.log import MetricsLog, read_records
-from wandb_records import run_files, run_summary
+from tests.support.wandb_records import run_files, run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = WandbConfig(mode="offline", project="tests")

@@ -46,6 +46,11 @@ def get_weight_decay(base_weight_decay, it, num_iterations):
     return base_weight_decay * (1 - it / num_iterations)
 
 
+def authors_dmodel_lr_scale(model_dim):  # gpt.py setup_optimizer (tests/authors_14c9b04/nanochat/gpt.py:2341)
+    dmodel_lr_scale = (model_dim / 768) ** -0.5
+    return dmodel_lr_scale
+
+
 # ---- schedules ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("total", [7, 100, 1001])
 def test_wsd_matches_the_authors_code_at_every_step(total):
@@ -87,9 +92,9 @@ def test_peak_values_and_scalings():
     """tiny: d 64, 4 layers, 8 × 128 tokens per step."""
     cfg = paper()
     batch = math.sqrt(8 * 128 / 2 ** 19)  # 0.0441941...
-    width = (64 / 768) ** -0.5  # √12
+    width = authors_dmodel_lr_scale(64)  # √12
     assert schedule.batch_scale(cfg.train, cfg.model) == pytest.approx(0.04419417382415922)
-    assert width == pytest.approx(3.4641016151377544)
+    assert schedule.width_scale(cfg.train, cfg.model) == pytest.approx(width, rel=1e-15)
     assert schedule.peak_lrs(cfg.train, cfg.model) == pytest.approx({
         "matrix": 0.01 * batch, "router": 3e-3 * batch, "embedding": 0.3 * width * batch,
         "output": 0.004 * width * batch, "non_matrix": 0.3 * width * batch,
@@ -104,6 +109,21 @@ def test_peak_values_and_scalings():
     assert schedule.peak_lrs(plain.train, plain.model) == pytest.approx(
         {k: lambdas.get(k, 3e-3) for k in schedule.peak_lrs(plain.train, plain.model)})
     assert schedule.peak_weight_decays(plain.train, plain.model)["matrix"] == 0.05
+
+
+@pytest.mark.parametrize("hidden", [64, 256, 768, 2048])
+def test_the_width_scale_is_the_authors(hidden):
+    cfg = paper(f"model.hidden_size={hidden}")
+    assert schedule.width_scale(cfg.train, cfg.model) == pytest.approx(authors_dmodel_lr_scale(hidden), rel=1e-15)
+
+
+def test_negative_control_the_width_scale_off_misses_the_authors():
+    """train.adamw_width_scaling=false keeps the plain value, which the comparison above tells apart
+    from the authors' at any width but theirs (768)."""
+    for hidden in (64, 256, 2048):
+        cfg = paper("train.adamw_width_scaling=false", f"model.hidden_size={hidden}")
+        assert schedule.width_scale(cfg.train, cfg.model) == 1.0
+        assert schedule.width_scale(cfg.train, cfg.model) != pytest.approx(authors_dmodel_lr_scale(hidden), rel=1e-3)
 
 
 # ---- groups and set_learning_rates --------------------------------------------------------------

@@ -20,9 +20,9 @@ import subprocess
 import pytest
 import torch
 
-from compare import max_gap
+from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
-from test_alpha_optimizer import authors_aurora_direction, authors_scale
+from tests.support.optim_reference import authors_aurora_direction, authors_scale
 
 D = torch.float64
 E, F, EP, ETP = 4, 256, 2, 2  # tiny's α: 4 experts × ffn 256
@@ -118,7 +118,7 @@ def tp2_reference_blocks():
     (tests/test_optimizers.py's emulation), α whole."""
     from megatron_kappa.model.params import is_kappa_alpha
     from megatron_kappa.optim import muon
-    from test_optimizers import tp_emulation
+    from tests.support.optimizer_runs import tp_emulation
     plain, tp2 = muon.matrix_blocks, tp_emulation(2)
     return lambda name, p, config: plain(name, p, config) if is_kappa_alpha(name) else tp2(name, p, config)
 
@@ -149,10 +149,10 @@ def alpha_runs(world1, tmp_path_factory):
     the 2-process runs in one deepspeed launch, the 4-process runs in one torchrun launch."""
     from megatron_kappa.optim import muon
     from megatron_kappa.train.loop import run
-    from test_optimizers import COMMON
-    from test_pipeline import launch
-    from test_training import ROOT, deepspeed_cmd, env, free_port
-    from weights import save_init_weights
+    from tests.support.optimizer_runs import COMMON
+    from tests.support.pipeline_runs import launch
+    from tests.support.processes import ROOT, deepspeed_cmd, env, free_port
+    from tests.support.weights import save_init_weights
     tmp = tmp_path_factory.mktemp("sharded_alpha")
     sets = COMMON + ["train.optimizer=aurora", "model.kappa.alpha_optimizer=matrix", "model.kappa.freeze_fraction=0",
                      "zero.stage=2"]
@@ -177,7 +177,8 @@ def alpha_runs(world1, tmp_path_factory):
     plans = {n: [{"overrides": overrides(name), "negative": RUNS[name][2]} for name in RUNS if RUNS[name][0] == n]
              for n in (2, 4)}
     (tmp / "plan.json").write_text(json.dumps(plans[2]))
-    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/training_worker.py", str(tmp / "plan.json"), port=free_port()),
+    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/support/training_worker.py", str(tmp / "plan.json"),
+                                        port=free_port()),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     launch(tmp, plans[4], 4)
@@ -185,7 +186,7 @@ def alpha_runs(world1, tmp_path_factory):
 
 
 def alphas(run_dir):
-    from test_pipeline import final_weights
+    from tests.support.pipeline_runs import final_weights
     full = final_weights(run_dir)
     out = {k: v for k, v in full.items() if k.endswith("kappa_alpha")}
     assert len(out) == 3 and all(v.shape == (E, F) for v in out.values())  # tiny: 3 MoE layers
@@ -198,7 +199,7 @@ def alpha_gap(a, b):
 
 
 def losses(run_dir):
-    from test_training import losses as read
+    from tests.support.processes import losses as read
     return read(run_dir)
 
 

@@ -1,5 +1,5 @@
 """Slurm: launch_env's parsing (no Slurm needed) and the sbatch scripts on a real one-node cluster
-(tests/slurm_cluster.py; skipped, saying why, where Slurm is not installed or we are not root)."""
+(tests/support/slurm_cluster.py; skipped, saying why, where Slurm is not installed or we are not root)."""
 import json
 import shutil
 import sys
@@ -13,8 +13,7 @@ from megatron_kappa.parallel.launch_env import (LaunchEnv, LaunchEnvError, expan
                                                 slurm_port, tasks_on_node)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import slurm_cluster  # noqa: E402
+from tests.support.slurm_cluster import slurm_cluster  # noqa: E402
 
 pytestmark = pytest.mark.serial  # the session's Slurm cluster (and a second one)
 

@@ -1,5 +1,5 @@
 """launch/slurm/pretrain.sbatch running the real launch/pretrain.py on a real one-node Slurm
-(tests/slurm_cluster.py; skipped, saying why, without Slurm or root): 2 CPU tasks training
+(tests/support/slurm_cluster.py; skipped, saying why, without Slurm or root): 2 CPU tasks training
 configs/tiny.yaml; the time-limit warning, a checkpoint, the requeue and an exact resume; a dead
 rank and a hung rank ending the job with the rank named."""
 import json
@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from compare import max_gap
+from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # every test runs jobs on the Slurm cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import FINAL_STATES  # noqa: E402
-from weights import save_init_weights  # noqa: E402
-from slurm_jobs import job_log, rank_pid, records, wait_for_steps  # noqa: E402
+from tests.support.slurm_cluster import FINAL_STATES  # noqa: E402
+from tests.support.weights import save_init_weights  # noqa: E402
+from tests.support.slurm_jobs import job_log, rank_pid, records, wait_for_steps  # noqa: E402
 
 STEPS = 24
 SETTINGS = ["data.mock=true", "log.interval=1", "checkpoint.interval=100", "eval.valid_every=0",
@@ -52,7 +51,7 @@ def submit(cluster, sets, **env):
 def skip_if_two_hosts(test: str):
     """Where a 2-host cluster can be built, tests/test_multinode.py runs the same job across two
     hosts (a superset of this one-host version): skip the one-host run there."""
-    from netns_cluster import missing_reason
+    from tests.support.netns_cluster import missing_reason
     if missing_reason(sshd=True) is None:
         pytest.skip(f"covered on two hosts by tests/test_multinode.py::{test}")
 

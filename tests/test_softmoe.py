@@ -20,8 +20,8 @@ from megatron_kappa.model.build import layer_specs, transformer_config
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.softmoe import CLAMP, Allocation, link_budgets, softmoe_routers
 from megatron_kappa.model.routers.softmoe import softmoe_stats
-from moe_reference import expert_grads, layer_weights
-from test_lapsum import reference as lapsum_reference
+from tests.support.moe_reference import expert_grads, layer_weights
+from tests.support.lapsum_reference import reference as lapsum_reference
 
 f64 = torch.float64
 S, B, H, E = 8, 3, 16, 4

@@ -2,12 +2,12 @@
 short training run.
 
 Parity: as tests/test_parallel.py (the reference here, the parallel cases in one torchrun launch of
-tests/parallel_worker.py on 4 processes, every case from the reference's weights), with the
+tests/support/parallel_worker.py on 4 processes, every case from the reference's weights), with the
 softmoe router: variable experts per token (some tokens over the cap), non-uniform budgets (θ set
 per layer), κ and plain experts, grouped and sequential, both dispatchers. Negative control: the
 same weights with one layer's θ moved by 1e-2 (its budget by ~0.5 %) fail both comparisons.
 
-Device: training steps and their metrics on tests/simulated_device.py's device equal the CPU's,
+Device: training steps and their metrics on tests/support/simulated_device.py's device equal the CPU's,
 and a step reads nothing on the host in this project's code (megatron's dispatcher does).
 
 Training: tiny on CPU under launch/pretrain.py; the per-layer budgets k_l move away from uniform
@@ -23,15 +23,15 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import parity
-import test_device
-from compare import max_gap, max_rel_grad_error
+from tests.support import parity
+from tests.support import device_steps
+from tests.support.compare import max_gap, max_rel_grad_error
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.softmoe import softmoe_routers
 from megatron_kappa.parallel import groups
 from megatron_kappa.parallel.sharding import gather_full
-from simulated_device import SIM, SimulatedDevice
+from tests.support.simulated_device import SIM, SimulatedDevice
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -122,10 +122,14 @@ def test_softmoe_negative_control_breaks_parity(runs):
 def on_sim_then_cpu(world1):
     yield
     groups._device = torch.device("cpu")
-    test_device.fresh_process_caches()
+    device_steps.fresh_process_caches()
 
 
 @pytest.mark.slow
+# the simulated device is torch's meta device: torch calls a state dict loaded onto it a no-op, though
+# the simulated tensors take the values (the losses below equal the CPU's)
+@pytest.mark.filterwarnings(r"ignore:for \S+. copying from a non-meta parameter in the checkpoint to a meta "
+                            r"parameter:UserWarning:(torch\.nn|megatron\.core)")
 def test_training_steps_on_a_simulated_device(tmp_path, on_sim_then_cpu):
     cfg = load_config("configs/tiny.yaml", [
         f"run.dir={tmp_path}", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
@@ -134,9 +138,9 @@ def test_training_steps_on_a_simulated_device(tmp_path, on_sim_then_cpu):
     torch.manual_seed(0)
     state = {k: v.clone() for k, v in build_model(cfg, "cpu").state_dict().items() if not k.endswith("_extra_state")}
     with sdpa_kernel(SDPBackend.MATH):
-        on_cpu = test_device.run_steps(cfg, torch.device("cpu"), state)
+        on_cpu = device_steps.run_steps(cfg, torch.device("cpu"), state)
         with SimulatedDevice() as sim:
-            on_sim = test_device.run_steps(cfg, SIM, state, sim)
+            on_sim = device_steps.run_steps(cfg, SIM, state, sim)
     assert on_sim["losses"] == on_cpu["losses"] and on_sim["metrics"] == on_cpu["metrics"]
     assert on_cpu["metrics"]["softmoe/k_mean"] == pytest.approx(1.5, rel=1e-6)
     assert on_sim["step_syncs"] == [], on_sim["step_syncs"]

@@ -10,45 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from compare import max_gap
+from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
 from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.optim import schedule
 from megatron_kappa.train import recipe
 from megatron_kappa.parallel.groups import current_device
-from weights import save_init_weights
+from tests.support.weights import save_init_weights
+from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, losses, records
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "checkpoint.interval=100",
           "eval.valid_every=0", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",
           "train.grad_clip=0.05", "model.kappa.freeze_fraction=0.25", "model.kappa.warmup=2",
           "model.moe.aux_loss=1e-2", "log.tensorboard=false"]
-
-
-def losses(run_dir):
-    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def env():
-    inherited = {k: v for k, v in os.environ.items()
-                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return {**inherited, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "DS_ACCELERATOR": "cpu",
-            "PYTHONPATH": str(ROOT)}
-
-
-def deepspeed_cmd(script, *args, port):
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-            str(script), *args]
-
-
-def free_port():
-    from megatron_kappa.parallel.launch_env import free_port as fp
-    return fp()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +69,8 @@ def runs(init_weights, tmp_path_factory):
     out["unmarked"] = tmp / "unmarked"
     plan.append({"overrides": overrides(init_weights, out["unmarked"], True, 2, ep=2), "negative": "unmarked_experts"})
     (tmp / "plan.json").write_text(json.dumps(plan))
-    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/training_worker.py", str(tmp / "plan.json"), port=free_port()),
+    proc = subprocess.run(deepspeed_cmd(ROOT / "tests/support/training_worker.py", str(tmp / "plan.json"),
+                                        port=free_port()),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint_checksums import flip_one_byte
-from test_training import deepspeed_cmd, env, free_port
+from tests.support.checkpoint_files import flip_one_byte
+from tests.support.processes import deepspeed_cmd, env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "parallel.ep=2",

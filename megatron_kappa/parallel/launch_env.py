@@ -32,6 +32,7 @@ import subprocess
 import sys
 from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
 
 DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"  # auto | cpu | cuda: the device a process trains on (parallel.groups)
@@ -84,7 +85,7 @@ class LaunchEnv(_MappingABC):
 def ephemeral_ports() -> tuple[int, int]:
     """The kernel's range for outgoing connections' source ports (Linux; 32768-60999 elsewhere)."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
         return low, high
     except (OSError, ValueError):
         return 32768, 60999

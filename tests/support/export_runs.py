@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
-from test_mla import MLA  # the tiny MLA settings
+from tests.support.settings import MLA  # the tiny MLA settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=1",
           "checkpoint.interval=1", "eval.valid_every=0", "log.tensorboard=false", "log.interval=1",
@@ -32,7 +32,7 @@ RUNS = {  # name: (model settings, layout settings, processes)
 
 
 def hf_env():
-    from test_training import env
+    from tests.support.processes import env
     return {**env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
@@ -41,14 +41,14 @@ def runs(tmp_path_factory, sample_shards, world1):
     """Each RUNS entry trained one step from randomised weights (every part matters: the zero-
     initialised projections, κ's α and b, the gates and λ drawn at random), on the sample shards.
     The first request of a multi-process run trains every run of that process count in one
-    launch (tests/training_worker.py: the imports dominate on CPU)."""
-    from test_pipeline import launch
+    launch (tests/support/training_worker.py: the imports dominate on CPU)."""
+    from tests.support.pipeline_runs import launch
     made = {}
 
     def prepare(name):
         """The run's folder with its randomised initial weights, and its settings."""
         from megatron_kappa.model.build import build_model
-        from test_nanochat_block import randomize
+        from tests.support.weights import randomize
         model_sets, layout_sets, _ = RUNS[name]
         folder = tmp_path_factory.mktemp(name)
         data = [f"data.paths=[{sample_shards['train'][0]}]", f"data.tokenizer={sample_shards['tokenizer']}"]

@@ -1,6 +1,6 @@
 """Trainings with QK-Clip in one two-process launch (tests/test_qk_clip.py):
 
-    deepspeed --num_gpus 2 tests/qk_clip_worker.py PLAN.json
+    deepspeed --num_gpus 2 tests/support/qk_clip_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "local_max": false}: a `megatron_kappa.train.run` of
 configs/tiny.yaml each; "local_max" is the negative control: each rank clips from its own
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Multi-process half of tests/test_ep_overlap.py: run under torchrun (2 ranks, EP2).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ep_overlap_worker.py PLAN OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/support/ep_overlap_worker.py PLAN OUT
 
 PLAN is a JSON list of cases; rank 0 writes {name: result} to OUT (torch.save). A case is
   {"name", "kind": "schedule", "overrides", "negative"}: one step's two micro-batches of the tiny
@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-import parity  # noqa: E402
+from tests.support import parity  # noqa: E402
 from megatron_kappa.parallel import groups  # noqa: E402
 from megatron_kappa.parallel.launch_env import exit_process  # noqa: E402
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Run a command "on" a test host of tests/netns_cluster.py. Called inside the host's network
+# Run a command "on" a test host of tests/support/netns_cluster.py. Called inside the host's network
 # namespace (nsenter --net) and fresh private mount and UTS namespaces (unshare --mount --uts):
 #
 #   netns_host.sh HOSTNAME HOSTS_FILE COMMAND [ARGS...]

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from moe_reference import naive_moe
+from tests.support.moe_reference import naive_moe
 
 
 def rms(x, eps, gain=None):

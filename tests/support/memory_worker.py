@@ -1,7 +1,7 @@
 """Trains one step of each case in a plan and records what every rank holds after it: the bytes
 of the model's parameters and of every other live tensor, by storage (rank 0 writes OUT):
 
-    deepspeed --num_gpus N tests/memory_worker.py PLAN.json OUT.json   (or torchrun)
+    deepspeed --num_gpus N tests/support/memory_worker.py PLAN.json OUT.json   (or torchrun)
 
 PLAN: a list of {"name", "overrides"} (configs/tiny.yaml). Each case's first step is counted as
 its gradients reach DeepSpeed, as ZeRO's step begins, inside the torch optimizer's step and after

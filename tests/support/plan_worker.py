@@ -1,7 +1,7 @@
 """Builds the model of every layout in a plan on the meta device, on every rank of a torchrun
 world, and writes each rank's parameter counts by kind (rank 0 writes OUT):
 
-    torchrun --nproc_per_node 8 tests/plan_worker.py PLAN.json OUT.json
+    torchrun --nproc_per_node 8 tests/support/plan_worker.py PLAN.json OUT.json
 
 PLAN: a list of {"name", "overrides"}; each is configs/tiny.yaml with those overrides. A case with
 "rows": true is also built for real and runs one forward and backward of a micro-batch: each rank

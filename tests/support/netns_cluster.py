@@ -10,7 +10,7 @@ Each host is a network namespace with its own interface (eth0 on a bridge), addr
 hosts file; the Slurm controller lives in a third one ("ctl", the bridge's end). One slurmd per
 host, optionally one sshd per host (key-only root login) for pdsh and `deepspeed --hostfile`.
 Nothing is added to the machine's own network namespace and /etc is never edited: each command
-enters its host through `nsenter --net` + `unshare --mount --uts` and tests/netns_host.sh, which
+enters its host through `nsenter --net` + `unshare --mount --uts` and tests/support/netns_host.sh, which
 bind-mounts the host's hosts file and sets its hostname. Processes share the machine's pid
 namespace and file system, so the test sees and signals every rank and reads every file.
 
@@ -18,7 +18,7 @@ By default each host's own name resolves to 127.0.1.1 in its hosts file, as on a
 Ubuntu machine: gloo then binds loopback unless the launch environment picks the interface
 (megatron_kappa/parallel/network.py), which is what these hosts test.
 
-Authentication is auth/none, as in tests/slurm_cluster.py; here the daemons listen only inside
+Authentication is auth/none, as in tests/support/slurm_cluster.py; here the daemons listen only inside
 namespaces no other process can reach. Teardown: SlurmCluster's (jobs cancelled, daemons stopped,
 marked processes killed), then every process left in the namespaces, then the namespaces. A
 cluster whose test process died is removed by the next one (the owner's pid is in the names).
@@ -38,7 +38,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, SlurmError, _which, missing_reason as _slurm_missing, shared_settings
+from tests.support.slurm_cluster import SlurmCluster, SlurmError, _which, shared_settings
+from tests.support.slurm_cluster import missing_reason as _slurm_missing
 
 HOST_SH = Path(__file__).resolve().with_name("netns_host.sh")
 SUBNET = "10.77.0"           # private, and only inside namespaces made here
@@ -177,7 +178,7 @@ class NetnsCluster(SlurmCluster):
         nodes = "\n".join(f"NodeName={h} NodeHostname={h} NodeAddr={self.addr[h]} CPUs={self.ncpus} "
                           f"RealMemory=2000 State=UNKNOWN" for h in self.hosts)
         self.conf.write_text(f"""\
-# test cluster {self.name} (tests/netns_cluster.py); all state under {r}
+# test cluster {self.name} (tests/support/netns_cluster.py); all state under {r}
 ClusterName={self.name}
 SlurmctldHost=ctl({self.addr['ctl']})
 SlurmctldPort={ctld_port}

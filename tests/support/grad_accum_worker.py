@@ -1,7 +1,7 @@
 """One optimizer step of configs/tiny.yaml per plan entry, on every rank, with the gradients that
 reach the update compared to an independent float64 reference (tests/test_grad_accum.py):
 
-    deepspeed --num_gpus 2 tests/grad_accum_worker.py PLAN.json OUT.json
+    deepspeed --num_gpus 2 tests/support/grad_accum_worker.py PLAN.json OUT.json
 
 PLAN: a list of entries, each a list of config overrides or {"overrides": [...], "merge_fix": false}.
 
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

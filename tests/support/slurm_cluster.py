@@ -213,7 +213,7 @@ class SlurmCluster:
         self._link_short_root()
         mem = max(256, min(_memory_mb() - 256, 8000))
         self.conf.write_text(f"""\
-# test cluster {self.name} (tests/slurm_cluster.py); all state under {r}
+# test cluster {self.name} (tests/support/slurm_cluster.py); all state under {r}
 ClusterName={self.name}
 SlurmctldHost={_HOST}(127.0.0.1)
 SlurmctldPort={ctld_port}

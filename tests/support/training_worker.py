@@ -1,6 +1,6 @@
 """Runs several trainings in one multi-process launch (the imports dominate on CPU):
 
-    deepspeed --num_gpus 2 tests/training_worker.py PLAN.json
+    deepspeed --num_gpus 2 tests/support/training_worker.py PLAN.json
 
 PLAN is a list of {"overrides": [...], "negative": null | "unmarked_experts" | "zero2_pipeline" |
 "x0_not_sent_back" | "embedding_copy_unsynced" | "batched_p2p" | "mtp_stage_skips" |
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_kappa.parallel import engine, groups  # noqa: E402
 from megatron_kappa.train import loop  # noqa: E402

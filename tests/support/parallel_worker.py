@@ -1,6 +1,6 @@
 """Multi-process half of the parity tests: run under `torchrun --nproc_per_node 4`.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/parallel_worker.py PLAN OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/support/parallel_worker.py PLAN OUT
 
 PLAN is a torch file: a list of cases {name, layout kwargs, model kwargs, reference weights,
 negative}; rank 0 writes {name: {losses, grads}} to OUT. All cases share the processes (the
@@ -12,12 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
-import parity  # noqa: E402
+from tests.support import parity  # noqa: E402
 from megatron_kappa.parallel import sharding  # noqa: E402
 from megatron_kappa.parallel import groups  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402

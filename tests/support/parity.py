@@ -161,14 +161,14 @@ def build(cfg, seed=5, dtype=None):
 
 
 def run_plan(plan: list, tmp: Path, world: int) -> dict:
-    """Every case of `plan` in one launch of tests/parallel_worker.py over `world` processes;
+    """Every case of `plan` in one launch of tests/support/parallel_worker.py over `world` processes;
     returns each case's results by name."""
     torch.save(plan, tmp / "plan.pt")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-         str(root / "tests/parallel_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
+         str(root / "tests/support/parallel_worker.py"), str(tmp / "plan.pt"), str(tmp / "out.pt")],
         cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(tmp / "out.pt", weights_only=False)

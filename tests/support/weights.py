@@ -23,3 +23,25 @@ def save_init_weights(path: Path, overrides=(), config: str = "configs/tiny.yaml
     model = build_model(load_config(config, list(overrides)), device)
     torch.save({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, path)
     return path
+
+
+def randomize(model, seed=1):
+    """Weights where every part matters: the zero-initialised projections, gates, κ's α and b and
+    the λ drawn at random; routers and experts scaled so that routing and κ move."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("linear_proj.weight", "linear_fc2.weight", "fc2_weight")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif name.endswith("value_gate"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith(("kappa_alpha", "kappa_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith("resid_lambda"):
+                p.copy_(1 + 0.3 * torch.randn(1, generator=gen))
+            elif name.endswith("x0_lambda"):
+                p.copy_(0.5 * torch.randn(1, generator=gen))
+            elif name.endswith("router.weight"):
+                p.mul_(4.0)
+            elif name == "output_layer.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)  # logits of tens: the softcap bends them

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-VENDOR = Path(__file__).resolve().parent / "authors_14c9b04"
+VENDOR = Path(__file__).resolve().parents[1] / "authors_14c9b04"
 COMMIT = "14c9b041f437d7ea583f9c7a27fa1755ff4ecb62"
 VENDORED = {  # path: git blob id at 14c9b04 (git ls-tree 14c9b04)
     "LICENSE": "72d95c190c0d14341d5b0720e28c88fb58690821",

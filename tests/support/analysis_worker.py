@@ -1,6 +1,6 @@
 """Multi-process half of tests/test_analysis.py: run under `torchrun --nproc_per_node 4`.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/analysis_worker.py PLAN OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/support/analysis_worker.py PLAN OUT
 
 PLAN: a torch file, a list of cases {name, tp, ep, etp, kappa, grouped, negative, weights (full
 layout)}. Each case loads the weights into its layout, runs one forward of its data-parallel
@@ -13,13 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
-import analysis_reference as ref  # noqa: E402
-import parity  # noqa: E402
+from tests.support import analysis_reference as ref  # noqa: E402
+from tests.support import parity  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.parallel import sharding  # noqa: E402
 from megatron_kappa.parallel import groups  # noqa: E402

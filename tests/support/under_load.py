@@ -2,7 +2,8 @@
 failure. For timing-dependent tests (issue 34: the lost-host test named the wrong host once under
 load). Usage, as root on a machine that can build the two-host cluster:
 
-    python tests/under_load.py -n 10 "tests/test_multinode.py::test_lost_host_ends_the_job_naming_it_and_a_resubmission_resumes"
+    python tests/support/under_load.py -n 10 \
+        "tests/test_multinode.py::test_lost_host_ends_the_job_naming_it_and_a_resubmission_resumes"
 """
 import argparse
 import os
@@ -11,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUSY = "import hashlib\nb = b'x' * (1 << 20)\nwhile True:\n    hashlib.sha256(b).digest()\n"
 
 

@@ -14,13 +14,12 @@ import torch
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model import compile as model_compile
+from tests.support.settings import MLA  # the tiny MLA settings
 
 S = 16
 COMMON = ["data.mock=true", f"model.seq_length={S}", "train.micro_batch=2", "train.global_batch=4",
           "log.tensorboard=false", "train.warmup=1", "eval.valid_every=0", "log.interval=1"]
 NANOCHAT = ["model.block=nanochat", "model.kappa.input=scaled", "model.kappa.u_warmup=0"]
-MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
-       "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
 
 
 @pytest.fixture

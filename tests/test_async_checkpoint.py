@@ -155,8 +155,8 @@ def env(fault: dict | None = None):
 
 
 def pretrain(nproc: int, run_dir, *sets) -> list[str]:
-    """The command of a run (through tests/async_fault_worker.py: KAPPA_TEST_FAULT applies)."""
-    args = [str(ROOT / "tests/async_fault_worker.py"), "--config", "configs/tiny.yaml", "--set", *TRAIN,
+    """The command of a run (through tests/support/async_fault_worker.py: KAPPA_TEST_FAULT applies)."""
+    args = [str(ROOT / "tests/support/async_fault_worker.py"), "--config", "configs/tiny.yaml", "--set", *TRAIN,
             f"run.dir={run_dir}", "checkpoint.async_save=true", *sets]
     if nproc == 1:
         return [sys.executable, *args]

@@ -95,7 +95,7 @@ def test_negative_control_an_unsupported_op_is_counted(world1, dynamo):
 
 # ---- compiled equals eager, and resumes across the switch --------------------------------------
 def train(run_dir, sets, steps=4):
-    from test_training import records
+    from tests.support.processes import records
     from megatron_kappa.train.loop import run
     lines = []
     run(load_config("configs/tiny.yaml", COMMON + list(sets) + [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from export_runs import export, hf_logits, tokens
+from tests.support.export_runs import export, hf_logits, tokens
 from megatron_kappa.config import load_config
 
 TRAIN = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 fault = json.loads(os.environ.get("KAPPA_TEST_FAULT", "{\"step\": null}"))  # none: a plain run
 real_save = torch.save
 

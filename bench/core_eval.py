@@ -18,10 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from megatron_kappa.entry import start
 
-from megatron_kappa.evaluation import core as core_eval
-from bench.toy import ByteTokenizer, TinyCausalLM
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+
+from megatron_kappa.evaluation import core as core_eval  # noqa: E402
+from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 
 WORDS = ("the a of river stone light quick green small city over under paper seven bright cold "
          "music garden window engine forest yellow silent market winter letter animal").split()

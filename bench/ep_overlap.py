@@ -30,10 +30,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.interleave import time_interleaved  # noqa: E402
+from megatron_kappa.bench.interleave import time_interleaved  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.model.build import build_model  # noqa: E402
 from megatron_kappa.model.deferred_wgrad import WgradQueue  # noqa: E402

@@ -35,10 +35,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch
-import torch.nn.functional as F
+from megatron_kappa.entry import start
 
-from bench.interleave import sync, time_interleaved
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
 
 H, Q_HEADS, KV_GROUPS, HEAD_DIM, EXPERT_FFN = 4096, 64, 4, 128, 1536  # Qwen3-235B-A22B
 
@@ -107,7 +111,7 @@ def _attention(seq, heads, head_dim, device, dtype):
 def layer_cost(device, quick: bool, reps: int) -> dict:
     """Milliseconds per layer and micro-batch at zero tokens: the model's forward + backward at
     sequence lengths s and 2s, extrapolated along their line."""
-    from bench.model_step import build_step
+    from megatron_kappa.bench.model_step import build_step
     from megatron_kappa.config import load_config
     from megatron_kappa.parallel.groups import init_distributed
     config = "configs/tiny.yaml" if device.type == "cpu" else "configs/moe8.yaml"

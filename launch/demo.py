@@ -23,10 +23,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from analysis.plots import make_plots
-from megatron_kappa.cli_types import positive_int
-from megatron_kappa.metrics.log import read_records
-from megatron_kappa.parallel.launch_env import free_port
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+from megatron_kappa.analysis.plots import make_plots  # noqa: E402
+from megatron_kappa.cli_types import positive_int  # noqa: E402
+from megatron_kappa.metrics.log import read_records  # noqa: E402
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 

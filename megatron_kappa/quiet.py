@@ -1,12 +1,9 @@
 """The library messages known to be harmless here, kept out of every command's output.
 
-`install()` runs when the package is first imported (megatron_kappa/__init__.py), in every rank
-of every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything.
-The launchers themselves (torchrun, the deepspeed runner and its launch.py) never import the
-package, so `make venv` adds a one-line `megatron_kappa_quiet.pth` to the environment's
-site-packages (`install_hook`): every Python process of the
-environment imports the package at start-up, and the same filters cover the launchers' notices.
-It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
+`install()` is the first thing every entry point does (megatron_kappa/entry.py: the scripts
+beside the package, the console scripts, the package's `python -m` mains), in every rank of
+every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything;
+importing the package installs nothing. It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
 filter on the logger that emits it); any other warning still shows. KAPPA_SHOW_WARNINGS=1 in the
 environment shows them all.
 """
@@ -79,17 +76,4 @@ def install() -> bool:
         logging.getLogger(name).addFilter(_DropKnown(patterns))
     _installed = True
     return True
-
-
-HOOK = "megatron_kappa_quiet.pth"
-
-
-def install_hook(site_packages: str) -> str:
-    """Write the start-up hook into `site_packages` (temp name, then rename); its path."""
-    path = os.path.join(site_packages, HOOK)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:  # a .pth line that starts with "import" is executed at start-up
-        f.write("import megatron_kappa  # the library notices known harmless (megatron_kappa/quiet.py)\n")
-    os.replace(tmp, path)
-    return path
 

@@ -24,7 +24,7 @@ from megatron_kappa.parallel import groups
 from megatron_kappa.train import loop
 from megatron_kappa.train.data import batch_at, build_datasets
 from simulated_device import SIM, DeviceMixup, SimulatedDevice, on_device
-from bench.toy import ByteTokenizer
+from megatron_kappa.bench.toy import ByteTokenizer
 
 BUNDLE = "tests/core_bundle"
 STEPS = 3

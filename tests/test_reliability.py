@@ -264,7 +264,7 @@ def test_eval_loss_checks_the_shards_against_the_checkpoint_before_loading(tmp_p
     import numpy as np
     import yaml
 
-    from eval.loss import main
+    from megatron_kappa.cli.eval_loss import main
     from megatron_kappa.config import to_dict
     from megatron_kappa.data.indexed import index_bytes
     run = tmp_path / "run"
@@ -312,7 +312,7 @@ def test_a_failed_metrics_write_is_one_warning_and_training_goes_on(tmp_path, ca
 
 
 def test_consolidate_output_under_a_file_is_one_line(tmp_path, capsys):
-    from launch.consolidate import main
+    from megatron_kappa.cli.consolidate import main
     (tmp_path / "afile").write_text("x")
     assert main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "afile" / "full.pt")]) == 2
     err = capsys.readouterr().err
@@ -324,7 +324,7 @@ def test_a_folder_that_takes_no_files_is_found_before_any_work(tmp_path, capsys)
     the check (paths.folder_problem), so consolidate and the export refuse it in one line before
     any checkpoint is read (the export found it only at its last rename, consolidate called it a
     full disk: '0 MiB free in /proc'). A folder that takes files passes (control)."""
-    from launch import consolidate
+    from megatron_kappa.cli import consolidate
     from megatron_kappa.export import writer
     from megatron_kappa.paths import folder_problem
     assert folder_problem("/proc/hf").startswith("/proc is not writable")
@@ -356,7 +356,7 @@ def test_only_a_full_disk_is_called_one(monkeypatch):
 
 
 def test_consolidating_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
-    from launch import consolidate
+    from megatron_kappa.cli import consolidate
     assert consolidate.main(["--checkpoint", str(tmp_path / "nowhere"), "--output", str(tmp_path / "f.pt")]) == 2
     err = capsys.readouterr().err  # it said "<nowhere>/checkpoints: no complete checkpoint"
     assert err.startswith(f"error: --checkpoint: {tmp_path / 'nowhere'}: no such folder") and err.count("\n") == 1
@@ -365,7 +365,7 @@ def test_consolidating_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
 def test_consolidate_refuses_an_existing_output_unless_forced(tmp_path, capsys, monkeypatch):
     """An existing --output is refused in one line before any checkpoint is read, its bytes kept;
     --force replaces it (the control: the same call goes on to read the checkpoint)."""
-    from launch import consolidate
+    from megatron_kappa.cli import consolidate
     (tmp_path / "run").mkdir()  # a run without checkpoints
     out = tmp_path / "full.pt"
     out.write_bytes(b"earlier work")

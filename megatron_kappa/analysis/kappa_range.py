@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from analysis.plots import layers_of, read_metrics
+from megatron_kappa.analysis.plots import layers_of, read_metrics
 
 
 def final_range(run_dir: Path) -> dict[int, tuple[float, float]]:

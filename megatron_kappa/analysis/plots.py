@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 import matplotlib  # noqa: E402
 
@@ -34,7 +34,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from analysis.figure_axes import grid, legend_below, save, step_axes  # noqa: E402
+from megatron_kappa.analysis.figure_axes import grid, legend_below, save, step_axes  # noqa: E402
 from megatron_kappa.metrics.log import read_records  # noqa: E402
 
 _LAYER_KEY = re.compile(r"^(?P<family>[a-z_]+)/layer(?P<layer>\d+)/(?P<stat>.+)$")

@@ -12,15 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from analysis.figure_axes import legend_below, step_axes
-from analysis.plots import layers_of, read_metrics, series
+from megatron_kappa.analysis.figure_axes import legend_below, step_axes
+from megatron_kappa.analysis.plots import layers_of, read_metrics, series
 
 
 def plot_allocation(run_dir: str | Path, out: str | Path | None = None) -> Path:

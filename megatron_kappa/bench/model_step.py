@@ -30,7 +30,7 @@ from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
-from bench.interleave import sync, time_interleaved
+from megatron_kappa.bench.interleave import sync, time_interleaved
 
 VARIANTS = [("plain", "sequential"), ("kappa", "sequential"), ("plain", "grouped"), ("kappa", "grouped")]
 

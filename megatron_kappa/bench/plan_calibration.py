@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WORLD = 4
 SHAPE = ["data.mock=true", "model.hidden_size=128", "model.ffn_hidden_size=512", "model.moe.ffn_hidden_size=256",
@@ -124,7 +124,7 @@ def fit(rows: list[dict]) -> dict[str, float]:
 def terms(cfg, rates) -> dict:
     """The estimate's parts for one layout: compute, traffic (bandwidth only) and the number of
     messages, each with its share of the bubble (the bubble is a fraction of the busy time)."""
-    import plan as planner
+    from megatron_kappa import plan as planner
 
     def step(latency_us):
         r = dataclasses.replace(rates, latency_us=latency_us)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from megatron_kappa.config import load_config
     from megatron_kappa.parallel.launch_env import free_port
-    from plan.speed import Rates
+    from megatron_kappa.plan.speed import Rates
     if args.measured:
         measured = {r["layout"]: r["measured"] for r in json.loads(Path(args.measured).read_text())["rows"]}
     else:

@@ -58,5 +58,8 @@ def main(argv=None) -> int:
     return 0
 
 
+# what Ctrl-C leaves, said in one line (megatron_kappa/cli/commands.py)
+INTERRUPTED = 'the output is written as <output>.tmp and renamed at the end: --output is never half-written'
+
 if __name__ == "__main__":
-    run_command(main, 'the output is written as <output>.tmp and renamed at the end: --output is never half-written')
+    run_command(main, INTERRUPTED)

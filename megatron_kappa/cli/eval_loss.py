@@ -63,5 +63,8 @@ def main(argv=None) -> int:
     return run_on_checkpoint(args, lambda _, *model: run(args, *model), prepare=lambda: check_data(args))
 
 
+# what Ctrl-C leaves, said in one line (megatron_kappa/cli/commands.py)
+INTERRUPTED = 'nothing is written until the evaluation ends; run it again'
+
 if __name__ == "__main__":
-    run_command(main, 'nothing is written until the evaluation ends; run it again')
+    run_command(main, INTERRUPTED)

@@ -98,5 +98,8 @@ def main(argv=None) -> int:
     return 0
 
 
+# what Ctrl-C leaves, said in one line (megatron_kappa/cli/commands.py)
+INTERRUPTED = 'the continuations printed above are complete; --json is written only at the end'
+
 if __name__ == "__main__":
-    run_command(main, 'the continuations printed above are complete; --json is written only at the end')
+    run_command(main, INTERRUPTED)

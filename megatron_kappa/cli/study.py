@@ -35,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
-from analysis.study_table import markdown, write_table
+from megatron_kappa.analysis.study_table import markdown, write_table
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.metrics.log import read_records
 from megatron_kappa.config import ConfigError, load_config

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_prep import DataPrepError, sources, state as st, work
-from data_prep.shards import ShardWriter, choose_dtype, merge
-from data_prep.sources import STATUS_NAMES, Selection
+from megatron_kappa.data_prep import DataPrepError, sources, state as st, work
+from megatron_kappa.data_prep.shards import ShardWriter, choose_dtype, merge
+from megatron_kappa.data_prep.sources import STATUS_NAMES, Selection
 
 VERSION = "1.0"
 LAYOUTS = {True: "each document is one BOS token, its tokens, then one EOD token",

@@ -6,12 +6,12 @@ import dataclasses
 import json
 import sys
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.cli_types import non_negative_float, positive_float, positive_int
 from megatron_kappa.config import ConfigError, load_config
-from plan import search
-from plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned, check_overlap
-from plan.render import describe
+from megatron_kappa.plan import search
+from megatron_kappa.plan.planned import FP8_ACTIVATIONS, OVERLAP, Planned, check_overlap
+from megatron_kappa.plan.render import describe
 
 
 def overlap_terms(text: str) -> tuple[str, ...]:
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         if given:
             ap.error(f"--published plans each run at its own config, world and settings: leave out {', '.join(given)}")
         if args.markdown:
-            from plan import tables
+            from megatron_kappa.plan import tables
             return tables.main(["--print"] + ["--no-rank"] * (not args.rank) + ["--no-progress"] * args.no_progress)
         return published(args.gpu_mem, args.gpus_per_node, args.json, args.rank, not args.no_progress)
     if args.rank or args.markdown:
@@ -144,7 +144,7 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
     step times they measured): its plan's verdict and (`ranked`) its position among --search's
     layouts."""
     try:  # the runs' files are read as the module loads: a bad one is a one-line error, not a traceback
-        from plan.published import RUNS, TUNED, check_run
+        from megatron_kappa.plan.published import RUNS, TUNED, check_run
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -164,9 +164,9 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
     return 0 if all(r.fits for r in rows) else 1
 
 
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # a search of a large world runs for tens of seconds
-        print("interrupted: the planner writes nothing, so nothing is lost; run it again", file=sys.stderr)
-        sys.exit(130)
+# what Ctrl-C leaves (a search of a large world runs for tens of seconds; megatron_kappa/cli/commands.py)
+INTERRUPTED = "the planner writes nothing, so nothing is lost; run it again"
+
+if __name__ == "__main__":  # python -m megatron_kappa.plan
+    from megatron_kappa.entry import run
+    run("megatron_kappa.plan.__main__")

@@ -18,10 +18,10 @@ import re
 import sys
 from pathlib import Path
 
-from plan.published import LONG_CONTEXT, MEASURED, RUNS, TUNED, Published, RunPlan, check_run
-from plan.units import GIB
+from megatron_kappa.plan.published import LONG_CONTEXT, MEASURED, RUNS, TUNED, Published, RunPlan, check_run
+from megatron_kappa.plan.units import GIB
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "plan.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plan.md"
 START, END = "<!-- generated: plan.tables {} -->", "<!-- end generated -->"
 
 

@@ -81,8 +81,9 @@ def main(argv=None) -> int:
             f"log.interval={max(1, args.steps // 20)}", f"checkpoint.interval={max(1, args.steps // 4)}",
             f"eval.valid_every={max(1, args.steps // 4)}", f"eval.core_every={args.steps}",
             f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=20"]
-    # the launcher's own INFO lines (world info, each rank's full command) at warning: the command is above
-    sh([py, "-m", "deepspeed.launcher.runner", "--log_level", "warning", "--num_gpus", "2",
+    # kappa-deepspeed: the runner at --log_level warning (its INFO lines: world info, each rank's full
+    # command; the command is above), its known notices dropped, Ctrl-C in one line
+    sh([py, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2",
         "--master_port", str(free_port()),
         "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets])
 

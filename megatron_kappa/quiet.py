@@ -24,6 +24,8 @@ KNOWN_WARNINGS = [
     (UserWarning, r"The pad token id in the tokenizer collides"),  # the mock dataset's tokenizer
     # torch 2.14 renamed it; DeepSpeed's ZeRO, megatron-core and torch 2.11 (the GPU image) use the old name
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+    # its twin, from DeepSpeed's reduce-scatter (deepspeed/comm/torch.py) once per rank under parallel.cp=2
+    (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated"),
 ]
 # A library's invalid string escapes (megatron-core's, torchao's docstrings), which Python reports
 # when it compiles the file: once with bytecode cached, at every start of every process when it is

@@ -42,7 +42,7 @@ def env():
 
 
 def deepspeed_cmd(script, *args, port):
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+    return [sys.executable, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2", "--master_port", str(port),
             str(script), *args]
 
 

@@ -4,7 +4,7 @@
 
 The tasks are made up on the fly in the bundle format (4-choice multiple choice with 5 shots,
 2-option schema, language modeling with 5 shots) so the prompt lengths resemble CORE's; the model is
-a small random causal transformer (bench/toy.py, the tests' stand-in model). Both evaluators run megatron_kappa.core_eval with
+a small random causal transformer (megatron_kappa/bench/toy.py, the tests' stand-in model). Both evaluators run megatron_kappa.core_eval with
 the same scoring code: batch_size=1 is the one-forward-per-choice baseline. Prints markdown rows
 for docs/benchmarks.md and whether both made the same decisions.
 """

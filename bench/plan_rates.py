@@ -8,7 +8,7 @@ rate (--tflops) and nothing per layer and micro-batch beyond the traffic's laten
 Qwen3-235B-A22B runs on H100s (docs/plan.md, bench/plan_published_measured.py) it is within 2-7 %
 where each rank's micro-batch holds 4,096 tokens, and 0.57 of the measured time where it holds
 1,024. This measures what would tell the candidates apart, in one process, the shapes' passes
-interleaved (bench/interleave.py):
+interleaved (megatron_kappa/bench/interleave.py):
 
   square     a large square GEMM: the baseline, what --tflops stands for;
   dense      Qwen3-235B's q/k/v and output projections for one micro-batch split over TP (4,096

@@ -7,7 +7,7 @@
 Plain SwiGLU and κ-SwiGLU experts of the same config in one run (and each `--recompute`
 setting): full training steps (forward, backward, AdamW; the model on one device, EP1, the sorted
 dispatcher (no host sync) unless --set says otherwise, no DeepSpeed). Both models are built and
-warmed up, then their steps alternate (bench/interleave.py) and each one's median is taken. FLOPs
+warmed up, then their steps alternate (megatron_kappa/bench/interleave.py) and each one's median is taken. FLOPs
 per token as megatron_kappa.metrics.throughput counts them for the model measured (so a slice is
 counted as the slice); MFU against the device's bf16 peak (GPU only). Peak memory of one step: on
 CUDA the peak allocated above what was allocated before that variant was built (its weights,
@@ -98,7 +98,7 @@ def busy_share(step, device):
 
 
 def measure(cfgs: dict, device, micro_batch: int, steps: int) -> dict:
-    """Each named config's row; their timed steps are interleaved (bench/interleave.py)."""
+    """Each named config's row; their timed steps are interleaved (megatron_kappa/bench/interleave.py)."""
     built = {}
     for name, cfg in cfgs.items():
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

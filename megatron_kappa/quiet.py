@@ -3,8 +3,9 @@
 `install()` is the first thing every entry point does (megatron_kappa/entry.py: the scripts
 beside the package, the console scripts, the package's `python -m` mains), in every rank of
 every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything;
-importing the package installs nothing. It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
-filter on the logger that emits it); any other warning still shows. KAPPA_SHOW_WARNINGS=1 in the
+importing the package installs nothing. It drops exactly the messages below, each at its source
+(a `warnings` filter by message, or a filter on the logger that emits it); any other warning
+still shows. KAPPA_SHOW_WARNINGS=1 in the
 environment shows them all.
 """
 from __future__ import annotations

@@ -289,8 +289,9 @@ def scripts_offences(path: Path, source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            relative = isinstance(node, ast.ImportFrom) and node.level > 0
             found += [f"{path}:{node.lineno} imports {n}" for n in names
-                      if n.split(".")[0] in (*SCRIPT_DIRS, "tests") or (isinstance(node, ast.ImportFrom) and node.level)]
+                      if n.split(".")[0] in (*SCRIPT_DIRS, "tests") or relative]
     return found
 
 
@@ -299,7 +300,8 @@ def test_the_check_finds_a_script_importing_another():
     analysis.plots when those folders were installed packages), or a relative import, is reported."""
     assert scripts_offences(Path("launch/demo.py"), "from analysis.plots import make_plots\n") == [
         "launch/demo.py:1 imports analysis.plots"]
-    assert scripts_offences(Path("bench/x.py"), "def f():\n    import bench.toy\n") == ["bench/x.py:2 imports bench.toy"]
+    assert scripts_offences(Path("bench/x.py"), "def f():\n    import bench.toy\n") == [
+        "bench/x.py:2 imports bench.toy"]
     assert len(scripts_offences(Path("eval/x.py"), "from . import core\n")) == 1
     assert scripts_offences(Path("launch/demo.py"), "from megatron_kappa.analysis.plots import make_plots\n") == []
 

@@ -42,7 +42,9 @@ def env():
 
 
 def deepspeed_cmd(script, *args, port):
-    return [sys.executable, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2", "--master_port", str(port),
+    # kappa-deepspeed: the runner with its one-line Ctrl-C (megatron_kappa/cli/launcher.py)
+    return [sys.executable, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2", "--master_port",
+            str(port),
             str(script), *args]
 
 

@@ -7,7 +7,7 @@
 Four variants of the same config in one run: plain SwiGLU and κ-SwiGLU experts, each as grouped
 GEMMs and as megatron's per-expert loop (SequentialMLP). With --precisions: plain and κ grouped
 experts in each precision given (e.g. bf16 fp8), with time and peak-memory ratios against the first. All four models are built and warmed up,
-then their forward + backward passes (no optimizer) alternate (bench/interleave.py) and each
+then their forward + backward passes (no optimizer) alternate (megatron_kappa/bench/interleave.py) and each
 one's median over `reps` is taken. The op count is what the profiler sees in one pass (CUDA
 kernels on a GPU, aten ops on the CPU), a proxy for launch overhead; peak memory is measured on
 CUDA only (that variant's weights, gradients and activations). Ratios are against plain SwiGLU
@@ -61,7 +61,7 @@ def op_count(step, device) -> int:
 
 
 def measure(cfgs: dict, device, micro_batch: int, reps: int) -> dict:
-    """Each named config's row; their timed passes are interleaved (bench/interleave.py)."""
+    """Each named config's row; their timed passes are interleaved (megatron_kappa/bench/interleave.py)."""
     built = {}
     for name, cfg in cfgs.items():
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

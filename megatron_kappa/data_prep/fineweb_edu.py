@@ -7,7 +7,7 @@
 
 Output in --output: train_00000.bin/.idx, ... and valid_00000.bin/.idx, ... (each document is BOS,
 its tokens, then one EOD; --no-bos drops the BOS), tokenizer.model, manifest.json. See docs/data_prep.md.
-Importable: `data_prep.fineweb_edu.run(argv) -> manifest` raises DataPrepError; `main(argv) -> int`.
+Importable: `megatron_kappa.data_prep.fineweb_edu.run(argv) -> manifest` raises DataPrepError; `main(argv) -> int`.
 """
 from __future__ import annotations
 

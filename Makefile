@@ -23,14 +23,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
+	@# no start-up hook: the one an older `make venv` wrote imported the package in every process
+	rm -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_kappa_quiet.pth" $(VENV)/.quiet-hook
 	touch $@
 
-# The launchers' own notices are filtered too: a start-up hook in the environment (megatron_kappa/quiet.py).
-$(VENV)/.quiet-hook: $(VENV)/.installed megatron_kappa/quiet.py
-	$(PY) -c 'import sysconfig; from megatron_kappa import quiet; print(quiet.install_hook(sysconfig.get_paths()["purelib"]))'
-	touch $@
-
-venv: $(VENV)/.installed $(VENV)/.quiet-hook
+venv: $(VENV)/.installed
 
 # Everything: the unit tests on two pytest workers; then the tests marked `slow` (multi-process
 # launches, end-to-end training, the Slurm clusters and two hosts) on two workers a file each, the

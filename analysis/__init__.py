@@ -1,1 +1,3 @@
-"""Analyses of finished runs: figures (plots.py, drawn on the axes of figure_axes.py) and a study's table (study_table.py)."""
+"""`python -m analysis.kappa_range` and the scripts here, run from the checkout: the analyses are
+megatron_kappa/analysis/. A package, not an installed one, so that `python -m analysis.<name>` run
+here finds this folder before any other `analysis` on the path."""

@@ -15,12 +15,16 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from megatron_kappa.entry import start
 
-import plan as planner
-from megatron_kappa.config import load_config
-from megatron_kappa.model.build import build_model
-from megatron_kappa.parallel.groups import init_distributed
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+
+from megatron_kappa import plan as planner  # noqa: E402
+from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.model.build import build_model  # noqa: E402
+from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 
 
 def kept_by_forward(cfg, device, micro_batch: int) -> int:

@@ -16,7 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_kappa.cli_types import positive_int
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+from megatron_kappa.cli_types import positive_int  # noqa: E402
 
 
 def median_seconds(fn, repeat: int) -> float:

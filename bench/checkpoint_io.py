@@ -23,7 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from megatron_kappa.cli_types import positive_int
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+from megatron_kappa.cli_types import positive_int  # noqa: E402
 
 
 def measure(engine, model, device, ckpts, repeat: int, save_format2) -> dict:

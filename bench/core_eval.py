@@ -4,7 +4,7 @@
 
 The tasks are made up on the fly in the bundle format (4-choice multiple choice with 5 shots,
 2-option schema, language modeling with 5 shots) so the prompt lengths resemble CORE's; the model is
-a small random causal transformer (bench/toy.py, the tests' stand-in model). Both evaluators run megatron_kappa.core_eval with
+a small random causal transformer (megatron_kappa/bench/toy.py, the tests' stand-in model). Both evaluators run megatron_kappa.core_eval with
 the same scoring code: batch_size=1 is the one-forward-per-choice baseline. Prints markdown rows
 for docs/benchmarks.md and whether both made the same decisions.
 """
@@ -18,10 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from megatron_kappa.entry import start
 
-from megatron_kappa.evaluation import core as core_eval
-from bench.toy import ByteTokenizer, TinyCausalLM
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+
+from megatron_kappa.evaluation import core as core_eval  # noqa: E402
+from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 
 WORDS = ("the a of river stone light quick green small city over under paper seven bright cold "
          "music garden window engine forest yellow silent market winter letter animal").split()

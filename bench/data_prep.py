@@ -70,7 +70,7 @@ def baseline(jsonl: Path, model: Path, workers: int, out: Path) -> int:
 
 
 def ours(inp: Path, model: Path, workers: int, out: Path) -> int:
-    from data_prep.fineweb_edu import run
+    from megatron_kappa.data_prep.fineweb_edu import run
     m = run(["--input", str(inp), "--output", str(out), "--tokenizer", str(model),
              "--workers", str(workers), "--quiet", "--overwrite"])
     return m["totals"]["train"]["tokens"] + m["totals"]["valid"]["tokens"]
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     parquet, jsonl, texts = make_inputs(work, args.repeat)
-    import data_prep.fineweb_edu  # noqa: F401 (imports are not part of either tool's time)
+    import megatron_kappa.data_prep.fineweb_edu  # noqa: F401 (imports are not part of either tool's time)
     import megatron.core.datasets.indexed_dataset  # noqa: F401
     model = Path(args.tokenizer) if args.tokenizer else work / "tok.model"
     if not args.tokenizer:
@@ -155,4 +155,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_kappa.entry import start
+    start()  # first: the known library notices filtered (megatron_kappa/entry.py)
     main()

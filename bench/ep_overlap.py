@@ -5,7 +5,7 @@ through megatron-core's schedule, over EP ranks.
     torchrun --nproc_per_node 2 bench/ep_overlap.py --config configs/tiny.yaml   # CPU: gloo
 
 One process per GPU, EP = the world size, the config's model in bf16 with the alltoall
-dispatcher, built once; three variants of the step, their steps interleaved (bench/interleave.py):
+dispatcher, built once; three variants of the step, their steps interleaved (megatron_kappa/bench/interleave.py):
   plain     megatron's schedule without the overlap (micro-batch after micro-batch)
   overlap   parallel.overlap_moe_expert_parallel_comm: the combined 1F1B schedule, each all-to-all
             on megatron's communication stream beside the other micro-batch's compute
@@ -30,10 +30,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.interleave import time_interleaved  # noqa: E402
+from megatron_kappa.bench.interleave import time_interleaved  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
 from megatron_kappa.model.build import build_model  # noqa: E402
 from megatron_kappa.model.deferred_wgrad import WgradQueue  # noqa: E402

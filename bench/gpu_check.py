@@ -26,16 +26,20 @@ It writes <out>/report.json and <out>/report.md (paste the latter into docs/benc
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["data.mock=true", "model.seq_length=128", "train.micro_batch=4", "train.global_batch=8",
@@ -117,7 +121,7 @@ import json, sys
 from megatron_kappa.evaluation.loading import load_model_for_eval
 from megatron_kappa.evaluation.core import evaluate_core
 from megatron_kappa.evaluation.lm_loss import validation_loss
-from bench.toy import ByteTokenizer
+from megatron_kappa.bench.toy import ByteTokenizer
 fn, cfg = load_model_for_eval(sys.argv[1])
 tok = ByteTokenizer()
 core = evaluate_core(fn, tok, "tests/core_bundle", 128, max_per_task=20, progress=False)
@@ -289,4 +293,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_kappa.entry import start
+    start()  # first: the known library notices filtered (megatron_kappa/entry.py)
     sys.exit(main())

@@ -101,7 +101,7 @@ class Counted:
 
 
 def prepare(data: Path):
-    from bench.optimizers import prepare as prepare_shards
+    from megatron_kappa.bench.optimizers import prepare as prepare_shards
     if not (data / "manifest.json").exists():
         print(f"preparing the bundled sample's shards in {data}", flush=True)
     train, _ = prepare_shards(data)
@@ -233,4 +233,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_kappa.entry import start
+    start()  # first: the known library notices filtered (megatron_kappa/entry.py)
     sys.exit(main())

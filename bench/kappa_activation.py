@@ -20,10 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from megatron_kappa.entry import start
 
-from megatron_kappa.kappa import kappa_swiglu
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_kappa.kappa import kappa_swiglu  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # variant → backend of kappa_swiglu (None: plain SwiGLU)

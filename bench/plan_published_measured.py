@@ -30,11 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.plan_calibration import kendall, spearman
-from megatron_kappa.cli_types import non_negative_float, positive_float
-from plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+from megatron_kappa.bench.plan_calibration import kendall, spearman  # noqa: E402
+from megatron_kappa.cli_types import non_negative_float, positive_float  # noqa: E402
+from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,  # noqa: E402
                             check_run, config_of, measured_seconds)
-from plan.speed import Rates
+from megatron_kappa.plan.speed import Rates  # noqa: E402
 
 
 def main(argv=None) -> int:

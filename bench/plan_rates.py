@@ -8,7 +8,7 @@ rate (--tflops) and nothing per layer and micro-batch beyond the traffic's laten
 Qwen3-235B-A22B runs on H100s (docs/plan.md, bench/plan_published_measured.py) it is within 2-7 %
 where each rank's micro-batch holds 4,096 tokens, and 0.57 of the measured time where it holds
 1,024. This measures what would tell the candidates apart, in one process, the shapes' passes
-interleaved (bench/interleave.py):
+interleaved (megatron_kappa/bench/interleave.py):
 
   square     a large square GEMM: the baseline, what --tflops stands for;
   dense      Qwen3-235B's q/k/v and output projections for one micro-batch split over TP (4,096
@@ -35,10 +35,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch
-import torch.nn.functional as F
+from megatron_kappa.entry import start
 
-from bench.interleave import sync, time_interleaved
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
 
 H, Q_HEADS, KV_GROUPS, HEAD_DIM, EXPERT_FFN = 4096, 64, 4, 128, 1536  # Qwen3-235B-A22B
 
@@ -107,7 +111,7 @@ def _attention(seq, heads, head_dim, device, dtype):
 def layer_cost(device, quick: bool, reps: int) -> dict:
     """Milliseconds per layer and micro-batch at zero tokens: the model's forward + backward at
     sequence lengths s and 2s, extrapolated along their line."""
-    from bench.model_step import build_step
+    from megatron_kappa.bench.model_step import build_step
     from megatron_kappa.config import load_config
     from megatron_kappa.parallel.groups import init_distributed
     config = "configs/tiny.yaml" if device.type == "cpu" else "configs/moe8.yaml"

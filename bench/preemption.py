@@ -21,12 +21,16 @@ import os
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from megatron_kappa.entry import start
 
-from megatron_kappa.parallel.launch_env import free_port
-from megatron_kappa.train.preemption import StopAgreement
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
+from megatron_kappa.train.preemption import StopAgreement  # noqa: E402
 
 MODES = ("none", "pipelined", "blocking", "every4")
 

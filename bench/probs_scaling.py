@@ -16,11 +16,15 @@ import argparse
 import statistics
 import time
 
-import torch
+from megatron_kappa.entry import start
 
-from megatron_kappa.kappa import kappa_swiglu
-from megatron_kappa.model import experts
-from megatron_kappa.model.experts import ScaledByProbs
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+
+from megatron_kappa.kappa import kappa_swiglu  # noqa: E402
+from megatron_kappa.model import experts  # noqa: E402
+from megatron_kappa.model.experts import ScaledByProbs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -7,7 +7,7 @@
 Plain SwiGLU and κ-SwiGLU experts of the same config in one run (and each `--recompute`
 setting): full training steps (forward, backward, AdamW; the model on one device, EP1, the sorted
 dispatcher (no host sync) unless --set says otherwise, no DeepSpeed). Both models are built and
-warmed up, then their steps alternate (bench/interleave.py) and each one's median is taken. FLOPs
+warmed up, then their steps alternate (megatron_kappa/bench/interleave.py) and each one's median is taken. FLOPs
 per token as megatron_kappa.metrics.throughput counts them for the model measured (so a slice is
 counted as the slice); MFU against the device's bf16 peak (GPU only). Peak memory of one step: on
 CUDA the peak allocated above what was allocated before that variant was built (its weights,
@@ -26,16 +26,20 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch
+from megatron_kappa.entry import start
 
-from megatron_kappa import routers
-from megatron_kappa.config import load_config
-from megatron_kappa.model.build import build_model
-from megatron_kappa.train.loop import lm_loss
-from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.summary import count
-from megatron_kappa.metrics import throughput
-from bench.interleave import sync, time_interleaved
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+import torch  # noqa: E402
+
+from megatron_kappa import routers  # noqa: E402
+from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.model.build import build_model  # noqa: E402
+from megatron_kappa.train.loop import lm_loss  # noqa: E402
+from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
+from megatron_kappa.summary import count  # noqa: E402
+from megatron_kappa.metrics import throughput  # noqa: E402
+from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
 
 
 def _rss_kb(field: str) -> int:
@@ -94,7 +98,7 @@ def busy_share(step, device):
 
 
 def measure(cfgs: dict, device, micro_batch: int, steps: int) -> dict:
-    """Each named config's row; their timed steps are interleaved (bench/interleave.py)."""
+    """Each named config's row; their timed steps are interleaved (megatron_kappa/bench/interleave.py)."""
     built = {}
     for name, cfg in cfgs.items():
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

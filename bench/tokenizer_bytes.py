@@ -116,4 +116,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from megatron_kappa.entry import start
+    start()  # first: the known library notices filtered (megatron_kappa/entry.py)
     main()

@@ -23,10 +23,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from analysis.plots import make_plots
-from megatron_kappa.cli_types import positive_int
-from megatron_kappa.metrics.log import read_records
-from megatron_kappa.parallel.launch_env import free_port
+from megatron_kappa.entry import start
+
+start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
+
+from megatron_kappa.analysis.plots import make_plots  # noqa: E402
+from megatron_kappa.cli_types import positive_int  # noqa: E402
+from megatron_kappa.metrics.log import read_records  # noqa: E402
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 
@@ -77,8 +81,9 @@ def main(argv=None) -> int:
             f"log.interval={max(1, args.steps // 20)}", f"checkpoint.interval={max(1, args.steps // 4)}",
             f"eval.valid_every={max(1, args.steps // 4)}", f"eval.core_every={args.steps}",
             f"eval.core_bundle={BUNDLE}", "eval.core_max_per_task=20"]
-    # the launcher's own INFO lines (world info, each rank's full command) at warning: the command is above
-    sh([py, "-m", "deepspeed.launcher.runner", "--log_level", "warning", "--num_gpus", "2",
+    # kappa-deepspeed: the runner at --log_level warning (its INFO lines: world info, each rank's full
+    # command; the command is above), its known notices dropped, Ctrl-C in one line
+    sh([py, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2",
         "--master_port", str(free_port()),
         "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets])
 

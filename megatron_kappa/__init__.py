@@ -1,15 +1,28 @@
 """megatron_kappa: κ-SwiGLU Mixture-of-Experts pre-training on megatron-core and DeepSpeed.
 
 Modules:
+  analysis/           Analyses of finished runs: figures (plots.py, drawn on the axes of
+                      figure_axes.py) and a study's table (study_table.py)
   attention_kinds.py  The attention kinds, each one entry of one registry (`KINDS`; `register` adds
                       one at run time)
+  bench/              What the benchmarks in bench/ share: a toy model and tokenizer, interleaved
+                      timing, and the benchmarks whose functions other benchmarks and the tests use
+                      (run them as bench/<name>.py)
   checkpoint/         Checkpoints of a run: `listing` says which exist (no torch), `store` saves and
                       loads them
+  cli/                The command lines: `commands` (what every console script and script beside the
+                      package calls: the quiet filters first, then the command) and the commands of
+                      the scripts in launch/ and eval/
   cli_types.py        argparse types for the command lines' numbers: a bad value is argparse's one
                       error line, before any work (planner, evaluation)
   config/             The run configuration: YAML validated against one dataclass schema
   data/               Data formats shared by data preparation, the preflight, training and
                       evaluation
+  data_prep/          Data preparation: raw corpora (FineWeb-Edu shaped) → SentencePiece → Megatron
+                      indexed shards
+  entry.py            What every entry point does first: the library notices known harmless filtered
+                      (quiet.py) and, in a launcher process, its endings in one line
+                      (launcher_exit.py)
   evaluation/         Evaluation of a causal LM: CORE (DCLM's in-context tasks) and validation loss
                       / bits per byte
   export/             A trained run as a Hugging Face model folder, for transformers, serving tools
@@ -35,6 +48,8 @@ Modules:
   paths.py            Whether a folder can be made where a command line or a config says (one check
                       for run.dir, the study's --dir, the export's and consolidation's --output and
                       the evaluations' --json, before any work)
+  plan/               The memory planner: what the most-loaded rank of a layout holds, and whether
+                      it fits
   preflight.py        Every check of a run's inputs that can run before process groups and the model
                       exist
   quiet.py            The library messages known to be harmless here, kept out of every command's
@@ -52,12 +67,3 @@ Modules:
 """
 
 __version__ = "0.1.0"
-
-from megatron_kappa import quiet as _quiet  # noqa: E402  (first: before any library prints)
-
-_quiet.install()
-
-# the launchers' own Ctrl-C and failed-rank reports in one line (in the launcher processes only)
-from megatron_kappa import launcher_exit as _launcher_exit  # noqa: E402
-
-_launcher_exit.install()

@@ -1,11 +1,11 @@
 """The launchers' own endings in one line: Ctrl-C to the deepspeed runner, and torchrun's signal
 and failed-rank reports, instead of their Python tracebacks.
 
-The launchers never import the package themselves; the start-up hook `make venv` installs
-(megatron_kappa/quiet.py's `megatron_kappa_quiet.pth`) imports it in every Python process of the
-environment, and `install()` then sets `sys.excepthook` in the launcher processes only (told by
-`sys.orig_argv`, which Python sets before the hook runs). Nothing of DeepSpeed or torch is
-patched: an exception they leave uncaught reaches the hook, which prints one line and exits.
+The launchers never import the package themselves (and the environment holds no start-up hook):
+`kappa-deepspeed` and `kappa-torchrun` (megatron_kappa/cli/launcher.py) run them in a process that
+sets the hook first (`install_for`); `install()`, which every entry point calls, sets it only in a
+launcher process (told by `sys.orig_argv`). Nothing of DeepSpeed or torch is patched: an
+exception they leave uncaught reaches the hook, which prints one line and exits.
 
 - The deepspeed runner (`deepspeed`, `python -m deepspeed.launcher.runner`) on one host waits for
   its launch.py in `Popen.wait()` with no SIGINT handler: Ctrl-C to the terminal's process group
@@ -109,10 +109,23 @@ def install(argv: list[str] | None = None) -> str | None:
         return None
     name = program(list(getattr(sys, "orig_argv", sys.argv)) if argv is None else argv)
     if name in DEEPSPEED_RUNNER:
-        sys.excepthook = deepspeed_runner_hook
-        return "deepspeed"
+        return install_for("deepspeed")
     if name in TORCHRUN:
+        return install_for("torchrun")
+    return None
+
+
+def install_for(launcher: str) -> str | None:
+    """Set the hook of `launcher` ("deepspeed" or "torchrun") in this process, which runs it
+    (megatron_kappa/cli/launcher.py); the launcher's name, or None under KAPPA_SHOW_WARNINGS."""
+    from megatron_kappa.quiet import ENV
+    if os.environ.get(ENV, "") not in ("", "0"):
+        return None
+    if launcher == "deepspeed":
+        sys.excepthook = deepspeed_runner_hook
+    elif launcher == "torchrun":
         sys.excepthook = torchrun_hook
         logging.getLogger(_TORCHRUN_LOGGER).addFilter(_DropReplacedLines())
-        return "torchrun"
-    return None
+    else:
+        raise ValueError(f"launcher: {launcher!r}: expected deepspeed or torchrun")
+    return launcher

@@ -1,13 +1,11 @@
 """The library messages known to be harmless here, kept out of every command's output.
 
-`install()` runs when the package is first imported (megatron_kappa/__init__.py), in every rank
-of every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything.
-The launchers themselves (torchrun, the deepspeed runner and its launch.py) never import the
-package, so `make venv` adds a one-line `megatron_kappa_quiet.pth` to the environment's
-site-packages (`install_hook`): every Python process of the
-environment imports the package at start-up, and the same filters cover the launchers' notices.
-It drops exactly the messages below, each at its source (a `warnings` filter by message, or a
-filter on the logger that emits it); any other warning still shows. KAPPA_SHOW_WARNINGS=1 in the
+`install()` is the first thing every entry point does (megatron_kappa/entry.py: the scripts
+beside the package, the console scripts, the package's `python -m` mains), in every rank of
+every launcher, before megatron-core, DeepSpeed or torch's extension loader print anything;
+importing the package installs nothing. It drops exactly the messages below, each at its source
+(a `warnings` filter by message, or a filter on the logger that emits it); any other warning
+still shows. KAPPA_SHOW_WARNINGS=1 in the
 environment shows them all.
 """
 from __future__ import annotations
@@ -27,6 +25,8 @@ KNOWN_WARNINGS = [
     (UserWarning, r"The pad token id in the tokenizer collides"),  # the mock dataset's tokenizer
     # torch 2.14 renamed it; DeepSpeed's ZeRO, megatron-core and torch 2.11 (the GPU image) use the old name
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+    # its twin, from DeepSpeed's reduce-scatter (deepspeed/comm/torch.py) once per rank under parallel.cp=2
+    (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated"),
 ]
 # A library's invalid string escapes (megatron-core's, torchao's docstrings), which Python reports
 # when it compiles the file: once with bytecode cached, at every start of every process when it is
@@ -79,17 +79,4 @@ def install() -> bool:
         logging.getLogger(name).addFilter(_DropKnown(patterns))
     _installed = True
     return True
-
-
-HOOK = "megatron_kappa_quiet.pth"
-
-
-def install_hook(site_packages: str) -> str:
-    """Write the start-up hook into `site_packages` (temp name, then rename); its path."""
-    path = os.path.join(site_packages, HOOK)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:  # a .pth line that starts with "import" is executed at start-up
-        f.write("import megatron_kappa  # the library notices known harmless (megatron_kappa/quiet.py)\n")
-    os.replace(tmp, path)
-    return path
 

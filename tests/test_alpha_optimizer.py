@@ -225,8 +225,8 @@ def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
     tiny), partitioned over the expert-data-parallel ranks; b keeps two. (Before the staged copy was
     counted, α held one momentum: 4 bytes an element less than AdamW's two; now 2 × 4, as many.)
     Under train.optimizer adamw α's matrix group is AdamW's, so nothing changes (control)."""
-    import plan as planner
-    from plan.state import muon_momentum_bytes
+    from megatron_kappa import plan as planner
+    from megatron_kappa.plan.state import muon_momentum_bytes
 
     def moments(*sets):
         cfg = load_config("configs/tiny.yaml", TINY + [f"parallel.ep={ep}", *sets])

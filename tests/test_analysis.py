@@ -266,7 +266,7 @@ def test_training_run_logs_the_analyses(world1, tmp_path):
             assert math.isfinite(first[key.format(i)]), key.format(i)
     # The figures: every one written; the checkpoint's alignment (analysis/plots.py's own
     # computation from the consolidated weights) is what the last step logged.
-    from analysis import plots
+    from megatron_kappa.analysis import plots
     from megatron_kappa.evaluation.loading import consolidated_state
     written = {p.name for p in plots.make_plots(tmp_path)}
     assert written == {"overview.png", "loss.png", "kappa.png", "alpha_b.png", "alignment.png", "gate_bias.png",
@@ -288,7 +288,7 @@ def test_training_run_logs_the_analyses(world1, tmp_path):
 def test_kappa_range_reads_the_last_logged_quantiles(tmp_path, capsys):
     """analysis.kappa_range: per layer, the last logged 5 %/95 % κ quantiles and the band verdict;
     a run without κ statistics is an error (status 1), not an empty table."""
-    from analysis import kappa_range
+    from megatron_kappa.analysis import kappa_range
     run = tmp_path / "study/runs/kappa-seed1"
     run.mkdir(parents=True)
     rows = [{"step": 10, "kappa/layer1/bottom5": 0.99, "kappa/layer1/top5": 1.01,

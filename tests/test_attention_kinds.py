@@ -66,7 +66,7 @@ def test_the_toy_kinds_settings_reach_the_model(world1, toy):
 
 
 def test_the_planner_refuses_a_kind_it_does_not_model(toy):
-    import plan
+    from megatron_kappa import plan
     cfg = load_config("configs/tiny.yaml", [f"model.attention_kind={toy}"])
     with pytest.raises(ConfigError, match=f"^plan: model.attention_kind: {toy} is not modelled by the planner$"):
         plan.plan(cfg, plan.Layout(1))

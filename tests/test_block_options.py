@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model
 

@@ -137,12 +137,15 @@ def test_junk_weights_for_evaluation_are_one_line(trained, tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: --weights: {junk}: not a state dict file")
 
 
-def test_ctrl_c_is_one_line_and_exit_130(capsys):
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     """run_command turns a KeyboardInterrupt into one line and exit status 130 (negative control:
     the plain call lets it through as a traceback), and every evaluation and export command line
-    runs its main through it."""
+    runs its main through it: megatron_kappa.entry.run does for a module that says what an
+    interrupt leaves (INTERRUPTED), which each of them does."""
     import ast
+    import types
 
+    from megatron_kappa import entry
     from megatron_kappa.parallel.launch_env import run_command
 
     def interrupted():
@@ -152,11 +155,24 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys):
     assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: nothing is lost\n"
     with pytest.raises(KeyboardInterrupt):
         interrupted()
-    for path in ("eval/core.py", "eval/loss.py", "eval/generate.py", "launch/consolidate.py",
-                 "megatron_kappa/export/__main__.py"):
-        calls = [n for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.Call)
-                 and getattr(n.func, "id", None) == "run_command"]
-        assert len(calls) == 1 and calls[0].args[0].id == "main", path
+    command = types.ModuleType("probe_command")
+    command.main = interrupted
+    monkeypatch.setitem(sys.modules, "probe_command", command)
+    monkeypatch.setattr(entry, "start", lambda: None)
+    with pytest.raises(KeyboardInterrupt):  # negative control: a module that says nothing
+        entry.run("probe_command")
+    command.INTERRUPTED = "nothing is lost"
+    with pytest.raises(SystemExit) as stop:
+        entry.run("probe_command")
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted: nothing is lost\n"
+    for path in ("megatron_kappa/cli/eval_core.py", "megatron_kappa/cli/eval_loss.py", "megatron_kappa/cli/generate.py",
+                 "megatron_kappa/cli/consolidate.py", "megatron_kappa/export/__main__.py"):
+        said = [n for n in ast.parse((ROOT / path).read_text()).body if isinstance(n, ast.Assign)
+                and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["INTERRUPTED"]]
+        assert len(said) == 1 and isinstance(said[0].value, ast.Constant) and said[0].value.value, path
+    for script, command in (("eval/core.py", "eval_core"), ("eval/loss.py", "eval_loss"),
+                            ("eval/generate.py", "generate"), ("launch/consolidate.py", "consolidate")):
+        assert f"commands.{command}()" in (ROOT / script).read_text(), script
 
 
 def test_check_refuses_a_bad_config_before_any_rank_starts():

@@ -18,11 +18,11 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from eval import core as core_cli  # noqa: E402
+from megatron_kappa.cli import eval_core as core_cli  # noqa: E402
 from megatron_kappa.evaluation import core as ce  # noqa: E402
 from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
 from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
-from bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
+from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 TOK = ByteTokenizer()
@@ -416,7 +416,7 @@ def test_validation_loss_reads_megatron_shards(tmp_path, capsys):
     model = Bigram()
     from_shards = validation_loss(model, prefixes, TOK, seq_len=9, batch_size=2)
     assert from_shards == pytest.approx(validation_loss(model, DOCS, TOK, seq_len=9, batch_size=2))
-    from eval import loss as loss_cli
+    from megatron_kappa.cli import eval_loss as loss_cli
     args = loss_cli.parse_args(["--checkpoint", "x", "--data", *prefixes, "--seq-len", "9", "--no-progress"])
     assert loss_cli.run(args, model, TOK, 64)["loss"] == pytest.approx(reference(model, DOCS)[0])
     assert "bits/byte" in capsys.readouterr().out

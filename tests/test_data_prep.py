@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from data_prep import DataPrepError
-from data_prep.fineweb_edu import run
-from data_prep.shards import ShardWriter, choose_dtype
+from megatron_kappa.data_prep import DataPrepError
+from megatron_kappa.data_prep.fineweb_edu import run
+from megatron_kappa.data_prep.shards import ShardWriter, choose_dtype
 from megatron_kappa.tokenizer import BOS_ID, EOD_ID, PAD_ID, UNK_ID, Tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -441,7 +441,7 @@ def test_a_full_disk_is_one_line_and_the_finished_shards_stay(work, tmp_path, mo
     traceback); what was finished stays for the rerun."""
     import errno
 
-    from data_prep import fineweb_edu, shards
+    from megatron_kappa.data_prep import fineweb_edu, shards
 
     def full(self, tokens, lengths):
         raise OSError(errno.ENOSPC, "No space left on device", str(self._tmp(".bin")))

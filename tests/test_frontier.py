@@ -3,7 +3,7 @@ summary, from meta builds, and the planner, by its arithmetic), and a layout the
 80 GB GPUs."""
 import pytest
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import load_config
 
 FRONTIER = {  # config: (world, published total parameters, tolerance)

@@ -1,7 +1,9 @@
 """The data flows one way: config → model/parallel setup → data → checkpoints → evaluation → the
-training loop. No module imports a module of a later stage (lazy imports inside functions
-count too), no modules import each other in a circle, the command-line scripts import the
-package without editing sys.path, and the benchmarks do not import the tests. A string that
+training loop; the tools (the planner, data preparation, the analyses, the benchmarks' shared code)
+and the command lines come after every stage of training. No module imports a module of a later
+stage (lazy imports inside functions count too), no modules import each other in a circle, and
+the scripts beside the package (launch/, eval/, ...) import only the package, without editing
+sys.path, and never the tests. A string that
 names a module ("megatron_kappa.x.y:attr", for importlib or a late reference such as routers'
 `_late`) is an import like a statement: an arrow a reader and an IDE miss is still an arrow.
 Read from the source (ast), so no module is executed here."""
@@ -19,10 +21,10 @@ PACKAGE = ROOT / "megatron_kappa"
 # loop comes after evaluation because it runs the CORE subset and validation while it trains;
 # the preflight comes last because it checks the inputs of every stage before any of them runs.
 STAGES = [
-    # the first imports (library notices, the launchers' endings); argparse types; folder checks; the
-    # registry mechanism of every kind (κ inputs, routers, attention kinds, export targets)
-    ("megatron_kappa.quiet", "megatron_kappa.launcher_exit", "megatron_kappa.cli_types", "megatron_kappa.paths",
-     "megatron_kappa.registry"),
+    # what every entry point does first (library notices, the launchers' endings); argparse types; folder
+    # checks; the registry mechanism of every kind (κ inputs, routers, attention kinds, export targets)
+    ("megatron_kappa.entry", "megatron_kappa.quiet", "megatron_kappa.launcher_exit", "megatron_kappa.cli_types",
+     "megatron_kappa.paths", "megatron_kappa.registry"),
     ("megatron_kappa.kappa",),
     # the router and attention kinds: torch-free, read by the config
     ("megatron_kappa.config", "megatron_kappa.routers", "megatron_kappa.attention_kinds"),
@@ -39,12 +41,17 @@ STAGES = [
     ("megatron_kappa.metrics",),
     ("megatron_kappa.train",),
     ("megatron_kappa.preflight",),
+    # the tools: nothing of training imports them (the planner reads the trainer's config and checks,
+    # never the reverse: docs/plan.md)
+    ("megatron_kappa.plan", "megatron_kappa.data_prep", "megatron_kappa.analysis"),
+    ("megatron_kappa.bench",),
+    ("megatron_kappa.cli",),  # the command lines
 ]
 SCRIPT_DIRS = ["launch", "eval", "plan", "analysis", "bench", "data_prep"]
 
 
 def stage_of(module: str) -> int:
-    if module == "megatron_kappa":  # the package itself: it imports only quiet and launcher_exit
+    if module == "megatron_kappa":  # the package itself: it imports nothing
         return 0
     if not module.startswith("megatron_kappa."):  # the tools beside the package use it, never the reverse
         return len(STAGES)
@@ -61,9 +68,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-# the package and the first-party packages beside it (the planner, eval, launch, ...)
-FIRST_PARTY = {module_name(p): p for d in sorted(ROOT.iterdir()) if (d / "__init__.py").is_file()
-               for p in d.rglob("*.py")}
+# the package and the scripts beside it (launch/, eval/, plan/, ...: named by their paths)
+FIRST_PARTY = {module_name(p): p for p in [*sorted(PACKAGE.rglob("*.py")),
+                                           *(p for d in SCRIPT_DIRS for p in sorted((ROOT / d).rglob("*.py")))]}
 PACKAGE_MODULES = {name: path for name, path in FIRST_PARTY.items() if path.is_relative_to(PACKAGE)}
 # a whole string naming a module of the package, with or without an attribute after a colon
 NAMED_MODULE = re.compile(r"megatron_kappa(?:\.\w+)+(?::\w+)?")
@@ -115,7 +122,7 @@ def package_sources() -> dict[str, str]:
 
 def first_party_sources() -> dict[str, str]:
     modules = {name: path.read_text() for name, path in FIRST_PARTY.items()}
-    assert {"launch.pretrain", "megatron_kappa.parallel.groups"} <= set(modules)
+    assert {"launch.pretrain", "megatron_kappa.parallel.groups", "megatron_kappa.plan.search"} <= set(modules)
     return modules
 
 
@@ -234,8 +241,19 @@ def circles(modules: dict[str, str]) -> list[str]:
     return [circle_line(modules, part) for part in tangles(modules)]
 
 
+def test_training_never_imports_the_tools():
+    """Negative control for the tools' stage: the training loop importing the planner, a model module
+    naming data preparation and the preflight importing a command line are reported."""
+    probes = {"megatron_kappa.train.probe": "def f():\n    from megatron_kappa.plan import Layout\n",
+              "megatron_kappa.model.probe": 'X = "megatron_kappa.data_prep.shards:ShardWriter"\n',
+              "megatron_kappa.preflight.probe": "from megatron_kappa.cli import eval_core\n"}
+    found = upward_imports(probes)
+    assert [line.split(" (stage")[0] for line in found] == sorted(probes), found
+    assert "imports megatron_kappa.plan (stage" in found[2] and "names megatron_kappa.data_prep.shards" in found[0]
+
+
 def test_no_import_circles():
-    """The package and the first-party packages beside it: no circle (the last tangle, routers.py's
+    """The package and the scripts beside it: no circle (the last tangle, routers.py's
     late strings into model/build, is untied: model/routers/ hands the pieces down)."""
     assert circles(first_party_sources()) == []
 
@@ -264,8 +282,33 @@ def test_the_check_finds_a_circle():
         "(tangled with it: megatron_kappa.parallel.probe_c)"]
 
 
+def scripts_offences(path: Path, source: str) -> list[str]:
+    """A script beside the package (run as `python launch/x.py`, its own folder first on sys.path):
+    each import of a first-party module that is not the package (another script's folder, the
+    tests), as `path:line imports name`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            relative = isinstance(node, ast.ImportFrom) and node.level > 0
+            found += [f"{path}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in (*SCRIPT_DIRS, "tests") or relative]
+    return found
+
+
+def test_the_check_finds_a_script_importing_another():
+    """Negative control: a script importing another folder's module (as launch/demo.py imported
+    analysis.plots when those folders were installed packages), or a relative import, is reported."""
+    assert scripts_offences(Path("launch/demo.py"), "from analysis.plots import make_plots\n") == [
+        "launch/demo.py:1 imports analysis.plots"]
+    assert scripts_offences(Path("bench/x.py"), "def f():\n    import bench.toy\n") == [
+        "bench/x.py:2 imports bench.toy"]
+    assert len(scripts_offences(Path("eval/x.py"), "from . import core\n")) == 1
+    assert scripts_offences(Path("launch/demo.py"), "from megatron_kappa.analysis.plots import make_plots\n") == []
+
+
 @pytest.mark.parametrize("folder", SCRIPT_DIRS)
-def test_scripts_import_the_package_without_sys_path_edits(folder):
+def test_scripts_import_only_the_package_without_sys_path_edits(folder):
     offenders = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
@@ -274,10 +317,7 @@ def test_scripts_import_the_package_without_sys_path_edits(folder):
                     isinstance(node.value, ast.Attribute) and node.value.attr == "path" and \
                     isinstance(node.value.value, ast.Name) and node.value.value.id == "sys":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-            if folder == "bench" and isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
-                              if n == "tests" or n.startswith("tests.")]
+        offenders += scripts_offences(path.relative_to(ROOT), path.read_text())
     assert offenders == []
 
 

@@ -81,10 +81,12 @@ def test_the_torchrun_lines_replaced_are_torchs_and_only_they_are_dropped():
 
 
 def launchers():
+    """kappa-deepspeed and kappa-torchrun (megatron_kappa/cli/launcher.py): the launchers never
+    import the package themselves, and the environment holds no start-up hook."""
     from megatron_kappa.parallel.launch_env import free_port
-    return {"deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+    return {"deepspeed": [sys.executable, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2",
                           "--master_port", str(free_port())],
-            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "torchrun": [sys.executable, "-m", "megatron_kappa.cli.launcher", "torchrun", "--nproc_per_node", "2",
                          "--master_port", str(free_port())]}
 
 

@@ -43,8 +43,7 @@ def render(package: Path) -> str:
 
 
 def packages() -> list[Path]:
-    # the planner beside the package too (a tool that reads megatron_kappa: docs/plan.md)
-    return sorted(p.parent for p in [*PACKAGE.rglob("__init__.py"), ROOT / "plan" / "__init__.py"])
+    return sorted(p.parent for p in PACKAGE.rglob("__init__.py"))
 
 
 def current_map(init: Path) -> str | None:

@@ -88,8 +88,8 @@ def test_offload_with_pipeline_stages_equals_the_default_and_resumes(tmp_path):
 
 
 def test_the_planner_counts_it_and_does_not_call_it_planned_only():
-    import plan as planner
-    from plan import Layout
+    from megatron_kappa import plan as planner
+    from megatron_kappa.plan import Layout
     cfg = load_config("configs/tiny.yaml", ["precision=bf16", "zero.offload_optimizer=true"])
     on = planner.plan(cfg, Layout(2), gpu_mem_gib=80).most_loaded
     off = planner.plan(load_config("configs/tiny.yaml", ["precision=bf16"]), Layout(2), gpu_mem_gib=80).most_loaded

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import ConfigError, load_config
-from plan import GIB, Layout, search, speed
-from plan.planned import Planned
-from plan.routing import routed_rows_per_rank
+from megatron_kappa.plan import GIB, Layout, search, speed
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.routing import routed_rows_per_rank
 from tests.support.settings import MLA  # the tiny MLA settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import pytest
 
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.preflight import preflight
-from plan import Layout, search
-from plan.accepted import refusal
+from megatron_kappa.plan import Layout, search
+from megatron_kappa.plan.accepted import refusal
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 WORLD = 8
@@ -108,7 +108,7 @@ def test_a_factor_the_schema_lacks_is_refused_as_the_trainer_refuses_it():
     unknown-key error, here shown with a key no schema has."""
     import dataclasses
 
-    from plan import accepted
+    from megatron_kappa.plan import accepted
     cfg = load_config("configs/tiny.yaml")
     assert refusal(cfg, Layout(WORLD, tp=2, pp=2)) is None
     original = accepted.to_dict

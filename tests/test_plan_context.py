@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import load_config
 from megatron_kappa.model.cp_attention import context_parallel_attention
-from plan import Layout, speed
-from plan import context as plan_context
-from plan.planned import Planned
+from megatron_kappa.plan import Layout, speed
+from megatron_kappa.plan import context as plan_context
+from megatron_kappa.plan.planned import Planned
 from tests.support.settings import MLA  # the tiny MLA settings
 
 CASES = {  # name: (cp, tp, extra config)

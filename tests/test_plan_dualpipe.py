@@ -5,10 +5,10 @@ rank's parameters, activations and step terms by hand on tiny (8 layers: PP4 giv
 and the layouts DualPipe cannot run refused."""
 import pytest
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import ConfigError, load_config
-from plan import Layout, dualpipe, speed
-from plan.planned import Planned
+from megatron_kappa.plan import Layout, dualpipe, speed
+from megatron_kappa.plan.planned import Planned
 
 DUAL = Planned(dualpipe=True)
 
@@ -172,7 +172,7 @@ def test_layouts_dualpipe_cannot_run_are_refused():
 def test_search_tries_dualpipe_beside_1f1b():
     """With DualPipe asked for, each layout with stages is planned both ways (DualPipe's second
     copy of the parameters may not fit where 1F1B does); the faster that fits is kept."""
-    from plan.search import schedules, search
+    from megatron_kappa.plan.search import schedules, search
     cfg = tiny()
     assert schedules(DUAL, Layout(4, pp=4)) == [DUAL, Planned()] and schedules(DUAL, Layout(4)) == [DUAL]
     rates = speed.Rates(latency_us=0)  # at 10 µs a message tiny's ZeRO traffic, doubled by DualPipe, decides

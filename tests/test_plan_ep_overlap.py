@@ -15,7 +15,7 @@ import types
 import pytest
 
 from megatron_kappa.config import load_config
-from plan import Layout, Planned, ep_overlap, plan, speed
+from megatron_kappa.plan import Layout, Planned, ep_overlap, plan, speed
 
 
 def tiny(*sets):

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from plan import Layout, model_shape, speed
-from plan.published import LONG_CONTEXT, MEASURED, TUNED, check_run, config_of, measured_seconds, megatron_model_flops
-from plan.speed import Rates
+from megatron_kappa.plan import Layout, model_shape, speed
+from megatron_kappa.plan.published import LONG_CONTEXT, MEASURED, TUNED, check_run, config_of, measured_seconds, megatron_model_flops
+from megatron_kappa.plan.speed import Rates
 
 # ModelZoo best_practice/qwen3/readme.md:14, :15, :19, :18 give both a step time and megatron's model TFLOP/s per GPU
 BOTH = ((TUNED[0], 19.7, 245), (TUNED[1], 17.6, 276), (TUNED[2], 29.0, 167), (MEASURED[0], 24.2, 200))
@@ -45,7 +45,7 @@ def test_megatron_model_flops_is_the_planners_count_less_the_router():
 
 
 def test_megatron_model_flops_refuses_mla():
-    from plan.published import RUNS
+    from megatron_kappa.plan.published import RUNS
     with pytest.raises(ValueError, match="model.mla"):
         megatron_model_flops(config_of(RUNS[0]))
 
@@ -162,7 +162,7 @@ def test_one_expert_imbalance_margin_gives_the_dropless_runs_at_every_length():
     attention cores at 1,000 TFLOP/s (their share of the step too small) the margin refitted at 16K
     misses 128K's ratio by over 3 %."""
     from bench.plan_published_measured import fit_imbalance, step_seconds
-    from plan.published import DROPLESS_IMBALANCE, LONG_CONTEXT_DROPLESS
+    from megatron_kappa.plan.published import DROPLESS_IMBALANCE, LONG_CONTEXT_DROPLESS
 
     def ratios(pairs, margin):
         return [(f.measured_tflops / d.measured_tflops, step_seconds(d, margin) / step_seconds(f, 1.0))
@@ -195,7 +195,7 @@ def test_kendall_tau_b_against_its_definition():
     import itertools
     import random
 
-    from bench.plan_calibration import kendall
+    from megatron_kappa.bench.plan_calibration import kendall
 
     def sign(v):
         return (v > 0) - (v < 0)

@@ -5,10 +5,10 @@ momentum buffer of each Muon group and the copy it stages that momentum in
 import pytest
 import torch
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel.groups import current_device
-from plan.state import muon_momentum_bytes, reduced_bytes
+from megatron_kappa.plan.state import muon_momentum_bytes, reduced_bytes
 
 BASE = ["data.mock=true", "model.seq_length=16", "train.micro_batch=2", "train.global_batch=4", "train.grad_clip=0",
         "train.warmup=1", "log.tensorboard=false"]

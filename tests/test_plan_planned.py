@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import ConfigError, load_config
-from plan import Layout, speed
-from plan import context as plan_context
-from plan.activations import in_flight
-from plan.planned import Planned
+from megatron_kappa.plan import Layout, speed
+from megatron_kappa.plan import context as plan_context
+from megatron_kappa.plan.activations import in_flight
+from megatron_kappa.plan.planned import Planned
 
 H, FFN, TOKENS, HEADS_D = 64, 256, 128, 64  # heads × head dim = 64
 
@@ -149,7 +149,7 @@ def test_planned_only_settings_are_named_and_checked():
     # virtual stages run in the trainer (parallel.vpp): not planned only, and read from the config
     assert Planned().labels(Layout(8, pp=2, vpp=2)) == []
     from megatron_kappa.config import load_config
-    from plan import layout_of
+    from megatron_kappa.plan import layout_of
     assert layout_of(load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.vpp=2"]).parallel, 4).vpp == 2
     assert layout_of(load_config("configs/tiny.yaml", ["parallel.cp=2"]).parallel, 4).cp == 2
 
@@ -158,7 +158,7 @@ def test_every_published_run_fits_with_its_published_settings():
     """DeepSeek-V3, Kimi K2, Qwen3-235B-A22B and Mixtral-8x22B at their published layouts and
     memory settings (plan.published cites each) fit 80 GB; without their
     planned-only savings the two largest do not (what made the planner say "does NOT fit")."""
-    from plan.published import RUNS, check_run
+    from megatron_kappa.plan.published import RUNS, check_run
     assert [r.name for r in RUNS] == ["DeepSeek-V3", "Kimi K2", "Qwen3-235B-A22B", "Mixtral-8x22B"]
     for run in RUNS[1:]:
         got = check_run(run, ranked=False)
@@ -178,7 +178,7 @@ def test_every_published_run_fits_with_its_published_settings():
         assert not check_run(bare, ranked=False).fits, run.name
     # Kimi K2 ran "with virtual stages", the number not given: the fastest that fits, of those the
     # search tries for the layout (every divisor of the largest stage's layers above 1)
-    from plan.published import chosen_vpp, config_of
+    from megatron_kappa.plan.published import chosen_vpp, config_of
     kimi = RUNS[1]
     assert kimi.open_vpp and kimi.layout.vpp == 1 and not any(r.open_vpp for r in RUNS if r is not kimi)
     chosen = chosen_vpp(kimi).layout
@@ -206,7 +206,7 @@ def test_nvidia_tuned_layouts_fit_as_they_ran():
     the planner must say they fit, each at its own split (Qwen3's 32 chunks of 3 with the embedding
     and the loss counted) and virtual stages. The same layouts on 48 GB do not (the verdict is
     not vacuous)."""
-    from plan.published import TUNED, check_run, config_of
+    from megatron_kappa.plan.published import TUNED, check_run, config_of
     assert [r.layout.label().split(" DP")[0] for r in TUNED] == [
         "TP2 PP8 VPP4 EP32 ETP1", "TP2 PP8 VPP4 EP32 ETP1", "TP4 PP8 VPP4 EP8 ETP1", "TP2 PP8 VPP7 EP8 ETP1"]
     for run in TUNED:

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from megatron_kappa.config import ConfigError
-from plan import published
-from plan.published import FOLDER, load
+from megatron_kappa.plan import published
+from megatron_kappa.plan.published import FOLDER, load
 
 DEEPSEEK = FOLDER / "01_deepseek_v3.yaml"
 

@@ -9,7 +9,7 @@ here are the differences two settings make, which the estimate must reproduce.
 import pytest
 import torch
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import load_config
 from tests.support.saved_memory import saved_bytes
 
@@ -150,7 +150,7 @@ def test_an_unfused_glu_keeps_five_ffn_wide_tensors_a_token(world1, what, key, l
     fc2 reads: 5·F a token. Doubling F adds, measured, what it adds to the estimate within 3 %, the
     hand count; counted as fused (3·F, NVIDIA's recipes: Planned.fused_swiglu) it would be 40 %
     short, which the same check rejects."""
-    from plan.planned import Planned
+    from megatron_kappa.plan.planned import Planned
     small, small_plan, cfg = measured_and_planned(layout, f"{key}=64")
     large, large_plan, _ = measured_and_planned(layout, f"{key}=128")
     m = cfg.model

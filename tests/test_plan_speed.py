@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-import plan as planner
+from megatron_kappa import plan as planner
 from megatron_kappa.config import load_config
-from plan import Layout, search, speed
+from megatron_kappa.plan import Layout, search, speed
 from tests.support.settings import MLA  # the tiny MLA settings
 
 # per-expert matmuls (torch's counter has no formula for grouped_mm), 2 sequences of 64 tokens
@@ -267,7 +267,7 @@ def test_every_recompute_module_is_known_to_each_estimate():
     parts are parts layer_flops computes (test_selective_modules_add_their_forward_matmuls checks
     them against torch's count)."""
     from megatron_kappa.config import recompute as selective
-    from plan.activations import activation_bytes
+    from megatron_kappa.plan.activations import activation_bytes
     cfg = load_config("configs/tiny.yaml", ["model.moe.grouped_gemm=true", "model.moe.shared_ffn_hidden_size=32",
                                             *MLA])
     layout = Layout(1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from plan import tables
+from megatron_kappa.plan import tables
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from analysis import figure_axes, plots
+from megatron_kappa.analysis import figure_axes, plots
 from tests.support.figure_checks import problems
 
 STEPS = list(range(10, 101, 10))
@@ -105,7 +105,7 @@ def test_the_checker_catches_a_figure_drawn_the_old_way(tmp_path):
 
 
 def test_the_softmoe_figure_reads_the_same_way(tmp_path):
-    from analysis.softmoe import allocation_figure, plot_allocation
+    from megatron_kappa.analysis.softmoe import allocation_figure, plot_allocation
     run = tmp_path / "softmoe_run"
     run.mkdir()
     rows = [{"step": s, "tokens_seen": 512 * s, "softmoe/k_mean": 1.5, "softmoe/layer1/k": 1.4, "softmoe/layer2/k": 1.6,
@@ -113,7 +113,7 @@ def test_the_softmoe_figure_reads_the_same_way(tmp_path):
              "softmoe/layer1/active_hist": [0.1, 0.5, 0.3, 0.1, 0.0], "softmoe/layer2/active_hist": [0, 0.5, 0.4, 0.1, 0]}
             for s in STEPS]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from analysis.plots import layers_of
+    from megatron_kappa.analysis.plots import layers_of
     assert plot_allocation(run).stat().st_size > 10_000
     assert problems(allocation_figure(rows, layers_of(rows, "softmoe"))) == []
 

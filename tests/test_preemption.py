@@ -370,7 +370,8 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
             f"run.dir={tmp_path}", *layout]
     if launcher.startswith("torchrun"):
         ranks = 4 if launcher.endswith("vpp2") else 2
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
+        cmd = [sys.executable, "-m", "megatron_kappa.cli.launcher", "torchrun", f"--nproc_per_node={ranks}",
+               f"--master_port={free_port()}",
                *args]
     else:
         cmd = deepspeed_cmd(*args, port=free_port())

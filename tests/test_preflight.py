@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep.shards import ShardWriter
+from megatron_kappa.data_prep.shards import ShardWriter
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.data.blend import split_ranges
 from megatron_kappa.preflight import preflight
@@ -94,7 +94,7 @@ def test_a_stage_without_decoder_layers_is_planned_not_trained(tmp_path):
     """megatron runs an entry of parallel.layout that holds only the embedding or the loss (the
     config loads, the planner plans it and says "planned only"); this trainer refuses it in one
     line. The same 5 layers with a layer on every stage pass (the control)."""
-    from plan import Layout, plan
+    from megatron_kappa.plan import Layout, plan
     pp3 = ["model.num_layers=5", "parallel.pp=3", "train.global_batch=12", "train.micro_batch=1"]
     for text, entry in (("E|t*5|L", 0), ("Et*4|t|L", 2)):
         message = error(tmp_path, [*pp3, f"parallel.layout={text}"], world=3)

@@ -154,7 +154,7 @@ def test_router_dtype_params_and_the_checks():
 
 def test_the_study_applies_kappa_set_to_the_kappa_variants_only():
     """14c9b04's κ arm trained with aux_loss 5e-4 and its baseline with 1e-3: --kappa-set."""
-    from launch.study import VARIANTS, parse_args, variant_sets
+    from megatron_kappa.cli.study import VARIANTS, parse_args, variant_sets
     args = parse_args(["--config", "configs/tiny.yaml", "--dir", "x", "--set", "train.steps=4",
                        "--kappa-set", "model.moe.aux_loss=5e-4"])
     assert variant_sets(args, "swiglu") == ["train.steps=4"]

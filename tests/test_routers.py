@@ -123,7 +123,7 @@ def test_an_unregistered_router_is_refused_naming_the_registered_ones(softmax_t)
 def test_the_callers_queries_follow_the_registry(softmax_t):
     """A kind that is not top-k and drops no tokens is named in the sorted dispatcher's and
     eval.capacity_factor's errors, and refused by pipeline stages and the planner when it says so."""
-    from plan import Layout, check
+    from megatron_kappa.plan import Layout, check
     routers.unregister("softmax_t")
     routers.register("softmax_t", dataclasses.replace(routers.lookup("softmax"), help="softmax_t", topk=False,
                                                       capacity=False, pipeline_refusal="cannot be split",

@@ -177,6 +177,6 @@ def test_budgets_move_while_their_mean_stays(tmp_path):
             assert len(hist) == 5 and abs(sum(hist) - 1) < 1e-4 and hist[4] == 0  # the cap: 3 experts
             assert 0 < r[f"softmoe/layer{i}/active_mean"] <= 3
     assert spread[-1] > 0.02 and spread[-1] > 2 * spread[0], spread  # away from uniform, and moving
-    from analysis.softmoe import plot_allocation
+    from megatron_kappa.analysis.softmoe import plot_allocation
     png = plot_allocation(run_dir)
     assert png == run_dir / "plots" / "softmoe.png" and png.stat().st_size > 10_000

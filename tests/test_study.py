@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import study_table
+from megatron_kappa.analysis import study_table
 
 pytestmark = pytest.mark.slow  # every test launches studies of several runs
 
@@ -138,7 +138,7 @@ def test_launch_commands():
     """Each launcher's command line for a run of N processes (torchrun's form is the one
     tests/test_preemption.py runs; deepspeed's and python's run in the studies above)."""
     sys.path.insert(0, str(ROOT))
-    from launch.study import launch_cmd
+    from megatron_kappa.cli.study import launch_cmd
     script = str(ROOT / "launch/pretrain.py")
     assert launch_cmd("python", 1, "launch/pretrain.py", ["--config", "x.yaml"]) == \
         [sys.executable, script, "--config", "x.yaml"]
@@ -297,7 +297,7 @@ def test_summary_statistics_and_pairing():
     (["--launcher", "mpirun"], "argument --launcher: invalid choice: 'mpirun'"),
 ])
 def test_study_numbers_are_argparse_errors(flags, message, capsys):
-    from launch import study
+    from megatron_kappa.cli import study
     with pytest.raises(SystemExit) as e:
         study.parse_args(["--config", "configs/tiny.yaml", "--dir", "x", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
@@ -306,7 +306,7 @@ def test_study_numbers_are_argparse_errors(flags, message, capsys):
 
 def test_study_flags_are_checked_before_any_config(tmp_path):
     """The flags that are not config keys: one line naming the flag, before any run or config."""
-    from launch import study
+    from megatron_kappa.cli import study
     (tmp_path / "file").write_text("")
     base = ["--config", str(ROOT / "configs/tiny.yaml"), "--dir", str(tmp_path / "study")]
     cases = [(["--config", str(tmp_path / "none.yaml")], "--config: " + str(tmp_path / "none.yaml") + ": no such file"),

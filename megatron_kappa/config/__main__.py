@@ -50,5 +50,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m megatron_kappa.config
+    from megatron_kappa.entry import run
+    run("megatron_kappa.config.__main__")

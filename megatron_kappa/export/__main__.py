@@ -4,16 +4,20 @@
 AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))."""
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from megatron_kappa.entry import start
 
-from safetensors import SafetensorError
+start()  # first: the known library notices filtered before the imports below print (megatron_kappa/entry.py)
 
-from megatron_kappa.cli_types import add_checkpoint_arguments, positive_int
-from megatron_kappa.config import ConfigError
-from megatron_kappa.export import convert
-from megatron_kappa.export.writer import DTYPES
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from safetensors import SafetensorError  # noqa: E402
+
+from megatron_kappa.cli_types import add_checkpoint_arguments, positive_int  # noqa: E402
+from megatron_kappa.config import ConfigError  # noqa: E402
+from megatron_kappa.export import convert  # noqa: E402
+from megatron_kappa.export.writer import DTYPES  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -48,6 +52,9 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from megatron_kappa.parallel.launch_env import run_command
-    run_command(main, "the export writes into <output>.tmp and renames it at the end: <output> is never half-written")
+# what Ctrl-C leaves, said in one line (megatron_kappa/cli/commands.py)
+INTERRUPTED = "the export writes into <output>.tmp and renames it at the end: <output> is never half-written"
+
+if __name__ == "__main__":  # python -m megatron_kappa.export
+    from megatron_kappa.entry import run
+    run("megatron_kappa.export.__main__")

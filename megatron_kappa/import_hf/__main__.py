@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from megatron_kappa.parallel.launch_env import run_command
-    run_command(main, "nothing was written")
+INTERRUPTED = "nothing was written"  # what Ctrl-C leaves, in one line (megatron_kappa/cli/commands.py)
+
+if __name__ == "__main__":  # python -m megatron_kappa.import_hf
+    from megatron_kappa.entry import run
+    run("megatron_kappa.import_hf.__main__")

@@ -3,7 +3,6 @@ tensors, the optimizer, the peak learning rate, the weight decay at step 0), on 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_kappa.config import Config, ParallelConfig, load_config_for_cli
 from megatron_kappa.summary import _fmt, count, show
@@ -45,5 +44,6 @@ def main(argv=None) -> int:
     return 2 if cfg is None else show(optimizer_groups(cfg), args.json, render_groups)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m megatron_kappa.optim
+    from megatron_kappa.entry import run
+    run("megatron_kappa.optim.__main__")

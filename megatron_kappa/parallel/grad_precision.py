@@ -126,7 +126,7 @@ def keep_fp32(zero, merge_fix: bool = True) -> None:
         # compact groups (fp32 partition already) return before ZeRO would allocate: so do we.
         # ZeRO sizes the buffer for every group's parameters, but only the other groups' (the
         # Muon/Aurora ones) are copied into it, one after another: it is sized for those alone
-        # (the planner's bytes, plan/state.py, count it so)
+        # (the planner's bytes, megatron_kappa/plan/state.py, count it so)
         if zero.grads_in_partition is None and not zero._use_compact_grad_partition_buffer(group_idx):
             zero.grads_in_partition_offset = 0
             total = sum(p.numel() for i, group in enumerate(zero.params_in_partition)

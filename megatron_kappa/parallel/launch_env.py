@@ -22,7 +22,6 @@ command-line process without interpreter shutdown's garbage collection.
 """
 from __future__ import annotations
 
-import gc
 import os
 import random
 import re
@@ -34,6 +33,10 @@ from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
+
+# a command line's ending, defined with the entry points' start (megatron_kappa/entry.py); many
+# command lines import them from here
+from megatron_kappa.entry import Terminated, exit_process, run_command  # noqa: F401
 
 DEVICE_ENV = "MEGATRON_KAPPA_DEVICE"  # auto | cpu | cuda: the device a process trains on (parallel.groups)
 
@@ -293,41 +296,3 @@ def export_environment(environ: Optional[MutableMapping] = None, *, use_scontrol
     env = os.environ if environ is None else environ
     found = from_environment(env, use_scontrol=use_scontrol)
     return None if found is None else export(found, env)
-
-
-def exit_process(code: int | None = 0):
-    """sys.exit(code) without the cyclic garbage collection of interpreter shutdown, which walks the
-    million objects torch, megatron-core and DeepSpeed create at import: 2-3 s at the end of every
-    process on a CPU (bench/process_exit.py: 3.0 s → 0.45 s after importing megatron-core and
-    DeepSpeed). Frozen objects are still freed by reference count;
-    only objects in reference cycles are left to the operating system. By the time a command line
-    calls this, what it writes is closed (`with` blocks, checkpoints renamed into place, the
-    TensorBoard writer closed by the loop) and atexit handlers such as logging's flush still run."""
-    gc.freeze()
-    sys.exit(code)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM in a command line run by run_command: a KeyboardInterrupt, so that what cleans up
-    after Ctrl-C (the export's `<output>.tmp`) cleans up after it too."""
-
-
-def _terminated(signum, frame):
-    raise Terminated
-
-
-def run_command(main, interrupted: str):
-    """`exit_process(main())` for a command line, with Ctrl-C as one line and exit status 130 (the
-    shell's for SIGINT) instead of a traceback, and SIGTERM likewise with 143 (it killed the process
-    at once, leaving what it was writing); `interrupted` says what an interrupt leaves."""
-    import signal
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        code = main()
-    except Terminated:
-        print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr, flush=True)
-        code = 128 + signal.SIGTERM
-    except KeyboardInterrupt:
-        print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
-        code = 130
-    exit_process(code)

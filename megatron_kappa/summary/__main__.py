@@ -3,7 +3,6 @@ paper table). The optimizer's parameter groups are `python -m megatron_kappa.opt
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_kappa import summary
 from megatron_kappa.config import load_config, load_config_for_cli
@@ -29,5 +28,6 @@ def main(argv=None) -> int:
     return 2 if cfg is None else show(summarize(cfg), args.json, render)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m megatron_kappa.summary
+    from megatron_kappa.entry import run
+    run("megatron_kappa.summary.__main__")

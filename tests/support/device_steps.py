@@ -5,7 +5,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from bench.toy import ByteTokenizer
+from megatron_kappa.bench.toy import ByteTokenizer
 from megatron_kappa.evaluation.core import evaluate_core, load_bundle
 from megatron_kappa.evaluation.lm_loss import validation_loss
 from megatron_kappa.evaluation.loading import logits_fn_for

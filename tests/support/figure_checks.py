@@ -1,6 +1,6 @@
 """What makes a figure unreadable, found by looking at the drawn figure (tests/test_plots.py,
 tests/test_analysis.py)."""
-from analysis import figure_axes
+from megatron_kappa.analysis import figure_axes
 
 
 def problems(fig) -> list[str]:

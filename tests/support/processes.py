@@ -24,8 +24,9 @@ def env():
 
 
 def deepspeed_cmd(script, *args, port):
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-            str(script), *args]
+    # kappa-deepspeed: the runner with its one-line Ctrl-C (megatron_kappa/cli/launcher.py)
+    return [sys.executable, "-m", "megatron_kappa.cli.launcher", "deepspeed", "--num_gpus", "2", "--master_port",
+            str(port), str(script), *args]
 
 
 def free_port():

@@ -22,7 +22,7 @@ import re
 from megatron_kappa.config import Config, ConfigError, to_dict
 from megatron_kappa.config.loading import from_mapping
 from megatron_kappa.preflight import check_parallel
-from plan.layout import Layout
+from megatron_kappa.plan.layout import Layout
 
 
 def trainer_config(cfg: Config, layout: Layout) -> Config:

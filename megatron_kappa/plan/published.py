@@ -20,13 +20,13 @@ import yaml
 
 from megatron_kappa import attention_kinds
 from megatron_kappa.config import ConfigError, load_config
-from plan.estimate import Plan, plan
-from plan.layout import Layout, model_shape
-from plan.planned import Planned
-from plan.search import divisors, rank_of, search
-from plan.speed import Rates
+from megatron_kappa.plan.estimate import Plan, plan
+from megatron_kappa.plan.layout import Layout, model_shape
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.search import divisors, rank_of, search
+from megatron_kappa.plan.speed import Rates
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "configs" / "frontier" / "published"
 # each group's runs in file-name order; the folder's README.md describes the groups
 GROUPS = ("report", "tuned", "measured", "long_context", "long_context_dropless")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_kappa.config import Config, stage_layout
-from plan import dualpipe, speed
-from plan.activations import activation_bytes
-from plan.layout import Layout, check
-from plan.params import stage_params
-from plan.planned import Planned
-from plan.state import bucket_bytes, gradient_bytes, state_bytes
-from plan.units import GIB
+from megatron_kappa.plan import dualpipe, speed
+from megatron_kappa.plan.activations import activation_bytes
+from megatron_kappa.plan.layout import Layout, check
+from megatron_kappa.plan.params import stage_params
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.state import bucket_bytes, gradient_bytes, state_bytes
+from megatron_kappa.plan.units import GIB
 
 HEADROOM = 0.9  # a layout fits when the estimate stays under this share of the GPU's memory
 

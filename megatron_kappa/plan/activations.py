@@ -49,11 +49,11 @@ from __future__ import annotations
 from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config
 from megatron_kappa.config import recompute as selective
-from plan import context
-from plan.layout import model_shape
-from plan.planned import Planned
-from plan.routing import routed_rows_per_rank
-from plan.units import value_bytes
+from megatron_kappa.plan import context
+from megatron_kappa.plan.layout import model_shape
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.routing import routed_rows_per_rank
+from megatron_kappa.plan.units import value_bytes
 
 
 def in_flight(pp: int, stage: int, micro_batches: int, vpp: int = 1) -> float:

@@ -68,15 +68,15 @@ import dataclasses
 from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config, ModelConfig, TrainConfig
 from megatron_kappa.config import recompute as selective
-from plan import context as cp_exchange
-from plan import dualpipe as dual
-from plan import ep_overlap
-from plan.layout import model_shape
-from plan.params import EXPERT_KINDS
-from plan.planned import OVERLAP
-from plan.routing import routed_rows
-from plan.state import reduced_bytes
-from plan.units import value_bytes
+from megatron_kappa.plan import context as cp_exchange
+from megatron_kappa.plan import dualpipe as dual
+from megatron_kappa.plan import ep_overlap
+from megatron_kappa.plan.layout import model_shape
+from megatron_kappa.plan.params import EXPERT_KINDS
+from megatron_kappa.plan.planned import OVERLAP
+from megatron_kappa.plan.routing import routed_rows
+from megatron_kappa.plan.state import reduced_bytes
+from megatron_kappa.plan.units import value_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ from itertools import chain
 
 import numpy as np
 
-from data_prep import DataPrepError
-from data_prep.sources import KEPT, Selection, read_unit
+from megatron_kappa.data_prep import DataPrepError
+from megatron_kappa.data_prep.sources import KEPT, Selection, read_unit
 
 _W: dict = {}
 

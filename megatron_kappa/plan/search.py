@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from megatron_kappa.config import Config, ConfigError
 from megatron_kappa.model.layout import model_layout
-from plan import speed
-from plan.accepted import refusal, refused_label
-from plan.estimate import Plan, plan
-from plan.layout import Layout, check, model_shape
-from plan.planned import Planned
+from megatron_kappa.plan import speed
+from megatron_kappa.plan.accepted import refusal, refused_label
+from megatron_kappa.plan.estimate import Plan, plan
+from megatron_kappa.plan.layout import Layout, check, model_shape
+from megatron_kappa.plan.planned import Planned
 
 CONTEXT_PARALLEL = (1, 2, 4)
 

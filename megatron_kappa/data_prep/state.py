@@ -16,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from data_prep import DataPrepError
+from megatron_kappa.data_prep import DataPrepError
 
 STATE_DIR = ".progress"
 OURS = re.compile(r"(train|valid)_\d{5}\.(bin|idx)(\.tmp)?|manifest\.json(\.tmp)?|tokenizer\.model(\.tmp)?")

@@ -5,10 +5,10 @@ optimizer moments (Muon's momentum with the copy ZeRO stages it in) and the redu
 from __future__ import annotations
 
 from megatron_kappa.config import Config, ModelConfig, TrainConfig
-from plan.layout import Layout
-from plan.params import EXPERT_KINDS, largest_tensors
-from plan.planned import Planned
-from plan.units import value_bytes
+from megatron_kappa.plan.layout import Layout
+from megatron_kappa.plan.params import EXPERT_KINDS, largest_tensors
+from megatron_kappa.plan.planned import Planned
+from megatron_kappa.plan.units import value_bytes
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 

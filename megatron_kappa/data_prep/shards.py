@@ -20,7 +20,7 @@ DTYPE_CODES = {dtype: CODES[dtype] for dtype in (np.dtype(np.uint16), np.dtype(n
 
 def choose_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
     """uint16 when every id fits (megatron-core's own rule: vocab < 65500), else int32."""
-    from data_prep import DataPrepError
+    from megatron_kappa.data_prep import DataPrepError
     if requested == "auto":
         return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
     dtype = np.dtype(requested)

@@ -24,8 +24,8 @@ step of at least 2p (dualpipe.py:332-333).
 from __future__ import annotations
 
 from megatron_kappa.config import ConfigError
-from plan.activations import activation_bytes
-from plan.params import stage_params
+from megatron_kappa.plan.activations import activation_bytes
+from megatron_kappa.plan.params import stage_params
 
 
 def applies(planned, layout) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron_kappa import attention_kinds
 from megatron_kappa.config import Config, ModelConfig
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, has_value_embedding, padded_vocab_size
-from plan.layout import Layout, model_shape
+from megatron_kappa.plan.layout import Layout, model_shape
 
 # norm: also model.residual_scalars' λ; attention: also the value-embedding gates
 KINDS = ("embedding", "output", "value_embedding", "attention", "dense_mlp", "shared_experts", "router",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from data_prep import DataPrepError
+from megatron_kappa.data_prep import DataPrepError
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")

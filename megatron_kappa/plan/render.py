@@ -1,9 +1,9 @@
 """The planner's text output: a plan, a search's table and a published run's line."""
 from __future__ import annotations
 
-from plan import dualpipe
-from plan.estimate import HEADROOM, Plan
-from plan.units import GIB
+from megatron_kappa.plan import dualpipe
+from megatron_kappa.plan.estimate import HEADROOM, Plan
+from megatron_kappa.plan.units import GIB
 
 
 def where(stage: int, pp: int, dual: bool) -> str:

@@ -9,8 +9,8 @@ Modules:
                       like the parameters, so that a checkpoint loads into any layout
   resume.py           What a resumed run may change: the config keys that shape the parameters or
                       the optimizer state (refused: the checkpoint could not be loaded, or would
-                      load into another model), against everything else (steps, intervals, logging,
-                      data paths, learning-rate and κ schedules, losses' weights...: allowed, and
+                      load into another model), against everything else (intervals, logging, data
+                      paths, learning-rate and κ schedules, losses' weights...: allowed, and
                       recorded in the run's config history)
   store.py            Atomic, resumable checkpoints that store every weight once and load into any
                       layout

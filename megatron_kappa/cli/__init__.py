@@ -11,6 +11,9 @@ Modules:
   eval_loss.py    Validation loss and bits per byte of a trained checkpoint on held-out Megatron
                   shards
   generate.py     Continue a prompt with a trained model: greedy by default, or sampled
+  launcher.py     The two launchers with this project's endings and without their known notices:
+                  `kappa-deepspeed` and `kappa-torchrun` (or `python -m megatron_kappa.cli.launcher
+                  deepspeed|torchrun ...`), with the launchers' own arguments
   pretrain.py     Pre-train a κ-SwiGLU MoE
   study.py        Run a multi-seed study: every variant × seed as its own resumable run, evaluated,
                   then a table

@@ -18,6 +18,8 @@ Modules:
                          data, the layout) and the evaluation results recorded for that step
   convert.py             A run's config and weights as a Hugging Face model's: which class takes it,
                          its config.json, and every tensor under that class's name
+  licenses.py            The Hugging Face Hub's licence identifiers: the values a model card's
+                         `license:` may take
   modeling_kappa_moe.py  A κ-SwiGLU Mixture-of-Experts language model for Hugging Face transformers,
                          as megatron_kappa trains it: `AutoModelForCausalLM.from_pretrained(dir,
                          trust_remote_code=True)` on a folder that `python -m megatron_kappa.export`

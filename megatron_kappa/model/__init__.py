@@ -7,6 +7,8 @@ Modules:
                        (megatron_kappa.attention_kinds.implement) when imported
   build.py             Config → megatron-core TransformerConfig + layer specs → GPTModel
   capacity.py          Expert capacity in training and in evaluation, as the authors run it
+  compile.py           model.compile: each transformer layer compiled on its own, as torchtitan
+                       compiles its blocks
   cp_attention.py      Context-parallel core attention (`parallel.cp`): each rank's queries against
                        the whole sequence's keys and values, all-gathered over the context-parallel
                        group

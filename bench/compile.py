@@ -55,8 +55,8 @@ def summarize(ms: dict, first_ms: dict, tokens: int, flops_per_token: dict, peak
 
 
 def measure(config: str, sets: list, precision: str, micro_batch: int, reps: int, kappa_vs_plain: bool) -> dict:
-    from bench.interleave import sync, time_interleaved
-    from bench.model_step import build_step
+    from megatron_kappa.bench.interleave import sync, time_interleaved
+    from megatron_kappa.bench.model_step import build_step
     from megatron_kappa.config import load_config
     from megatron_kappa.metrics import throughput
     from megatron_kappa.model import compile as model_compile

@@ -269,7 +269,9 @@ def test_a_tokenizer_replaced_since_training_is_refused_by_every_tool(trained, o
     line before the model loads (they would have encoded and decoded text with other ids)."""
     import shutil
 
-    from eval import core, generate, loss
+    from megatron_kappa.cli import eval_core as core
+    from megatron_kappa.cli import eval_loss as loss
+    from megatron_kappa.cli import generate
     from megatron_kappa.export.__main__ import main as export
     run = tmp_path / "run"
     shutil.copytree(trained, run, ignore=shutil.ignore_patterns("checkpoints"))

@@ -461,7 +461,7 @@ def test_progress_in_a_log_is_one_line_per_report_at_a_modest_rate():
     line. Negative control: on a terminal it is tqdm's bar, redrawn with carriage returns."""
     import io
 
-    from data_prep.fineweb_edu import progress
+    from megatron_kappa.data_prep.fineweb_edu import progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -494,7 +494,7 @@ def test_a_full_disk_names_the_output_folder_and_its_free_space(work, tmp_path, 
     import shutil
     from collections import namedtuple
 
-    from data_prep import fineweb_edu, shards
+    from megatron_kappa.data_prep import fineweb_edu, shards
     out = tmp_path / "out"
     usage = namedtuple("usage", "total used free")
     real_usage, real_open, writes = shutil.disk_usage, open, [0]

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pretrain_with(patch: str, args: list[str]) -> subprocess.CompletedProcess:
     """launch/pretrain.py's main in a fresh process, after `patch` (Python run first: the fault)."""
-    code = ("import sys; sys.argv[0] = 'launch/pretrain.py'; sys.path.insert(0, 'launch')\n" + patch +
-            f"\nimport pretrain\nsys.exit(pretrain.main({args!r}))\n")
+    code = ("import sys; sys.argv[0] = 'launch/pretrain.py'\n" + patch +
+            f"\nfrom megatron_kappa.cli import pretrain\nsys.exit(pretrain.main({args!r}))\n")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

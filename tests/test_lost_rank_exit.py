@@ -20,7 +20,7 @@ GLOO = "[../third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0
     (None, True),
 ])
 def test_a_lost_rank_is_one_line_without_gloos_traceback(note, raised, tmp_path, monkeypatch, capsys):
-    from launch import pretrain
+    from megatron_kappa.cli import pretrain
     from megatron_kappa.parallel import failures
 
     def run(cfg, log):  # the checkpoint's first collective, after rank 1 was killed

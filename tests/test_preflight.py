@@ -135,7 +135,7 @@ def test_resume_with_another_layout(tmp_path):
 def test_paper_config_on_one_process_fails_before_heavy_imports(tmp_path):
     """The launcher's path: one line, exit status 2, no run directory, and neither
     torch.distributed nor megatron-core nor DeepSpeed imported (so it takes a second, not 20)."""
-    code = ("import sys; sys.argv[0] = 'launch/pretrain.py'; sys.path.insert(0, 'launch'); import pretrain; "
+    code = ("import sys; sys.argv[0] = 'launch/pretrain.py'; from megatron_kappa.cli import pretrain; "
             f"rc = pretrain.main(['--config', 'configs/moe8.yaml', '--set', 'run.dir={tmp_path / 'run'}', "
             "'data.mock=true']); "
             "heavy = [m for m in ('megatron.core', 'deepspeed', 'torch.distributed') if m in sys.modules]; "

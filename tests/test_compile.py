@@ -7,7 +7,11 @@
   1e-5 (fp32), and a run resumes across the switch both ways.
 Compiling on CPU is slow (tens of seconds a model): the models are tiny and the tests few.
 """
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ S = 16
 COMMON = ["data.mock=true", f"model.seq_length={S}", "train.micro_batch=2", "train.global_batch=4",
           "log.tensorboard=false", "train.warmup=1", "eval.valid_every=0", "log.interval=1"]
 NANOCHAT = ["model.block=nanochat", "model.kappa.input=scaled", "model.kappa.u_warmup=0"]
-MLA = ["model.mla.enabled=true", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
+MLA = ["model.attention_kind=mla", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=16",
        "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=24"]
 
 
@@ -128,3 +132,24 @@ def test_compiled_equals_eager_and_resumes_across_the_switch(world1, dynamo, tmp
         assert any(line.startswith("resumed from") for line in lines), lines
         assert [r["step"] for r in after] == [3, 4]
         assert close(eager[2:], after) <= 1e-5, (written, continued)
+
+
+# ---- the same in 2-process layouts (tests/compile_worker.py: eager then compiled in one launch) ----
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2"], ids=["ep2", "tp2", "pp2"])
+def test_compiled_equals_eager_in_two_processes(tmp_path, layout):
+    from test_training import env, records
+    root = Path(__file__).resolve().parents[1]
+    sets = COMMON + ["train.steps=3", "checkpoint.interval=100", layout]
+    environment = {**env(), "PYTHONPATH": str(root)}
+    environment.pop("TORCHDYNAMO_DISABLE")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "tests/compile_worker.py", str(tmp_path), *sets],
+                          cwd=root, env=environment, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    breaks = json.loads((tmp_path / "breaks.json").read_text())
+    assert breaks["other"] == 0, breaks["reasons"]
+    assert breaks["lines"] and " 0 graph breaks, " in breaks["lines"][0], breaks
+    eager, compiled = records(tmp_path / "eager"), records(tmp_path / "compiled")
+    assert [r["step"] for r in compiled] == [1, 2, 3]
+    assert close(eager, compiled) <= 1e-5

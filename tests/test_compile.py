@@ -52,6 +52,16 @@ def test_key_resolves_and_refuses_bad_values():
     model_compile.check_dynamo("auto")  # auto under TORCHDYNAMO_DISABLE=1: eager, not refused
 
 
+def test_refused_with_what_does_not_trace():
+    """model.compile true is refused in one line with selective recompute and FP8 (each breaks every
+    layer's graph); auto and false are not (control: the same config without the feature loads)."""
+    load_config("configs/tiny.yaml", ["model.compile=true", "model.recompute=full"])
+    for feature, why in (("model.recompute=selective", "get_rng_state"), ("precision=fp8", "sourceless builder")):
+        with pytest.raises(ConfigError, match=rf"^config: model\.compile: true with .*{why}"):
+            load_config("configs/tiny.yaml", ["model.compile=true", feature])
+        load_config("configs/tiny.yaml", ["model.compile=auto", feature])
+
+
 def test_fusers_eager_on_cpu(world1, dynamo):
     """compat.apply (and model_compile.apply, for modules imported later) leaves megatron's
     jit_fuser functions eager on CPU, with Dynamo on; torch.compile'd ones are found (control)."""
@@ -134,9 +144,20 @@ def test_compiled_equals_eager_and_resumes_across_the_switch(world1, dynamo, tmp
         assert close(eager[2:], after) <= 1e-5, (written, continued)
 
 
+def test_composes_with_full_recompute_mtp_and_the_sorted_dispatcher(world1, dynamo, tmp_path):
+    """One run with the three at once: 0 breaks in the 5 layers (4 and MTP's), equal to eager."""
+    sets = ["model.recompute=full", "model.mtp.num_layers=1", "model.moe.dispatcher=sorted", "checkpoint.interval=100"]
+    eager, _ = train(tmp_path / "eager", sets + ["model.compile=false"], steps=3)
+    compiled, lines = train(tmp_path / "compiled", sets + ["model.compile=true"], steps=3)
+    assert model_compile.break_reasons() == []
+    assert any(line.startswith("compile: 5 layers, 0 graph breaks, ") for line in lines), lines
+    assert close(eager, compiled) <= 1e-5
+
+
 # ---- the same in 2-process layouts (tests/compile_worker.py: eager then compiled in one launch) ----
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2"], ids=["ep2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.cp=2"],
+                         ids=["ep2", "tp2", "pp2", "cp2"])
 def test_compiled_equals_eager_in_two_processes(tmp_path, layout):
     from test_training import env, records
     root = Path(__file__).resolve().parents[1]

@@ -47,6 +47,13 @@ def validate(cfg: Config):
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
     _validate_block(m, par, need)
     _validate_recompute(cfg.model, need)
+    need(not (m.compile is True and m.recompute == "selective"), "model.compile",
+         "true with model.recompute: selective: megatron's recompute saves the RNG state "
+         "(torch.random.get_rng_state), which Dynamo does not trace (a graph break in every layer); "
+         "use model.recompute full or none with it")
+    need(not (m.compile is True and cfg.precision == "fp8"), "model.compile",
+         "true with precision fp8: the project's torchao FP8 linears do not trace (Dynamo: 'Unexpected type in "
+         "sourceless builder', a graph break in every layer); use precision bf16 with it")
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")

@@ -11,7 +11,8 @@ combine) is data-dependent host work around collectives, as the authors leave th
 own `torch.compiler.disable` marks). The router goes with it: megatron's aux-loss scaler
 (MoEAuxLossAutoScaler reads a class attribute in backward) does not trace. Inside the boundary
 the experts are a compiled graph of their own where grouped GEMMs trace: `torch._grouped_mm`'s
-tracer takes only bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager.
+tracer takes only bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager, and
+so do FP8 experts off CUDA (torchao's emulation multiplies fp32 operands).
 
 Under tensor parallelism megatron's linears overlap their backward's all-gather and
 reduce-scatter with the input-gradient GEMM (`async_op=True`, which Dynamo does not trace: 13
@@ -100,7 +101,11 @@ def _moe_layers(layer) -> list[torch.nn.Module]:
 
 def _grouped_gemm_traces(experts) -> bool:
     weight = getattr(experts, "fc1_weight", None)
-    return weight is None or weight.dtype in (torch.bfloat16, torch.float16)
+    if weight is None:
+        return True
+    if getattr(experts, "fp8", None) is not None and weight.device.type != "cuda":
+        return False  # FP8 emulated off CUDA: the grouped GEMM runs on fp32 operands (model/fp8.py)
+    return weight.dtype in (torch.bfloat16, torch.float16)
 
 
 class _Done:

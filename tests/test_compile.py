@@ -53,13 +53,15 @@ def test_key_resolves_and_refuses_bad_values():
 
 
 def test_refused_with_what_does_not_trace():
-    """model.compile true is refused in one line with selective recompute and FP8 (each breaks every
-    layer's graph); auto and false are not (control: the same config without the feature loads)."""
+    """model.compile true is refused in one line with selective recompute, FP8 and the EP overlap
+    (each breaks the layers' graphs); auto is not (control: the same config without the feature loads)."""
     load_config("configs/tiny.yaml", ["model.compile=true", "model.recompute=full"])
-    for feature, why in (("model.recompute=selective", "get_rng_state"), ("precision=fp8", "sourceless builder")):
+    overlap = "parallel.overlap_moe_expert_parallel_comm=true parallel.ep=2 precision=bf16"
+    for feature, why in (("model.recompute=selective", "get_rng_state"), ("precision=fp8", "sourceless builder"),
+                         (overlap, "data-dependent")):
         with pytest.raises(ConfigError, match=rf"^config: model\.compile: true with .*{why}"):
-            load_config("configs/tiny.yaml", ["model.compile=true", feature])
-        load_config("configs/tiny.yaml", ["model.compile=auto", feature])
+            load_config("configs/tiny.yaml", ["model.compile=true", *feature.split()])
+        load_config("configs/tiny.yaml", ["model.compile=auto", *feature.split()])
 
 
 def test_fusers_eager_on_cpu(world1, dynamo):

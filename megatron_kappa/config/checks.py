@@ -51,6 +51,10 @@ def validate(cfg: Config):
          "true with model.recompute: selective: megatron's recompute saves the RNG state "
          "(torch.random.get_rng_state), which Dynamo does not trace (a graph break in every layer); "
          "use model.recompute full or none with it")
+    need(not (m.compile is True and par.overlap_moe_expert_parallel_comm), "model.compile",
+         "true with parallel.overlap_moe_expert_parallel_comm: megatron's overlapped schedule runs the "
+         "layer's parts apart, and in an EP2 run Dynamo counts 10 graph breaks (data-dependent operators) "
+         "and recompiles; leave model.compile auto or false with it")
     need(not (m.compile is True and cfg.precision == "fp8"), "model.compile",
          "true with precision fp8: the project's torchao FP8 linears do not trace (Dynamo: 'Unexpected type in "
          "sourceless builder', a graph break in every layer); use precision bf16 with it")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.config.checks import compile_refusal
 from megatron_kappa.model import compile as model_compile
 
 S = 16
@@ -61,7 +62,26 @@ def test_refused_with_what_does_not_trace():
                          (overlap, "data-dependent")):
         with pytest.raises(ConfigError, match=rf"^config: model\.compile: true with .*{why}"):
             load_config("configs/tiny.yaml", ["model.compile=true", *feature.split()])
-        load_config("configs/tiny.yaml", ["model.compile=auto", *feature.split()])
+        auto = load_config("configs/tiny.yaml", ["model.compile=auto", *feature.split()])
+        assert why in compile_refusal(auto.model, auto.parallel, auto.precision)  # auto: eager on CUDA too
+    plain = load_config("configs/tiny.yaml")
+    assert compile_refusal(plain.model, plain.parallel, plain.precision) is None
+
+
+def test_auto_stays_eager_with_what_does_not_trace(world1, dynamo, tmp_path, monkeypatch):
+    """auto where it would compile (CUDA; here enabled() says so) with selective recompute: the run
+    stays eager and says why; the same run without the feature compiles (control)."""
+    monkeypatch.setattr(model_compile, "enabled", lambda setting, device: setting == "auto" or bool(setting))
+    _, lines = train(tmp_path / "selective", ["model.recompute=selective", "checkpoint.interval=100"], steps=1)
+    assert [line for line in lines if line.startswith("compile:")] == [
+        "compile: off (auto) with " + compile_refusal(*_sections(["model.recompute=selective"]))]
+    _, lines = train(tmp_path / "plain", ["checkpoint.interval=100"], steps=1)
+    assert any(line.startswith("compile: 4 layers, 0 graph breaks") for line in lines), lines
+
+
+def _sections(sets):
+    cfg = load_config("configs/tiny.yaml", sets)
+    return cfg.model, cfg.parallel, cfg.precision
 
 
 def test_fusers_eager_on_cpu(world1, dynamo):

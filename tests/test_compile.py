@@ -7,12 +7,17 @@
   1e-5 (fp32), and a run resumes across the switch both ways.
 Compiling on CPU is slow (tens of seconds a model): the models are tiny and the tests few.
 """
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.config.checks import compile_refusal
 from megatron_kappa.model import compile as model_compile
 from tests.support.settings import MLA  # the tiny MLA settings
 
@@ -45,6 +50,37 @@ def test_key_resolves_and_refuses_bad_values():
     with torch._dynamo.config.patch(disable=True), pytest.raises(ValueError, match="TORCHDYNAMO_DISABLE"):
         model_compile.check_dynamo(True)
     model_compile.check_dynamo("auto")  # auto under TORCHDYNAMO_DISABLE=1: eager, not refused
+
+
+def test_refused_with_what_does_not_trace():
+    """model.compile true is refused in one line with selective recompute, FP8 and the EP overlap
+    (each breaks the layers' graphs); auto is not (control: the same config without the feature loads)."""
+    load_config("configs/tiny.yaml", ["model.compile=true", "model.recompute=full"])
+    overlap = "parallel.overlap_moe_expert_parallel_comm=true parallel.ep=2 precision=bf16"
+    for feature, why in (("model.recompute=selective", "get_rng_state"), ("precision=fp8", "sourceless builder"),
+                         (overlap, "data-dependent")):
+        with pytest.raises(ConfigError, match=rf"^config: model\.compile: true with .*{why}"):
+            load_config("configs/tiny.yaml", ["model.compile=true", *feature.split()])
+        auto = load_config("configs/tiny.yaml", ["model.compile=auto", *feature.split()])
+        assert why in compile_refusal(auto.model, auto.parallel, auto.precision)  # auto: eager on CUDA too
+    plain = load_config("configs/tiny.yaml")
+    assert compile_refusal(plain.model, plain.parallel, plain.precision) is None
+
+
+def test_auto_stays_eager_with_what_does_not_trace(world1, dynamo, tmp_path, monkeypatch):
+    """auto where it would compile (CUDA; here enabled() says so) with selective recompute: the run
+    stays eager and says why; the same run without the feature compiles (control)."""
+    monkeypatch.setattr(model_compile, "enabled", lambda setting, device: setting == "auto" or bool(setting))
+    _, lines = train(tmp_path / "selective", ["model.recompute=selective", "checkpoint.interval=100"], steps=1)
+    assert [line for line in lines if line.startswith("compile:")] == [
+        "compile: off (auto) with " + compile_refusal(*_sections(["model.recompute=selective"]))]
+    _, lines = train(tmp_path / "plain", ["checkpoint.interval=100"], steps=1)
+    assert any(line.startswith("compile: 4 layers, 0 graph breaks") for line in lines), lines
+
+
+def _sections(sets):
+    cfg = load_config("configs/tiny.yaml", sets)
+    return cfg.model, cfg.parallel, cfg.precision
 
 
 def test_fusers_eager_on_cpu(world1, dynamo):
@@ -127,3 +163,35 @@ def test_compiled_equals_eager_and_resumes_across_the_switch(world1, dynamo, tmp
         assert any(line.startswith("resumed from") for line in lines), lines
         assert [r["step"] for r in after] == [3, 4]
         assert close(eager[2:], after) <= 1e-5, (written, continued)
+
+
+def test_composes_with_full_recompute_mtp_and_the_sorted_dispatcher(world1, dynamo, tmp_path):
+    """One run with the three at once: 0 breaks in the 5 layers (4 and MTP's), equal to eager."""
+    sets = ["model.recompute=full", "model.mtp.num_layers=1", "model.moe.dispatcher=sorted", "checkpoint.interval=100"]
+    eager, _ = train(tmp_path / "eager", sets + ["model.compile=false"], steps=3)
+    compiled, lines = train(tmp_path / "compiled", sets + ["model.compile=true"], steps=3)
+    assert model_compile.break_reasons() == []
+    assert any(line.startswith("compile: 5 layers, 0 graph breaks, ") for line in lines), lines
+    assert close(eager, compiled) <= 1e-5
+
+
+# ---- the same in 2-process layouts (tests/support/compile_worker.py: eager then compiled in one launch) ----
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.cp=2"],
+                         ids=["ep2", "tp2", "pp2", "cp2"])
+def test_compiled_equals_eager_in_two_processes(tmp_path, layout):
+    from tests.support.processes import env, records
+    root = Path(__file__).resolve().parents[1]
+    sets = COMMON + ["train.steps=3", "checkpoint.interval=100", layout]
+    environment = {**env(), "PYTHONPATH": str(root)}
+    environment.pop("TORCHDYNAMO_DISABLE")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "tests/support/compile_worker.py", str(tmp_path), *sets],
+                          cwd=root, env=environment, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    breaks = json.loads((tmp_path / "breaks.json").read_text())
+    assert breaks["other"] == 0, breaks["reasons"]
+    assert breaks["lines"] and " 0 graph breaks, " in breaks["lines"][0], breaks
+    eager, compiled = records(tmp_path / "eager"), records(tmp_path / "compiled")
+    assert [r["step"] for r in compiled] == [1, 2, 3]
+    assert close(eager, compiled) <= 1e-5

@@ -47,6 +47,8 @@ def validate(cfg: Config):
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
     _validate_block(m, par, need)
     _validate_recompute(cfg.model, need)
+    refusal = compile_refusal(m, par, cfg.precision)
+    need(m.compile is not True or refusal is None, "model.compile", f"true with {refusal}; leave it auto or false")
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")
@@ -120,6 +122,21 @@ def validate(cfg: Config):
     need(not cfg.profile.steps or cfg.profile.steps[0] <= cfg.train.steps, "profile.steps",
          f"{cfg.profile.steps} starts after the run's last step (train.steps={cfg.train.steps}): nothing "
          "would be traced")
+
+
+def compile_refusal(m: ModelConfig, par: ParallelConfig, precision: str) -> str | None:
+    """What keeps model.compile from compiling the layers without graph breaks (None: nothing):
+    `true` is refused with it, and `auto` stays eager (train/loop.py)."""
+    if m.recompute == "selective":
+        return ("model.recompute selective: megatron's recompute saves the RNG state (torch.random.get_rng_state), "
+                "which Dynamo does not trace (a graph break in every layer)")
+    if precision == "fp8":
+        return ("precision fp8: the project's torchao FP8 linears do not trace (Dynamo: 'Unexpected type in "
+                "sourceless builder', a graph break in every layer)")
+    if par.overlap_moe_expert_parallel_comm:
+        return ("parallel.overlap_moe_expert_parallel_comm: megatron's overlapped schedule runs the layer's parts "
+                "apart; in an EP2 run Dynamo counts 10 graph breaks (data-dependent operators) and recompiles")
+    return None
 
 
 def _whole(value) -> bool:

@@ -11,7 +11,13 @@ combine) is data-dependent host work around collectives, as the authors leave th
 own `torch.compiler.disable` marks). The router goes with it: megatron's aux-loss scaler
 (MoEAuxLossAutoScaler reads a class attribute in backward) does not trace. Inside the boundary
 the experts are a compiled graph of their own where grouped GEMMs trace: `torch._grouped_mm`'s
-tracer takes only bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager.
+tracer takes only bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager, and
+so do FP8 experts off CUDA (torchao's emulation multiplies fp32 operands).
+
+Under tensor parallelism megatron's linears overlap their backward's all-gather and
+reduce-scatter with the input-gradient GEMM (`async_op=True`, which Dynamo does not trace: 13
+breaks in TP2's layers). Compiled, those two collectives are called synchronously
+(`_synchronous_tp_collectives`): the same sums, and the compiler schedules the graph itself.
 
 Graph breaks are read from Dynamo's own counters (`torch._dynamo.utils.counters`); the breaks at
 the named boundary are deliberate and counted apart (`graph_breaks`).
@@ -95,7 +101,37 @@ def _moe_layers(layer) -> list[torch.nn.Module]:
 
 def _grouped_gemm_traces(experts) -> bool:
     weight = getattr(experts, "fc1_weight", None)
-    return weight is None or weight.dtype in (torch.bfloat16, torch.float16)
+    if weight is None:
+        return True
+    if getattr(experts, "fp8", None) is not None and weight.device.type != "cuda":
+        return False  # FP8 emulated off CUDA: the grouped GEMM runs on fp32 operands (model/fp8.py)
+    return weight.dtype in (torch.bfloat16, torch.float16)
+
+
+class _Done:
+    """The handle of a collective already complete (megatron waits on it)."""
+
+    def wait(self):
+        return None
+
+
+def _all_gather(output, input, group=None, async_op=False):
+    torch.distributed.all_gather_into_tensor(output, input, group=group)
+    return _Done()
+
+
+def _reduce_scatter(output, input, group=None, async_op=False):
+    torch.distributed.reduce_scatter_tensor(output, input, group=group)
+    return _Done()
+
+
+def _synchronous_tp_collectives():
+    """megatron's tensor-parallel linears' backward collectives, synchronous (Dynamo traces
+    `all_gather_into_tensor` and `reduce_scatter_tensor` only without async_op)."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.dist_all_gather_func = _all_gather
+    layers.dist_reduce_scatter_func = _reduce_scatter
 
 
 def compile_layers(model) -> dict:
@@ -106,6 +142,7 @@ def compile_layers(model) -> dict:
     # tp group", a DeprecationWarning with keyword arguments, which Dynamo can neither trace nor
     # reorder): inside compiled code the call is dropped instead of breaking every layer's graph
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    _synchronous_tp_collectives()
     eager_experts = 0
     for layer in layers:
         for moe in _moe_layers(layer):

@@ -24,8 +24,8 @@ start()  # first: the known library notices filtered before the imports below ca
 
 import torch  # noqa: E402
 
-from megatron_kappa.evaluation import core as core_eval  # noqa: E402
 from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
+from megatron_kappa.evaluation import core as core_eval  # noqa: E402
 
 WORDS = ("the a of river stone light quick green small city over under paper seven bright cold "
          "music garden window engine forest yellow silent market winter letter animal").split()

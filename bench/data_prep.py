@@ -111,8 +111,9 @@ def main(argv=None) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     parquet, jsonl, texts = make_inputs(work, args.repeat)
-    import megatron_kappa.data_prep.fineweb_edu  # noqa: F401 (imports are not part of either tool's time)
     import megatron.core.datasets.indexed_dataset  # noqa: F401
+
+    import megatron_kappa.data_prep.fineweb_edu  # noqa: F401 (imports are not part of either tool's time)
     model = Path(args.tokenizer) if args.tokenizer else work / "tok.model"
     if not args.tokenizer:
         from megatron_kappa.tokenizer import train_tokenizer

@@ -111,6 +111,7 @@ def prepare(data: Path):
 def build(name: str, sets: list[str], start: dict, steps: int):
     """One run's config, model (from `start`), engine and κ freeze."""
     import torch
+
     from megatron_kappa.config import load_config
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import optimizer as optim
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.config import ParallelConfig, load_config
     from megatron_kappa.model.build import build_model
     from megatron_kappa.parallel.groups import init_distributed

@@ -36,8 +36,16 @@ start()  # first: the known library notices filtered before the imports below ca
 
 from megatron_kappa.bench.plan_calibration import kendall, spearman  # noqa: E402
 from megatron_kappa.cli_types import non_negative_float, positive_float  # noqa: E402
-from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,  # noqa: E402
-                            check_run, config_of, measured_seconds)
+from megatron_kappa.plan.published import (  # noqa: E402
+    DROPLESS_IMBALANCE,
+    LONG_CONTEXT,
+    LONG_CONTEXT_DROPLESS,
+    MEASURED,
+    TUNED,
+    check_run,
+    config_of,
+    measured_seconds,
+)
 from megatron_kappa.plan.speed import Rates  # noqa: E402
 
 

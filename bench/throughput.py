@@ -33,13 +33,13 @@ start()  # first: the known library notices filtered before the imports below ca
 import torch  # noqa: E402
 
 from megatron_kappa import routers  # noqa: E402
+from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.metrics import throughput  # noqa: E402
 from megatron_kappa.model.build import build_model  # noqa: E402
-from megatron_kappa.train.loop import lm_loss  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.summary import count  # noqa: E402
-from megatron_kappa.metrics import throughput  # noqa: E402
-from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
+from megatron_kappa.train.loop import lm_loss  # noqa: E402
 
 
 def _rss_kb(field: str) -> int:

@@ -84,6 +84,7 @@ def zero_step(cfg, lr: float):
     values; every group at `lr` but the AdamW ones, which stay at 0. Returns (α before, α's
     fp32 gradient, α after) per MoE layer, as float64."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import muon
     from megatron_kappa.optim import optimizer as optim
@@ -156,6 +157,7 @@ def test_freeze_holds_alpha_at_exactly_zero_in_the_matrix_group(world1):
     decay, yet stays exactly 0 (its zeroed gradient: zero momentum, zero update), as at 14c9b04,
     where U = 1 makes α's gradient exactly zero; after the unfreeze it moves."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.model.experts import set_kappa_U
     from megatron_kappa.optim import muon, schedule

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_kappa.config import load_config
+from megatron_kappa.metrics import paper_analyses as analysis
+from megatron_kappa.parallel.groups import init_distributed
 from tests.support import analysis_reference as ref
 from tests.support import parity
-from megatron_kappa.config import load_config
-from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.metrics import paper_analyses as analysis
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
-
 from tests.support import authors_loop
 
 STEPS, LAYERS, HEADS, D, VOCAB, SEQ = 16, 4, 4, 64, 512, 32

@@ -18,11 +18,11 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 from megatron_kappa.cli import eval_core as core_cli  # noqa: E402
 from megatron_kappa.evaluation import core as ce  # noqa: E402
 from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
 from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
-from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 TOK = ByteTokenizer()

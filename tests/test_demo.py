@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import load_config
 from megatron_kappa.evaluation.loading import load_for_eval, logits_fn_for
 from megatron_kappa.model.build import build_model
+from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.parallel.launch_env import free_port
 from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict
-from megatron_kappa.checkpoint.store import Checkpoints
-from megatron_kappa.parallel.groups import current_device
 
 pytestmark = pytest.mark.slow  # every test runs or reads the 2-process demo
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-
 from tests.support.export_runs import ROOT, close, export, hf_env, hf_logits, runs, tokens, training_logits  # noqa: F401
 
 

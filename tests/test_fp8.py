@@ -19,7 +19,9 @@ torchao = pytest.importorskip("torchao")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
 from torchao.prototype.moe_training.utils import (  # noqa: E402
-    torch_to_3d_rowwise_float8_transpose_rhs, torch_to_float8_per_group_colwise)
+    torch_to_3d_rowwise_float8_transpose_rhs,
+    torch_to_float8_per_group_colwise,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BAND = (0.015, 0.08)  # relative error of one e4m3 GEMM with rowwise scales: ≈ 0.037 here

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.kappa import kappa_swiglu
 from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.kappa import kappa_swiglu
 from megatron_kappa.model.build import kappa_settings
 from megatron_kappa.optim import schedule
 from megatron_kappa.train import recipe

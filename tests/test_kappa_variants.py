@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from tests.support import analysis_reference as ref
-from tests.support import parity
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.metrics import paper_analyses as analysis
 from megatron_kappa.model.build import kappa_settings
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.metrics import paper_analyses as analysis
+from tests.support import analysis_reference as ref
+from tests.support import parity
 
 BUILT_IN = list(kappa_inputs.VARIANTS)
 

@@ -9,8 +9,7 @@ The same reference checks the DeepSpeed path in tests/test_optimizers.py.
 import pytest
 import torch
 
-from megatron_kappa.optim.matrix import (RowBlocks, aurora_polar, matrix_update, newton_schulz,
-                                               orthogonalize)
+from megatron_kappa.optim.matrix import RowBlocks, aurora_polar, matrix_update, newton_schulz, orthogonalize
 from tests.support.optim_reference import ref_direction
 
 D = torch.float64

@@ -7,9 +7,9 @@ import torch
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout, moe_layer_pattern
+from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.summary import summarize
 from megatron_kappa.summary.__main__ import main as summary_main
-from megatron_kappa.parallel.groups import current_device
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 

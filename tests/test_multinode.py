@@ -9,16 +9,16 @@ every launch also checks that the ranks bind the interface that reaches the othe
 import json
 import os
 import re
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
+from tests.support.compare import max_gap
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two hosts; a lost host is named by timing
 

@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.parallel.groups import current_device
+from tests.support.compare import max_gap
 from tests.support.optim_reference import ref_direction
+from tests.support.optimizer_runs import COMMON, STEPS, tp_emulation
 from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, losses, records
 from tests.support.weights import save_init_weights
-from tests.support.optimizer_runs import COMMON, STEPS, tp_emulation
 
 D = torch.float64
 
@@ -60,6 +60,7 @@ def test_patched_symbols_exist_upstream():
 
 def test_install_and_uninstall_restore_deepspeed():
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
     from megatron_kappa.optim import muon
     before = original_muon.muon_update, muon_optimizer.muon_update
     fn = muon.update_fn(load_config("configs/tiny.yaml", ["train.optimizer=muon", "train.grad_clip=0"]).train)
@@ -74,6 +75,7 @@ def test_install_and_uninstall_restore_deepspeed():
 def test_padded_muon_groups_are_refused():
     """On ZeRO's padded path DeepSpeed does not pass muon_num_heads: the blocks would be lost."""
     from types import SimpleNamespace as NS
+
     from megatron_kappa.optim import muon
 
     class MuonWithAuxAdam:  # only the class name matters to the check
@@ -119,10 +121,11 @@ def test_zero_step_matches_float64_reference(world1, method, zero):
     """Two steps of DeepSpeed ZeRO + MuonWithAuxAdam + our update (Newton–Schulz in float64
     here) against explicit float64 formulas; AdamW groups at lr 0 must not move at all."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
-    from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.optim import muon
     from megatron_kappa.optim import optimizer as optim
+    from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.train.loop import lm_loss
     cfg = load_config("configs/tiny.yaml", COMMON + [f"train.optimizer={method}", f"zero.stage={zero}",
                                                      "model.seq_length=16"])

@@ -9,8 +9,16 @@ import shutil
 import pytest
 
 from megatron_kappa.config import ConfigError, load_config
-from tests.support.pipeline_runs import (COMMON, LAYOUTS, STEPS, assert_same_run, base_sets, final_weights, launch,
-                                         nanochat_sets)
+from tests.support.pipeline_runs import (
+    COMMON,
+    LAYOUTS,
+    STEPS,
+    assert_same_run,
+    base_sets,
+    final_weights,
+    launch,
+    nanochat_sets,
+)
 from tests.support.processes import records
 
 
@@ -179,6 +187,7 @@ def test_uneven_stages_split_as_megatron_does(monkeypatch):
     from types import SimpleNamespace
 
     from megatron.core.transformer import transformer_layer
+
     from megatron_kappa.model.layout import model_layout
     for layers, pp, first, last in ((5, 2, 3, None), (5, 2, None, 1), (61, 16, 4, 1), (10, 4, 1, 3), (7, 3, 1, None),
                                     (8, 4, None, None)):
@@ -207,6 +216,7 @@ def test_layout_strings_split_as_megatron_does():
     trainer's preflight refuses them: tests/test_preflight.py); the checks refuse what megatron
     does not run, each in one line naming the key."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
     from megatron_kappa.model.layout import model_layout
     for layers, pp, mtp, text in ((5, 2, 0, "Et*3|ttL"), (5, 2, 0, "Ett|t*3L"), (10, 4, 0, "Et|(t*3|)*2t*3L"),
                                   (61, 16, 1, "Et*3|(t*4|)*14t*2mL"), (7, 3, 1, "Et,t|ttt|ttmL"),
@@ -378,6 +388,7 @@ def test_virtual_stages_split_as_megatron_does(monkeypatch):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import transformer_layer
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
     from megatron_kappa.model.layout import model_layout
     for layers, pp, vpp in ((4, 2, 2), (12, 2, 3), (16, 4, 2)):
         monkeypatch.setattr(ps, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", vpp)

@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.preflight import preflight
 from megatron_kappa.plan import Layout, search
 from megatron_kappa.plan.accepted import refusal
+from megatron_kappa.preflight import preflight
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 WORLD = 8

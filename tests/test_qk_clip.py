@@ -104,6 +104,7 @@ def engine_for(sets, lr, tau=None, scale_up=SCALE_UP, seed=0):
     """(cfg, model, engine) of tiny + `sets` on DeepSpeed ZeRO in this process, every group at
     learning rate `lr`, the query/key projections × `scale_up`; QK-Clip at τ (`tau`, also None)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.parallel import engine as ds_engine
@@ -244,6 +245,7 @@ def k2_factors(name, W, S, tau, alpha, cfg):
 @pytest.mark.parametrize("kind,optimizer", [("gqa", "muon"), ("mla", "aurora"), ("gqa", "adamw")])
 def test_clip_equals_k2_formula_in_float64_after_a_real_step(world1, kind, optimizer):
     from deepspeed.utils import safe_get_full_fp32_param
+
     from megatron_kappa.optim import qk_clip
     alpha = 0.5
     cfg, model, engine = engine_for(KINDS[kind] + [f"train.optimizer={optimizer}"], lr=0.02, tau=1.0)
@@ -348,9 +350,9 @@ def test_data_parallel_maxima_are_reduced(world1, tmp_path):
     """DP2 (each rank its own micro-batch) and CP2 (each rank two chunks of every sequence) against
     one process: the same losses and logged maxima only when the clip uses the maxima of both
     ranks (negative control: DP2 with each rank's own)."""
+    from megatron_kappa.train.loop import run
     from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, records
     from tests.support.weights import save_init_weights
-    from megatron_kappa.train.loop import run
     init = save_init_weights(tmp_path / "init.pt", DP)
     runs = {name: tmp_path / name for name in ("one", "dp2", "local", "cp2")}
     sets = lambda name: DP + [f"run.dir={runs[name]}", f"train.init_weights={init}"]  # noqa: E731

@@ -9,10 +9,10 @@ import typing
 import pytest
 
 from megatron_kappa import attention_kinds, preflight, routers
-from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, load_config, to_dict
 from megatron_kappa.config.schema import flat_keys
+from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.build import build_model
 from megatron_kappa.optim.optimizer import param_groups
 from tests.support.toy_attention import TOY, toy_kind  # an attention kind with a q/k/v bias: another model

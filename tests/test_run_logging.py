@@ -5,7 +5,6 @@ A W&B offline run's transaction log, read back with wandb's own protobuf classes
 metrics.jsonl; a resume continues the same W&B run id. TensorBoard's event file holds the config as
 text and, per MoE layer, histograms of κ and of the tokens per expert whose counts and sums agree
 with the same step's metrics. With log.wandb disabled, wandb is never imported."""
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
-from megatron_kappa.summary import summarize
 from megatron_kappa.metrics import throughput
+from megatron_kappa.summary import summarize
 
 
 def test_flops_per_token_of_tiny_by_hand(world1):

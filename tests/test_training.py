@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
 from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.optim import schedule
-from megatron_kappa.train import recipe
 from megatron_kappa.parallel.groups import current_device
-from tests.support.weights import save_init_weights
+from megatron_kappa.train import recipe
+from tests.support.compare import max_gap
 from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, losses, records
+from tests.support.weights import save_init_weights
 
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "checkpoint.interval=100",

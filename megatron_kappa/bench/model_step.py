@@ -25,12 +25,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from megatron_kappa.bench.interleave import sync, time_interleaved
 from megatron_kappa.config import load_config
 from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.bench.interleave import sync, time_interleaved
 
 VARIANTS = [("plain", "sequential"), ("kappa", "sequential"), ("plain", "grouped"), ("kappa", "grouped")]
 

@@ -81,13 +81,13 @@ def interleaved_step_ms(rounds: int, warmup: int) -> dict:
     import torch
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.config import ParallelConfig, load_config
     from megatron_kappa.model.build import build_model
+    from megatron_kappa.optim import muon, schedule
+    from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.parallel.groups import init_distributed
-    from megatron_kappa.optim import schedule
-    from megatron_kappa.optim import muon
-    from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.train.loop import lm_loss
 
     device = init_distributed(ParallelConfig(), seed=1)

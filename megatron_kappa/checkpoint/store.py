@@ -32,8 +32,13 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_kappa.checkpoint import optimizer_state
-from megatron_kappa.checkpoint.listing import (CheckpointDir, CheckpointSaveError, atomic_write_text, file_checksum,
-                                               write_failure)
+from megatron_kappa.checkpoint.listing import (
+    CheckpointDir,
+    CheckpointSaveError,
+    atomic_write_text,
+    file_checksum,
+    write_failure,
+)
 from megatron_kappa.parallel import sharding
 
 FORMAT = 2  # meta.json "format": 2 = parameter-shaped optimizer state (any layout); absent = 1

@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from megatron_kappa.analysis.study_table import markdown, write_table
 from megatron_kappa.cli_types import positive_int
-from megatron_kappa.metrics.log import read_records
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.metrics.log import read_records
 from megatron_kappa.paths import folder_problem
 
 VARIANTS = {"swiglu": ["model.kappa.enabled=false"], "kappa": ["model.kappa.enabled=true"],

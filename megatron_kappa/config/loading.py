@@ -7,11 +7,10 @@ values are the base, this file's values are merged over them key by key, then th
 """
 from __future__ import annotations
 
-import math
-import sys
-
 import dataclasses
 import difflib
+import math
+import sys
 import types
 import typing
 from pathlib import Path

@@ -22,8 +22,15 @@ from megatron_kappa.config.facts import NON_NEGATIVE, POSITIVE
 from megatron_kappa.config.facts import key as _f
 from megatron_kappa.config.facts import section as _section
 from megatron_kappa.config.schema_model import FP8Config, KappaConfig, MLAConfig, MoEConfig, MTPConfig, SoftMoEConfig
-from megatron_kappa.config.schema_run import (CheckpointConfig, DataConfig, EvalConfig, LogConfig, ProfileConfig,
-                                              RunConfig, WandbConfig)
+from megatron_kappa.config.schema_run import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    ProfileConfig,
+    RunConfig,
+    WandbConfig,
+)
 from megatron_kappa.config.schema_train import MuonConfig, ParallelConfig, TrainConfig, ZeroConfig
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "FP8Config", "KappaConfig",

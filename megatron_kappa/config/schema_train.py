@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_kappa.config.facts import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, OPEN_UNIT,
-                                         POSITIVE, PROBABILITY)
+from megatron_kappa.config.facts import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    OPEN_FRACTION,
+    OPEN_UNIT,
+    POSITIVE,
+    PROBABILITY,
+)
 from megatron_kappa.config.facts import key as _f
 from megatron_kappa.config.facts import section as _section
 

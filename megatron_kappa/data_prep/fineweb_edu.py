@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from megatron_kappa.data_prep import DataPrepError, sources, state as st, work
+from megatron_kappa.data_prep import DataPrepError, sources, work
+from megatron_kappa.data_prep import state as st
 from megatron_kappa.data_prep.shards import ShardWriter, choose_dtype, merge
 from megatron_kappa.data_prep.sources import STATUS_NAMES, Selection
 
@@ -455,8 +456,8 @@ def _terminated(signum, frame):
 
 
 def main(argv=None) -> int:
-    from concurrent.futures.process import BrokenProcessPool
     import threading
+    from concurrent.futures.process import BrokenProcessPool
     ours = threading.current_thread() is threading.main_thread()  # signal.signal needs the main thread
     previous = signal.signal(signal.SIGTERM, _terminated) if ours else None
     try:

@@ -17,8 +17,18 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from megatron_kappa.evaluation.bundle import (  # noqa: F401  (the bundle API, re-exported)
-    BASELINE_TABLES, CORE_TASKS, NANOCHAT_BUNDLE_URL, TASK_TYPES, V1_BASELINES, Bundle, BundleError,
-    Task, fetch_bundle, load_bundle, task_baselines)
+    BASELINE_TABLES,
+    CORE_TASKS,
+    NANOCHAT_BUNDLE_URL,
+    TASK_TYPES,
+    V1_BASELINES,
+    Bundle,
+    BundleError,
+    Task,
+    fetch_bundle,
+    load_bundle,
+    task_baselines,
+)
 
 SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
 

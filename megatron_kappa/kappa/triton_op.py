@@ -46,8 +46,15 @@ import triton
 import triton.language as tl
 
 from megatron_kappa.kappa.triton_guard import (  # noqa: F401 (KappaKernelError, check_tiles: API)
-    MAX_BLOCK_F, MAX_BLOCK_N, MAX_NUM_WARPS, MAX_TILE_PER_THREAD, KappaKernelError, check_tiles,
-    failure_message, power_of_2)
+    MAX_BLOCK_F,
+    MAX_BLOCK_N,
+    MAX_NUM_WARPS,
+    MAX_TILE_PER_THREAD,
+    KappaKernelError,
+    check_tiles,
+    failure_message,
+    power_of_2,
+)
 
 # Tile defaults, not timed yet: [8, 128] with 4 warps gives 16-byte bf16 loads.
 BLOCK_N, BLOCK_F, NUM_WARPS = 8, 128, 4

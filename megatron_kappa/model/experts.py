@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel.random import (
-    CheckpointWithoutOutput, get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name)
+    CheckpointWithoutOutput,
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig

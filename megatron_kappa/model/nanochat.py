@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.layers import (_initialize_affine_weight_cpu, _initialize_affine_weight_gpu,
-                                                  set_tensor_model_parallel_attributes)
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,7 +30,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron_kappa.config import ModelConfig
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, has_value_embedding
 from megatron_kappa.model.loss import ChunkedLossGPTModel
-
 
 
 class BlockInputs:

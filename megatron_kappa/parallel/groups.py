@@ -28,9 +28,9 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_kappa.config import ConfigError, ParallelConfig
+from megatron_kappa.config.world import check_world
 from megatron_kappa.parallel import compat, launch_env, network, roll_call
 from megatron_kappa.parallel.launch_env import DEVICE_ENV
-from megatron_kappa.config.world import check_world
 
 _device: torch.device | None = None
 _control: tuple | None = None  # (the default group it was made for, control group, barrier group, hosts)

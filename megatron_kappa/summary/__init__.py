@@ -24,8 +24,13 @@ import math
 
 from megatron_kappa.config import Config, TrainConfig
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.model.params import (is_embedding_or_output, is_expert, is_router, is_value_embedding,
-                                         residual_scalar)
+from megatron_kappa.model.params import (
+    is_embedding_or_output,
+    is_expert,
+    is_router,
+    is_value_embedding,
+    residual_scalar,
+)
 
 
 def _category(name: str) -> str:

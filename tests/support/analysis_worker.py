@@ -17,14 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
+from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.metrics import paper_analyses as analysis  # noqa: E402
+from megatron_kappa.parallel import (
+    groups,  # noqa: E402
+    sharding,  # noqa: E402
+)
+from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
+from megatron_kappa.parallel.launch_env import exit_process
 from tests.support import analysis_reference as ref  # noqa: E402
 from tests.support import parity  # noqa: E402
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.parallel import sharding  # noqa: E402
-from megatron_kappa.parallel import groups  # noqa: E402
-from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
-from megatron_kappa.metrics import paper_analyses as analysis  # noqa: E402
-from megatron_kappa.parallel.launch_env import exit_process
 
 
 def run_case(case):

@@ -33,10 +33,12 @@ def case(overrides, merge_fix=True):
     """One entry: its overrides; `merge_fix` False runs it without grad_precision's item 4 (the
     upstream merge that drops AdamW gradients under ZeRO-2 beside Muon groups: a control)."""
     import functools
-    from megatron.core import parallel_state as ps
-    from megatron_kappa.parallel import grad_precision
+
     from deepspeed.runtime.zero.muon import original_muon
+    from megatron.core import parallel_state as ps
+
     from megatron_kappa.optim import muon
+    from megatron_kappa.parallel import grad_precision
     local, worst, dtypes, muon_grads = {}, [0.0], set(), []
     original = engine.initialize
 

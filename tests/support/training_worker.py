@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_kappa.parallel import engine, groups  # noqa: E402
-from megatron_kappa.train import loop  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.parallel import engine, groups  # noqa: E402
 from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.train import loop  # noqa: E402
 
 
 def unmarked(original):

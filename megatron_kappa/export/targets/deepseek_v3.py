@@ -3,10 +3,16 @@ router with its balance bias (group-limited or not), shared experts a multiple o
 width, dense first layers, no κ."""
 from __future__ import annotations
 
-from megatron_kappa.config import ModelConfig
 from megatron_kappa import attention_kinds
-from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, native_refusals, rope,
-                                           router_refusal)
+from megatron_kappa.config import ModelConfig
+from megatron_kappa.export.adapter import (
+    StateDictAdapter,
+    attention_refusal,
+    ffn_sizes,
+    native_refusals,
+    rope,
+    router_refusal,
+)
 from megatron_kappa.model.layout import ModelLayout
 
 

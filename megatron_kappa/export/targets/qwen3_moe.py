@@ -3,8 +3,15 @@ q/k norms with gains, no nanochat parts; dense layers are its `mlp_only_layers`.
 from __future__ import annotations
 
 from megatron_kappa.config import ModelConfig
-from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, layout_settings,
-                                           native_refusals, rope, router_refusal)
+from megatron_kappa.export.adapter import (
+    StateDictAdapter,
+    attention_refusal,
+    ffn_sizes,
+    layout_settings,
+    native_refusals,
+    rope,
+    router_refusal,
+)
 from megatron_kappa.model.layout import ModelLayout
 
 

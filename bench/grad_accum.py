@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--micro-batches", type=int, default=32, help="micro-batches accumulated per step")
-    ap.add_argument("--data", default="runs/bench_grad_accum/data", help="shards of the bundled sample (made if absent)")
+    ap.add_argument("--data", default="runs/bench_grad_accum/data",
+                    help="shards of the bundled sample (made if absent)")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (train.micro_batch)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides of configs/tiny.yaml")
     args = ap.parse_args(argv)

@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     for row in rows:
         plain = next(r for r in rows if r["recompute"] == row["recompute"] and r["activation"] == "plain")
         row["kappa_over_plain"] = row["ms"] / plain["ms"]
-        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        def fmt(v, f):
+            return "" if v is None else format(v, f)
         print(f"{row['recompute']:<10} {row['activation']:<7} {row['ms']:>9.1f} {row['tokens_per_s']:>10.0f} "
               f"{row['tflops_per_gpu']:>8.3g} {fmt(row.get('mfu'), '.1%'):>6} {fmt(row['busy'], '.0%'):>5} "
               f"{fmt(row['peak_gib'], '.2f'):>8} {row['kappa_over_plain']:>8.3f}")

@@ -51,7 +51,8 @@ def test_optim_listing_shows_alpha_where_14c9b04_put_it(capsys):
     assert ALPHA in prose["kappa"]["names"] and ALPHA not in prose["matrix"]["names"]
     assert prose["kappa"]["lr"] == pytest.approx(0.12 * math.sqrt(0.5))  # the 0.085 of κ's AdamW
     alpha = 6 * 64 * 3072  # 6 MoE layers × [64, 3072]: nothing else moved
-    assert rows["matrix"]["params"] - prose["matrix"]["params"] == prose["kappa"]["params"] - rows["kappa"]["params"] == alpha
+    assert (rows["matrix"]["params"] - prose["matrix"]["params"]
+            == prose["kappa"]["params"] - rows["kappa"]["params"] == alpha)
     assert load_config("configs/tiny.yaml").model.kappa.alpha_optimizer == "adamw"  # tiny, demo unchanged
 
 
@@ -240,7 +241,8 @@ def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
     alphas = sum(p.numel() for n, p in build_model(load_config("configs/tiny.yaml", TINY), meta=True).named_parameters()
                  if n.endswith("kappa_alpha"))
     assert alphas == 3 * 4 * 256  # tiny: 3 MoE layers × [4, 256]
-    (adamw_place, muon_before, layout), (matrix, muon_after, _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
+    (adamw_place, muon_before, layout), (matrix, muon_after,
+                                         _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
     assert layout.edp == world // ep
     share = (alphas / ep) / layout.edp  # α's elements on the rank
     assert muon_after - muon_before == pytest.approx(2 * 4 * share)  # the momentum and its staged copy

@@ -102,7 +102,8 @@ def test_gate_bias_of_known_geometry(world1):
         torch.testing.assert_close(got_x.double(), x[token], rtol=0, atol=0)
         coordinate = x[token, expected_expert]
         bias = analysis.expert_table(layer)["proj"][expert].double() * coordinate[:, None]
-        torch.testing.assert_close(bias[:, 0::2], 2.0 * coordinate[:, None].expand(-1, bias.shape[1] // 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bias[:, 0::2], 2.0 * coordinate[:, None].expand(-1, bias.shape[1] // 2), atol=1e-5,
+                                   rtol=1e-5)
         assert bias[:, 1::2].abs().max() < 1e-5
 
 

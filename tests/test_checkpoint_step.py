@@ -21,7 +21,7 @@ import torch
 from megatron_kappa.checkpoint.listing import CheckpointDir, file_checksum, locate
 from megatron_kappa.config import ConfigError, load_config
 from tests.support.checkpoint_files import flip_one_byte
-from tests.support.export_runs import hf_env, two_steps  # noqa: F401
+from tests.support.export_runs import hf_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

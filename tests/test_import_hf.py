@@ -326,7 +326,8 @@ def test_export_import_export_round_trips_through_a_parallel_layout(folders, tmp
     from megatron_kappa.import_hf.folder import HFFolder
     from tests.support.pipeline_runs import launch
     zero = ["train.lr=0", "train.lr_non_matrix=0", "model.kappa.lr=0", "model.kappa.lr_end=0",
-            "train.lr_resid_scalar=0", "train.lr_x0_scalar=0", "model.moe.bias_update_rate=0", "model.kappa.freeze_fraction=0", "train.steps=1",
+            "train.lr_resid_scalar=0", "train.lr_x0_scalar=0", "model.moe.bias_update_rate=0",
+            "model.kappa.freeze_fraction=0", "train.steps=1",
             "train.micro_batch=2", "train.global_batch=4", "data.mock=true", "eval.valid_every=0",
             "log.tensorboard=false", "checkpoint.interval=1", "model.seq_length=32"]
     plan = [{"overrides": [*HFFolder(folders[name], "--hf").overrides(), *zero, LAYOUTS[name],

@@ -150,7 +150,8 @@ def test_a_logged_steps_mtp_loss_is_its_own(world1, tmp_path):
             "eval.valid_every=0", "log.tensorboard=false", "model.mtp.num_layers=1", "checkpoint.interval=100"]
     logged = {}
     for interval in (1, 2):
-        run(load_config("configs/tiny.yaml", [*sets, f"log.interval={interval}", f"run.dir={tmp_path / str(interval)}"]),
+        run(load_config("configs/tiny.yaml", [*sets, f"log.interval={interval}",
+                                              f"run.dir={tmp_path / str(interval)}"]),
             log=lambda *a: None)
         from tests.support.processes import records
         logged[interval] = {r["step"]: r["mtp_loss"] for r in records(tmp_path / str(interval))}

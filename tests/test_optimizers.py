@@ -29,7 +29,8 @@ D = torch.float64
 
 # ---- config ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting,message", [
-    (["train.optimizer=aurora", "train.grad_clip=1.0"], "train.grad_clip: must be 0 or null with train.optimizer=aurora"),
+    (["train.optimizer=aurora", "train.grad_clip=1.0"],
+     "train.grad_clip: must be 0 or null with train.optimizer=aurora"),
     (["train.optimizer=sgd"], "train.optimizer: expected one of"),
     (["train.muon.ns_steps=0"], "train.muon.ns_steps"),
     (["train.muon.momentum=1.0"], "train.muon.momentum"),
@@ -305,5 +306,6 @@ def test_sigkill_and_resume_continue_exactly(runs, init_weights, tmp_path):
         last = max(killed[m].glob("checkpoints/step_*"), key=lambda d: int(d.name[5:]))
         momentum = {}
         for f in last.glob("rank_*.pt"):
-            momentum.update(torch.load(f, map_location="cpu", weights_only=False)["optimizer"].get("momentum_buffer", {}))
+            momentum.update(torch.load(f, map_location="cpu", weights_only=False)["optimizer"].get("momentum_buffer",
+                                                                                                   {}))
         assert momentum and all(t.norm() > 0 for t in momentum.values())

@@ -48,9 +48,11 @@ def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
     init = tmp_path / "init.pt"
     torch.save({k: v for k, v in build_model(base, current_device()).state_dict().items()
                 if not k.endswith("_extra_state")}, init)
-    cfg = lambda d: load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}", f"run.dir={d}",
-                                                                  f"train.init_weights={init}"])
-    quiet = lambda *a, **k: None
+    def cfg(d):
+        return load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}", f"run.dir={d}",
+                                                             f"train.init_weights={init}"])
+    def quiet(*a, **k):
+        return None
     run(cfg(tmp_path / "straight"), log=quiet)
 
     preemption.request_stop(signal.SIGUSR1)
@@ -328,7 +330,8 @@ def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1
     out, _ = proc.communicate(timeout=300)
     stopped = CheckpointDir(tmp_path / "stopped").latest()
     assert stopped is not None and stopped < steps, out[-3000:]
-    assert f"stopped at step {stopped}/{steps} on SIGINT" in out or f"stopped at step {stopped}/{steps} on SIGTERM" in out
+    assert (f"stopped at step {stopped}/{steps} on SIGINT" in out
+            or f"stopped at step {stopped}/{steps} on SIGTERM" in out)
     assert "Ctrl-C: stopping after this step with a checkpoint" in out
     # the runner waited for its ranks, then one line (megatron_kappa/launcher_exit.py), exit 130
     assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
@@ -365,7 +368,8 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
     from megatron_kappa.parallel.launch_env import free_port
     from tests.support.processes import deepspeed_cmd, env
     steps = 200
-    layout = ["parallel.pp=2", "parallel.vpp=2", "train.global_batch=8"] if launcher.endswith("vpp2") else ["parallel.ep=2"]
+    layout = ["parallel.pp=2", "parallel.vpp=2",
+              "train.global_batch=8"] if launcher.endswith("vpp2") else ["parallel.ep=2"]
     args = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *SETTINGS, f"train.steps={steps}",
             f"run.dir={tmp_path}", *layout]
     if launcher.startswith("torchrun"):

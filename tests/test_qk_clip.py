@@ -44,9 +44,11 @@ def test_off_by_default():
 
 @pytest.mark.parametrize("sets,message", [
     (["train.qk_clip=10"], "train.qk_clip: needs model.qk_layernorm false with gqa"),
-    (["train.qk_clip=10", "model.qk_layernorm=false", "model.attention=local"], "train.qk_clip: needs model.attention sdpa"),
+    (["train.qk_clip=10", "model.qk_layernorm=false", "model.attention=local"],
+     "train.qk_clip: needs model.attention sdpa"),
     (["train.qk_clip=0"], "train.qk_clip: must be positive"),
-    (["train.qk_clip=10", "model.qk_layernorm=false", "train.qk_clip_alpha=1.0"], "train.qk_clip_alpha: must be in (0, 1)")])
+    (["train.qk_clip=10", "model.qk_layernorm=false", "train.qk_clip_alpha=1.0"],
+     "train.qk_clip_alpha: must be in (0, 1)")])
 def test_refused_in_one_line(sets, message):
     with pytest.raises(ConfigError) as e:
         load_config("configs/tiny.yaml", sets)
@@ -211,7 +213,8 @@ def test_context_parallel_chunks_give_the_whole_sequences_maxima():
             every = torch.cat([torch.cat([k, v], -1)[sequence_positions(r, cp, S)] for r in range(cp)])
             context_parallel_attention(
                 q[mine], k[mine], v[mine], rank=rank, size=cp, scale=scale, gather=lambda t, every=every: every,
-                enable_gqa=True, observe=lambda q_, k_, mask: (masked.append(head_max_logits(q_, k_, scale, False, mask)),
+                enable_gqa=True, observe=lambda q_, k_, mask: (masked.append(head_max_logits(q_, k_, scale, False,
+                                                                                             mask)),
                                                                unmasked.append(head_max_logits(q_, k_, scale, False))))
         torch.testing.assert_close(torch.stack(masked).amax(0).to(D), whole, rtol=1e-6, atol=1e-6)
         assert (torch.stack(unmasked).amax(0).to(D) > whole + 1e-4).any()
@@ -355,7 +358,8 @@ def test_data_parallel_maxima_are_reduced(world1, tmp_path):
     from tests.support.weights import save_init_weights
     init = save_init_weights(tmp_path / "init.pt", DP)
     runs = {name: tmp_path / name for name in ("one", "dp2", "local", "cp2")}
-    sets = lambda name: DP + [f"run.dir={runs[name]}", f"train.init_weights={init}"]  # noqa: E731
+    def sets(name):
+        return DP + [f"run.dir={runs[name]}", f"train.init_weights={init}"]
     run(load_config("configs/tiny.yaml", sets("one")), log=lambda *a: None)
     plan = [{"overrides": sets("dp2")}, {"overrides": sets("local"), "local_max": True},
             {"overrides": sets("cp2") + ["parallel.cp=2"]}]

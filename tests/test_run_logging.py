@@ -39,7 +39,8 @@ def test_an_offline_run_holds_the_config_and_the_records(tmp_path):
 
 
 def test_a_resume_continues_the_same_run_and_another_dir_starts_its_own(tmp_path):
-    quiet = lambda *a: None  # noqa: E731
+    def quiet(*a):
+        return None
     for start, record in enumerate(RECORDS):
         log = MetricsLog(tmp_path / "a", tensorboard=False, enabled=True, wandb=OFFLINE,
                          config={"train": {"steps": 2 * (start + 1)}}, start=start, log=quiet)

@@ -19,9 +19,9 @@ from megatron_kappa.parallel.launch_env import (
     slurm_port,
     tasks_on_node,
 )
+from tests.support.slurm_cluster import slurm_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-from tests.support.slurm_cluster import slurm_cluster  # noqa: E402
 
 pytestmark = pytest.mark.serial  # the session's Slurm cluster (and a second one)
 

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from megatron_kappa.parallel.launch_env import free_port
+# after the environment above, which must be set before torch is first imported
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
 
 METHODS = ("adamw", "muon", "aurora")
 

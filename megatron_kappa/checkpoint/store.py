@@ -180,7 +180,8 @@ class Checkpoints(CheckpointDir):
                 previous = self.latest(warn=lambda message: None, content=False)
                 raise CheckpointSaveError(
                     f"checkpoint {self.folder(step)}: saving failed ({failed}); its partial files are removed, "
-                    + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint exists yet"))
+                    + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint "
+                       "exists yet"))
 
     def load(self, engine, model, step: int, device: torch.device, same_layout: bool):
         """Restore checkpoint `step` into `model` and `engine` (collective): the weights and

@@ -137,7 +137,9 @@ class Config:
     run: RunConfig = _section(RunConfig)
     model: ModelConfig = _section(ModelConfig)
     parallel: ParallelConfig = _section(ParallelConfig, derived=True)
-    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32", "parameter/compute precision: fp8 keeps bf16 parameters and runs the GEMMs chosen in "
+    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32",
+                                                   "parameter/compute precision: fp8 keeps bf16 parameters and runs "
+                                                   "the GEMMs chosen in "
                     "model.fp8 in FP8 (torchao; emulated off CUDA; docs/fp8.md)", state=True)
     train: TrainConfig = _section(TrainConfig)
     zero: ZeroConfig = _section(ZeroConfig)

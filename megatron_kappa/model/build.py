@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-import megatron_kappa.model.attention_kinds  # noqa: F401  (hands the built-in kinds' pieces to the registry)
+import megatron_kappa.model.attention_kinds  # hands the built-in kinds' pieces to the registry
 import megatron_kappa.model.routers  # noqa: F401  (hands the built-in routers' classes to the registry)
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import Config, KappaConfig, ModelConfig, MoEConfig

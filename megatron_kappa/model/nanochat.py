@@ -95,7 +95,8 @@ class ScaledResidualLayer(TransformerLayer):
     """megatron's TransformerLayer after x = λ_resid·x + λ_x0·x0 (λ_resid = 1, λ_x0 = 0 at init:
     gpt 2092-2106); λ are one-element parameters, trained by AdamW (megatron_kappa.optim)."""
 
-    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, inputs: BlockInputs, **kwargs):
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, inputs: BlockInputs,
+                 **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs
         device = _param_device(config)
@@ -124,7 +125,8 @@ class ValueEmbeddingAttention(SelfAttention):
     input, gathered over the sequence-parallel group. v is added to after the projections and
     before attention (it is not roped or normed, so before RoPE as the authors)."""
 
-    def __init__(self, config: TransformerConfig, submodules, layer_number: int, *args, inputs: BlockInputs, vocab_size: int,
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int, *args, inputs: BlockInputs,
+                 vocab_size: int,
                  **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs

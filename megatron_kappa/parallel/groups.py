@@ -97,7 +97,8 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
                    parallel_state.get_context_parallel_world_size())
-        if current == (par.tp, par.ep, par.expert_tp, par.pp, par.vpp, par.cp):  # same layout: keep the groups (creating more is slow)
+        if current == (par.tp, par.ep, par.expert_tp, par.pp, par.vpp,
+                       par.cp):  # same layout: keep the groups (creating more is slow)
             set_seed(seed)
             return _device
         parallel_state.destroy_model_parallel()

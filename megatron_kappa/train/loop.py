@@ -54,7 +54,7 @@ from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict,
 from megatron_kappa.summary import count
 from megatron_kappa.train import hf_exports, pipeline, recipe
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
-from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # noqa: F401 (TrainingDiverged: the loop's API)
+from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # TrainingDiverged: the loop's API
 from megatron_kappa.train.preemption import Preempted, StopAgreement
 from megatron_kappa.train.profiling import StepProfiler, region
 from megatron_kappa.train.run_lock import RunLock
@@ -108,7 +108,8 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     the last κ L2 penalty, as device tensors: nothing here waits for the device. With pipeline
     stages or the EP overlap: megatron_kappa.train.pipeline."""
     if cfg.parallel.megatron_schedule:
-        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg.train))
+        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids,
+                                   grad_accumulation(cfg.train))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     l2_scale, cp = recipe.l2_scale(), context.backward_scale()
     losses = []

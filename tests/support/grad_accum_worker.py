@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.parallel import engine  # noqa: E402
-from megatron_kappa.parallel.launch_env import exit_process  # noqa: E402
-from megatron_kappa.train import loop  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.parallel import engine
+from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.train import loop
 
 
 def case(overrides, merge_fix=True):
@@ -42,7 +42,7 @@ def case(overrides, merge_fix=True):
     local, worst, dtypes, muon_grads = {}, [0.0], set(), []
     original = engine.initialize
 
-    def reference(model, name, p):  # noqa: ARG001
+    def reference(model, name, p):
         group = ps.get_expert_data_parallel_group() if not getattr(p, "allreduce", True) \
             else ps.get_data_parallel_group()
         ref = local.get(name, torch.zeros(p.shape, dtype=torch.float64))

@@ -24,7 +24,8 @@ class DeepseekV3(StateDictAdapter):
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         moe = model.moe
         why = []
-        need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
+        def need(ok, msg):
+            return None if ok else why.append(msg)
         native_refusals(model, need)
         attention_refusal(self, model, need)
         need(model.qk_layernorm, "model.qk_layernorm is false (DeepSeek-V3 norms its latents)")

@@ -23,7 +23,8 @@ class Qwen3Moe(StateDictAdapter):
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         moe = model.moe
         why = []
-        need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
+        def need(ok, msg):
+            return None if ok else why.append(msg)
         native_refusals(model, need)
         attention_refusal(self, model, need)
         router_refusal(self, model, need)

@@ -34,13 +34,16 @@ venv: $(VENV)/.installed
 # longest files first (tests/conftest.py), as their launches leave a core idle (imports,
 # launchers, one-process references, waits for daemons and timeouts). Those also marked `serial`
 # (wall-clock timeouts) pass beside the others (tests/support/under_load.py). The 25 slowest are listed.
+# Both targets start with the linter (ruff, configured in pyproject.toml): a finding fails them.
 test: venv
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow" --durations=25 tests
 
 # The unit tests of every package: no multi-process launches, no end-to-end training runs (those
 # are marked `slow`), spread over two pytest workers.
 test-fast: venv
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 -m "not slow and not gpu" tests
 
 demo: venv

@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from megatron_kappa.entry import start
+
+ROOT = Path(__file__).resolve().parents[1]
 
 start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
 

@@ -94,7 +94,8 @@ def show(result: dict):
           f"micro-batch {result['micro_batch']} | threads {result['threads']} | "
           f"graph breaks {result['graph_breaks']}")
     print(f"{'activation':<10} {'mode':<9} {'ms':>9} {'compiled/eager':>14} {'κ/plain':>8} {'compile s':>9} {'MFU':>6}")
-    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    def fmt(v, f):
+        return "" if v is None else format(v, f)
     for r in result["rows"]:
         print(f"{r['activation']:<10} {r['mode']:<9} {r['ms']:>9.1f} {fmt(r['compiled_over_eager'], '.3f'):>14} "
               f"{fmt(r['kappa_over_plain'], '.3f'):>8} {fmt(r['compile_s'], '.1f'):>9} {fmt(r['mfu'], '.3f'):>6}")

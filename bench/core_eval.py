@@ -4,7 +4,8 @@
 
 The tasks are made up on the fly in the bundle format (4-choice multiple choice with 5 shots,
 2-option schema, language modeling with 5 shots) so the prompt lengths resemble CORE's; the model is
-a small random causal transformer (megatron_kappa/bench/toy.py, the tests' stand-in model). Both evaluators run megatron_kappa.core_eval with
+a small random causal transformer (megatron_kappa/bench/toy.py, the tests' stand-in model). Both evaluators run
+megatron_kappa.core_eval with
 the same scoring code: batch_size=1 is the one-forward-per-choice baseline. Prints markdown rows
 for docs/benchmarks.md and whether both made the same decisions.
 """
@@ -24,8 +25,8 @@ start()  # first: the known library notices filtered before the imports below ca
 
 import torch  # noqa: E402
 
-from megatron_kappa.evaluation import core as core_eval  # noqa: E402
 from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
+from megatron_kappa.evaluation import core as core_eval  # noqa: E402
 
 WORDS = ("the a of river stone light quick green small city over under paper seven bright cold "
          "music garden window engine forest yellow silent market winter letter animal").split()
@@ -39,7 +40,8 @@ def make_bundle(root: Path, items: int, seed=0) -> Path:
     rng = random.Random(seed)
     tasks = {
         "hellaswag": ("multiple_choice", 5, " ", lambda: {
-            "query": sentence(rng, 12, 24), "choices": [sentence(rng, 4, 10) for _ in range(4)], "gold": rng.randrange(4)}),
+            "query": sentence(rng, 12, 24), "choices": [sentence(rng, 4, 10) for _ in range(4)],
+                                                          "gold": rng.randrange(4)}),
         "winogrande": ("schema", 0, " ", lambda: {
             "context_options": [sentence(rng, 8, 14) for _ in range(2)], "continuation": sentence(rng, 3, 6),
             "gold": rng.randrange(2)}),

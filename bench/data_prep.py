@@ -13,7 +13,8 @@ Input: the bundled sample (data_prep/sample) repeated --repeat times, as parquet
 - ours: the full tool (spawned workers, filters off, default 0.1% validation split, manifest).
 Methods are interleaved round by round; tokens/s use each method's best round (the one least
 disturbed when the machine is shared), the median is shown too, and so are CPU seconds (this
-process + reaped workers) per million tokens, which depend less on other load. Every method's token total is checked against the ceiling's.
+process + reaped workers) per million tokens, which depend less on other load. Every method's token total is checked
+against the ceiling's.
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ import statistics
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import sentencepiece as spm
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class MegatronStyleEncoder:
@@ -111,8 +112,10 @@ def main(argv=None) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     parquet, jsonl, texts = make_inputs(work, args.repeat)
-    import megatron_kappa.data_prep.fineweb_edu  # noqa: F401 (imports are not part of either tool's time)
+    # imported here, before the timings: imports are not part of either tool's time
     import megatron.core.datasets.indexed_dataset  # noqa: F401
+
+    import megatron_kappa.data_prep.fineweb_edu  # noqa: F401
     model = Path(args.tokenizer) if args.tokenizer else work / "tok.model"
     if not args.tokenizer:
         from megatron_kappa.tokenizer import train_tokenizer

@@ -70,7 +70,8 @@ class Check:
                                   text=True, timeout=timeout, **kw)
             code, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as e:
-            code, output = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout or "")
+            out = e.stdout or b""
+            code, output = "timeout", out.decode(errors="replace") if isinstance(out, bytes) else str(out)
         stage = {"name": name, "ok": code == 0, "returncode": code, "seconds": round(time.time() - start, 1),
                  "command": " ".join(map(str, cmd)), "tail": output[-3000:]}
         if parse is not None and code == 0:
@@ -91,8 +92,9 @@ def main_command(check: Check, steps: int, out: Path):
     """Straight run vs a run killed after its first checkpoint and resumed."""
     sets = TRAIN + [f"train.steps={steps}", f"checkpoint.interval={steps // 2}", "precision=bf16"]
     straight, killed = out / "straight", out / "killed"
-    cmd = lambda d: [sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",  # noqa: E731
-                     f"run.dir={d}", *sets]
+    def cmd(d):
+        return [sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
+                f"run.dir={d}", *sets]
     check.run("train: uninterrupted", cmd(straight), 600)
     start = time.time()
     proc = subprocess.Popen([str(c) for c in cmd(killed)], cwd=ROOT, env=check.env, stdout=subprocess.DEVNULL,

@@ -111,6 +111,7 @@ def prepare(data: Path):
 def build(name: str, sets: list[str], start: dict, steps: int):
     """One run's config, model (from `start`), engine and κ freeze."""
     import torch
+
     from megatron_kappa.config import load_config
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import optimizer as optim
@@ -167,12 +168,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--micro-batches", type=int, default=32, help="micro-batches accumulated per step")
-    ap.add_argument("--data", default="runs/bench_grad_accum/data", help="shards of the bundled sample (made if absent)")
+    ap.add_argument("--data", default="runs/bench_grad_accum/data",
+                    help="shards of the bundled sample (made if absent)")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (train.micro_batch)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides of configs/tiny.yaml")
     args = ap.parse_args(argv)
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.config import ParallelConfig, load_config
     from megatron_kappa.model.build import build_model
     from megatron_kappa.parallel.groups import init_distributed

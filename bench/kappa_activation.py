@@ -46,7 +46,8 @@ def activation(variant, g, u, s, a, b):
 
 def make_inputs(n, f, dtype, device):
     gen = torch.Generator(device="cpu").manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    def r(*s):
+        return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
     g, u, grad = (r(n, f).requires_grad_(), r(n, f).requires_grad_(), r(n, f))
     s = (r(n) * 3).requires_grad_()
     a, b = (r(f) * 0.1).requires_grad_(), (r(f) * 0.1).requires_grad_()
@@ -71,7 +72,8 @@ def expert_step(variant, x, w1, w2, s, a, b, grad):
 
 def time_expert_ms(variant, n, f, h, dtype, reps, device) -> float:
     gen = torch.Generator(device="cpu").manual_seed(0)
-    r = lambda *sh, k=1.0: (torch.randn(*sh, generator=gen) * k).to(device=device, dtype=DTYPES[dtype]).requires_grad_()
+    def r(*sh, k=1.0):
+        return (torch.randn(*sh, generator=gen) * k).to(device=device, dtype=DTYPES[dtype]).requires_grad_()
     args = (r(n, h), r(2 * f, h, k=h ** -0.5), r(h, f, k=f ** -0.5), r(n, k=3.0), r(f, k=0.1), r(f, k=0.1),
             torch.randn(n, h, generator=gen).to(device=device, dtype=DTYPES[dtype]))
     return _timed(lambda: expert_step(variant, *args), reps, device)

@@ -36,8 +36,16 @@ start()  # first: the known library notices filtered before the imports below ca
 
 from megatron_kappa.bench.plan_calibration import kendall, spearman  # noqa: E402
 from megatron_kappa.cli_types import non_negative_float, positive_float  # noqa: E402
-from megatron_kappa.plan.published import (DROPLESS_IMBALANCE, LONG_CONTEXT, LONG_CONTEXT_DROPLESS, MEASURED, TUNED,  # noqa: E402
-                            check_run, config_of, measured_seconds)
+from megatron_kappa.plan.published import (  # noqa: E402
+    DROPLESS_IMBALANCE,
+    LONG_CONTEXT,
+    LONG_CONTEXT_DROPLESS,
+    MEASURED,
+    TUNED,
+    check_run,
+    config_of,
+    measured_seconds,
+)
 from megatron_kappa.plan.speed import Rates  # noqa: E402
 
 
@@ -109,7 +117,8 @@ def rank_agreement(args) -> None:
         fitted = " (in-sample: published.DROPLESS_IMBALANCE was fitted on this pair)" \
             if LONG_CONTEXT_DROPLESS and any(r[0] is LONG_CONTEXT_DROPLESS[0] for r in rows) else ""
         print(f"  {where}: {len(rows)} runs, Kendall's τ {kendall(seconds, est):.2f}, Spearman's ρ "
-              f"{spearman(seconds, est):.2f} (each estimate over its measured step: {', '.join(f'{e / m:.2f}' for e, m in zip(est, seconds))})"
+              f"{spearman(seconds, est):.2f} (each estimate over its measured step: "
+              f"{', '.join(f'{e / m:.2f}' for e, m in zip(est, seconds))})"
               + fitted)
 
 
@@ -142,7 +151,8 @@ def dropless(args) -> None:
     fitted = fit_imbalance(*pairs[0])
     print(f"dropless routing (ModelZoo's long-context runs): the expert-imbalance margin that gives the 16K "
           f"runs' measured dropless/forced ratio: {fitted:.3f} (published.DROPLESS_IMBALANCE: {DROPLESS_IMBALANCE}; "
-          f"fitted on the 16K pair, held out: the {', '.join(f'{config_of(d).model.seq_length // 1024}K' for _, d in pairs[1:])} "
+          f"fitted on the 16K pair, held out: the "
+          f"{', '.join(f'{config_of(d).model.seq_length // 1024}K' for _, d in pairs[1:])} "
           "pairs)")
     for forced, drop in pairs:
         est = step_seconds(drop, DROPLESS_IMBALANCE)

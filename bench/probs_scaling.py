@@ -35,7 +35,8 @@ def scaled(method, leaves, backend):
     h = kappa_swiglu(gate, up, logit, alpha, bias, *settings, backend=backend)
     if method == "autograd":
         return (h * probs.unsqueeze(-1)).to(gate.dtype)
-    remake = lambda *inputs: kappa_swiglu(*inputs, *settings, backend=backend)  # noqa: E731
+    def remake(*inputs):
+        return kappa_swiglu(*inputs, *settings, backend=backend)
     return ScaledByProbs.apply(h, probs, gate.dtype, remake, gate, up, logit, alpha, bias)
 
 
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     backend = "triton" if device.type == "cuda" else "torch"
     dtype, n, f = DTYPES[args.dtype], args.tokens, args.ffn
     gen = torch.Generator().manual_seed(0)
-    r = lambda *shape, dt=dtype: torch.randn(*shape, generator=gen).to(device, dt)  # noqa: E731
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(device, dt)
     leaves = [r(n, f), r(n, f), r(n, dt=torch.float32) * 3, r(f) * 0.1, r(f) * 0.1,
               torch.rand(n, generator=gen).to(device)]
     leaves = [t.requires_grad_() for t in leaves]

@@ -33,13 +33,13 @@ start()  # first: the known library notices filtered before the imports below ca
 import torch  # noqa: E402
 
 from megatron_kappa import routers  # noqa: E402
+from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
 from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.metrics import throughput  # noqa: E402
 from megatron_kappa.model.build import build_model  # noqa: E402
-from megatron_kappa.train.loop import lm_loss  # noqa: E402
 from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
 from megatron_kappa.summary import count  # noqa: E402
-from megatron_kappa.metrics import throughput  # noqa: E402
-from megatron_kappa.bench.interleave import sync, time_interleaved  # noqa: E402
+from megatron_kappa.train.loop import lm_loss  # noqa: E402
 
 
 def _rss_kb(field: str) -> int:
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     for row in rows:
         plain = next(r for r in rows if r["recompute"] == row["recompute"] and r["activation"] == "plain")
         row["kappa_over_plain"] = row["ms"] / plain["ms"]
-        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        def fmt(v, f):
+            return "" if v is None else format(v, f)
         print(f"{row['recompute']:<10} {row['activation']:<7} {row['ms']:>9.1f} {row['tokens_per_s']:>10.0f} "
               f"{row['tflops_per_gpu']:>8.3g} {fmt(row.get('mfu'), '.1%'):>6} {fmt(row['busy'], '.0%'):>5} "
               f"{fmt(row['peak_gib'], '.2f'):>8} {row['kappa_over_plain']:>8.3f}")

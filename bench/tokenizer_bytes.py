@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 L, N = r"[^\W\d_]", r"\d"  # \p{L}, \p{N}
 GPT4_SPLIT = re.compile(
-    rf"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|(?:[^\r\n\w]|_)?{L}+|{N}{{1,3}}| ?(?:[^\s\w]|_)+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
+    rf"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|(?:[^\r\n\w]|_)?{L}+|{N}{{1,3}}| ?(?:[^\s\w]|_)+[\r\n]*"""
+    rf"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 
 
 def texts(limit: int | None = None) -> list[str]:

@@ -22,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 from megatron_kappa.entry import start
+
+ROOT = Path(__file__).resolve().parents[1]
 
 start()  # first: the known library notices filtered before the imports below can print (megatron_kappa/entry.py)
 
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     sh(prep)
     manifest = json.loads((data / "manifest.json").read_text())
     train_prefixes, valid_prefixes = manifest["prefixes"]["train"], manifest["prefixes"]["valid"]
-    resolve = lambda p: str(data / p) if not os.path.isabs(p) else p
+    def resolve(p):
+        return str(data / p) if not os.path.isabs(p) else p
     train_prefixes = [resolve(p) for p in train_prefixes]
     valid_prefixes = [resolve(p) for p in valid_prefixes]
 

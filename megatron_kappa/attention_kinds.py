@@ -173,7 +173,8 @@ def recorded(config: dict) -> dict:
 
 def recompute_modules() -> dict[str, tuple[str, str, tuple]]:
     """{megatron recompute module: (its kind, what, flops parts)} of the registered kinds."""
-    return {module: (name, what, parts) for name, kind in KINDS.items() for module, (what, parts) in kind.recompute.items()}
+    return {module: (name, what, parts) for name, kind in KINDS.items() for module, (what,
+                                                                                     parts) in kind.recompute.items()}
 
 
 def flop_parts() -> tuple[str, ...]:
@@ -201,7 +202,8 @@ def _gqa_megatron(model) -> dict:
 
 def _gqa_fp8_widths(model, t: int) -> dict:
     n, groups, d = _heads(model)
-    return {"model.num_attention_heads × head_dim / tp": n * d // t, "model.num_query_groups × head_dim / tp": groups * d // t}
+    return {"model.num_attention_heads × head_dim / tp": n * d // t,
+            "model.num_query_groups × head_dim / tp": groups * d // t}
 
 
 def _gqa_matrices(model, t: int) -> dict:
@@ -279,7 +281,8 @@ def _mla_fp8_widths(model, t: int) -> dict:
     heads = model.num_attention_heads // t
     widths = {"model.num_attention_heads × (mla.qk_head_dim + mla.qk_pos_emb_head_dim) / tp":
               heads * (a.qk_head_dim + a.qk_pos_emb_head_dim),
-              "model.num_attention_heads × (mla.qk_head_dim + mla.v_head_dim) / tp": heads * (a.qk_head_dim + a.v_head_dim),
+              "model.num_attention_heads × (mla.qk_head_dim + mla.v_head_dim) / "
+              "tp": heads * (a.qk_head_dim + a.v_head_dim),
               "model.num_attention_heads × mla.v_head_dim / tp": heads * a.v_head_dim,
               "(mla.kv_lora_rank + mla.qk_pos_emb_head_dim) / tp": (a.kv_lora_rank + a.qk_pos_emb_head_dim) // t,
               "mla.kv_lora_rank": a.kv_lora_rank}

@@ -17,15 +17,25 @@ import struct
 from pathlib import Path
 
 from megatron_kappa.checkpoint import resume
-from megatron_kappa.config import (Config, ConfigError, DataConfig, EvalConfig, LogConfig, ModelConfig, ProfileConfig,
-                                   RunConfig, stage_layout, to_dict)
+from megatron_kappa.checkpoint.listing import CheckpointDir
+from megatron_kappa.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    ProfileConfig,
+    RunConfig,
+    stage_layout,
+    to_dict,
+)
 from megatron_kappa.config.checks import fp8_capability_error
+from megatron_kappa.config.world import check_batch, check_world, data_parallel
 from megatron_kappa.data.blend import parse_blend, split_ranges
 from megatron_kappa.data.bos import documents_start_with_bos
-from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.data.indexed import largest_token_id, read_index
 from megatron_kappa.parallel import launch_env
-from megatron_kappa.config.world import check_batch, check_world, data_parallel
 from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.paths import folder_problem
 

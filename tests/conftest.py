@@ -15,8 +15,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data_prep/, eval/, launch/
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+
+# Fixtures shared by several test files live in these support modules, registered here so that no
+# test file imports a fixture by name (which pyflakes rightly reports as redefined by the parameter).
+pytest_plugins = ["tests.support.export_runs"]
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -146,7 +150,8 @@ LONGEST_FIRST = ("test_preemption", "test_study", "test_multinode", "test_demo",
                  "test_reshard", "test_export", "test_training", "test_gpu_check", "test_optimizers",
                  "test_export_tools", "test_import_hf", "test_checkpoint_step", "test_mla_training", "test_mtp",
                  "test_parallel", "test_softmoe_training", "test_two_ranks_reliability", "test_kappa_aot",
-                 "test_sharded_alpha", "test_offload", "test_fp8", "test_export_card", "test_analysis", "test_loss", "test_reliability",
+                 "test_sharded_alpha", "test_offload", "test_fp8", "test_export_card", "test_analysis", "test_loss",
+                 "test_reliability",
                  "test_launcher_exit", "test_slurm", "test_slurm_training")
 
 

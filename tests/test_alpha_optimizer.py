@@ -51,7 +51,8 @@ def test_optim_listing_shows_alpha_where_14c9b04_put_it(capsys):
     assert ALPHA in prose["kappa"]["names"] and ALPHA not in prose["matrix"]["names"]
     assert prose["kappa"]["lr"] == pytest.approx(0.12 * math.sqrt(0.5))  # the 0.085 of κ's AdamW
     alpha = 6 * 64 * 3072  # 6 MoE layers × [64, 3072]: nothing else moved
-    assert rows["matrix"]["params"] - prose["matrix"]["params"] == prose["kappa"]["params"] - rows["kappa"]["params"] == alpha
+    assert (rows["matrix"]["params"] - prose["matrix"]["params"]
+            == prose["kappa"]["params"] - rows["kappa"]["params"] == alpha)
     assert load_config("configs/tiny.yaml").model.kappa.alpha_optimizer == "adamw"  # tiny, demo unchanged
 
 
@@ -84,6 +85,7 @@ def zero_step(cfg, lr: float):
     values; every group at `lr` but the AdamW ones, which stay at 0. Returns (α before, α's
     fp32 gradient, α after) per MoE layer, as float64."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import muon
     from megatron_kappa.optim import optimizer as optim
@@ -156,6 +158,7 @@ def test_freeze_holds_alpha_at_exactly_zero_in_the_matrix_group(world1):
     decay, yet stays exactly 0 (its zeroed gradient: zero momentum, zero update), as at 14c9b04,
     where U = 1 makes α's gradient exactly zero; after the unfreeze it moves."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.model.experts import set_kappa_U
     from megatron_kappa.optim import muon, schedule
@@ -238,7 +241,8 @@ def test_planner_counts_alpha_with_one_momentum_under_matrix(world1, world, ep):
     alphas = sum(p.numel() for n, p in build_model(load_config("configs/tiny.yaml", TINY), meta=True).named_parameters()
                  if n.endswith("kappa_alpha"))
     assert alphas == 3 * 4 * 256  # tiny: 3 MoE layers × [4, 256]
-    (adamw_place, muon_before, layout), (matrix, muon_after, _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
+    (adamw_place, muon_before, layout), (matrix, muon_after,
+                                         _) = moments(), moments("model.kappa.alpha_optimizer=matrix")
     assert layout.edp == world // ep
     share = (alphas / ep) / layout.edp  # α's elements on the rank
     assert muon_after - muon_before == pytest.approx(2 * 4 * share)  # the momentum and its staged copy

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_kappa.config import load_config
+from megatron_kappa.metrics import paper_analyses as analysis
+from megatron_kappa.parallel.groups import init_distributed
 from tests.support import analysis_reference as ref
 from tests.support import parity
-from megatron_kappa.config import load_config
-from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.metrics import paper_analyses as analysis
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,8 @@ def test_gate_bias_of_known_geometry(world1):
         torch.testing.assert_close(got_x.double(), x[token], rtol=0, atol=0)
         coordinate = x[token, expected_expert]
         bias = analysis.expert_table(layer)["proj"][expert].double() * coordinate[:, None]
-        torch.testing.assert_close(bias[:, 0::2], 2.0 * coordinate[:, None].expand(-1, bias.shape[1] // 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bias[:, 0::2], 2.0 * coordinate[:, None].expand(-1, bias.shape[1] // 2), atol=1e-5,
+                                   rtol=1e-5)
         assert bias[:, 1::2].abs().max() < 1e-5
 
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from tests.support import parity
-from tests.support.compare import max_gap
 from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.parallel.groups import init_distributed
+from tests.support import parity
+from tests.support.compare import max_gap
 
 
 @pytest.mark.parametrize("groups", [None, 2], ids=["mha", "gqa"])

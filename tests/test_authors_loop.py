@@ -26,12 +26,13 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
-
 from tests.support import authors_loop
 
 STEPS, LAYERS, HEADS, D, VOCAB, SEQ = 16, 4, 4, 64, 512, 32
-PROJECT = ["model.num_layers=4", "model.aspect_ratio=null", f"model.hidden_size={D}", f"model.num_attention_heads={HEADS}",
-           "model.ffn_hidden_size=256", f"model.vocab_size={VOCAB}", f"model.seq_length={SEQ}", "model.moe.num_experts=4",
+PROJECT = ["model.num_layers=4", "model.aspect_ratio=null", f"model.hidden_size={D}",
+           f"model.num_attention_heads={HEADS}",
+           "model.ffn_hidden_size=256", f"model.vocab_size={VOCAB}", f"model.seq_length={SEQ}",
+           "model.moe.num_experts=4",
            "parallel.ep=1", "precision=fp32", "train.global_batch=4", "train.micro_batch=2", f"train.steps={STEPS}",
            "data.mock=true", "model.kappa.freeze_min_steps=4", "model.kappa.warmup=4",
            "model.moe.aux_loss_warmup_steps=6", "log.interval=1", "log.tensorboard=false",

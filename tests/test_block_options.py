@@ -115,8 +115,10 @@ def test_parameter_free_qk_norm_commutes_with_rope():
     angles = torch.outer(torch.arange(s, dtype=torch.float64), inv_freq)
     freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron's [s, 1, 1, d] layout
     q = torch.randn(s, b, heads, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 3
-    rms = lambda x, gain=1.0: x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1.1920929e-07) * gain  # noqa: E731
-    rope = lambda x: _apply_rotary_pos_emb_bshd(x, freqs)  # noqa: E731
+    def rms(x, gain=1.0):
+        return x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1.1920929e-07) * gain
+    def rope(x):
+        return _apply_rotary_pos_emb_bshd(x, freqs)
     torch.testing.assert_close(rms(rope(q)), rope(rms(q)), rtol=1e-12, atol=1e-12)
     gain = torch.linspace(0.5, 1.5, d, dtype=torch.float64)
     assert (rms(rope(q), gain) - rope(rms(q, gain))).abs().max() > 1e-2

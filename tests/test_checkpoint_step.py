@@ -20,9 +20,8 @@ import torch
 
 from megatron_kappa.checkpoint.listing import CheckpointDir, file_checksum, locate
 from megatron_kappa.config import ConfigError, load_config
-
-from tests.support.export_runs import hf_env, two_steps  # noqa: F401
 from tests.support.checkpoint_files import flip_one_byte
+from tests.support.export_runs import hf_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,8 +167,9 @@ def test_generate_and_the_evaluations_read_the_step_asked_for(two_steps, tmp_pat
 @pytest.mark.slow
 def test_every_tool_refuses_a_damaged_or_missing_step_in_one_line(two_steps, tmp_path, capsys, sample_shards):
     """Each command's main in this process (the refusal comes before any model is built)."""
-    from megatron_kappa.cli import eval_core as core_cli, generate, eval_loss as loss_cli
-    from megatron_kappa.cli import consolidate
+    from megatron_kappa.cli import consolidate, generate
+    from megatron_kappa.cli import eval_core as core_cli
+    from megatron_kappa.cli import eval_loss as loss_cli
     from megatron_kappa.export.__main__ import main as export_main
     run = tmp_path / "run"
     shutil.copytree(two_steps, run)

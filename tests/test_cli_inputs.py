@@ -17,7 +17,8 @@ def trained(sample_shards, tmp_path_factory, world1):
     from megatron_kappa.train import loop
     run_dir = tmp_path_factory.mktemp("cli") / "run"
     loop.run(load_config("configs/tiny.yaml", [
-        "data.mock=false", f"data.paths=[{sample_shards['train'][0]}]", f"data.valid_paths=[{sample_shards['valid'][0]}]",
+        "data.mock=false", f"data.paths=[{sample_shards['train'][0]}]",
+                                               f"data.valid_paths=[{sample_shards['valid'][0]}]",
         f"data.tokenizer={sample_shards['tokenizer']}", f"run.dir={run_dir}", "model.seq_length=32",
         "train.steps=1", "train.micro_batch=2", "train.global_batch=2", "eval.valid_every=0",
         "log.tensorboard=false"]), log=lambda *a: None)
@@ -74,7 +75,8 @@ def test_json_where_no_file_can_be_made_is_one_line_before_the_evaluation(tmp_pa
              "eval/generate.py": ["--prompt", "x"]}[script]
     done = cli(script, "--checkpoint", str(tmp_path / "no_run"), *extra, "--json", "/proc/out.json")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("error: --json: /proc is not writable ("), done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: --json: /proc is not writable "
+                                                           "("), done.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -279,8 +281,10 @@ def test_a_tokenizer_replaced_since_training_is_refused_by_every_tool(trained, o
     tokenizer = next(line.split(": ", 1)[1] for line in config.splitlines() if line.startswith("  tokenizer: "))
     (run / "config.yaml").write_text(config.replace(f"  tokenizer: {tokenizer}\n", f"  tokenizer: {other_tokenizer}\n"))
     (run / "checkpoints").symlink_to(trained / "checkpoints")
-    expected = f"error: checkpoint: {run}/config.yaml: data.tokenizer: {other_tokenizer} is not the tokenizer data.paths "
-    for main, extra in ((core.main, ["--bundle", str(ROOT / "tests/core_bundle")]), (generate.main, ["--prompt", "hi"])):
+    expected = (f"error: checkpoint: {run}/config.yaml: data.tokenizer: {other_tokenizer} is not the tokenizer "
+                "data.paths ")
+    for main, extra in ((core.main, ["--bundle", str(ROOT / "tests/core_bundle")]),
+                        (generate.main, ["--prompt", "hi"])):
         assert main(["--checkpoint", str(run), *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith(expected) and err.count("\n") == 1, err

@@ -36,10 +36,9 @@ def truncated_copy(run, to):
 def cp_runs(world1, tmp_path_factory):
     """{name: (one-process run, context-parallel run)}: the layouts, the nanochat block, MLA, the
     negative controls and the two resumes, from three one-process references (base, nanochat, mla)."""
+    from megatron_kappa.train.loop import run
     from tests.support.settings import MLA
     from tests.support.weights import save_init_weights
-
-    from megatron_kappa.train.loop import run
     base, sets = base_sets(tmp_path_factory.mktemp("cp"))
     nano, nano_sets = nanochat_sets(tmp_path_factory.mktemp("cp_nanochat"))
     mla = tmp_path_factory.mktemp("cp_mla")

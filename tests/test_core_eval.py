@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
+from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM
+from megatron_kappa.cli import eval_core as core_cli
+from megatron_kappa.evaluation import core as ce
+from megatron_kappa.evaluation.lm_loss import validation_loss
+from megatron_kappa.parallel.launch_env import free_port
 
-from megatron_kappa.cli import eval_core as core_cli  # noqa: E402
-from megatron_kappa.evaluation import core as ce  # noqa: E402
-from megatron_kappa.evaluation.lm_loss import validation_loss  # noqa: E402
-from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
-from megatron_kappa.bench.toy import ByteTokenizer, TinyCausalLM  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BUNDLE = ROOT / "tests" / "core_bundle"
 TOK = ByteTokenizer()
@@ -356,7 +356,8 @@ def test_cli_run_prints_table_and_writes_json(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["baselines"] == "v2" and saved["core"] == saved["core_no_boolq"] == pytest.approx(1.0)
     assert [set(r) for r in saved["tasks"]] == [{"task", "type", "shots", "n", "accuracy", "centered"}] * 7
-    assert [(r["task"], r["shots"], r["n"]) for r in saved["tasks"]][:2] == [("arc_easy", 2, 4), ("commonsense_qa", 1, 4)]
+    assert ([(r["task"], r["shots"], r["n"]) for r in saved["tasks"]][:2]
+            == [("arc_easy", 2, 4), ("commonsense_qa", 1, 4)])
 
 
 # ----------------------------------------------------------------------------- validation loss

@@ -31,7 +31,8 @@ def naive_choice(scores, bias):
     per = E // GROUPS
     for s in scores.tolist():
         biased = [x + b for x, b in zip(s, bias.tolist())]
-        group_score = [sum(sorted(biased[g * per:(g + 1) * per], reverse=True)[:K // GROUP_TOPK]) for g in range(GROUPS)]
+        group_score = [sum(sorted(biased[g * per:(g + 1) * per],
+                                  reverse=True)[:K // GROUP_TOPK]) for g in range(GROUPS)]
         groups = sorted(range(GROUPS), key=lambda g: -group_score[g])[:GROUP_TOPK]
         allowed = [e for e in range(E) if e // per in groups]
         chosen = sorted(allowed, key=lambda e: -biased[e])[:K]

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import load_config
 from megatron_kappa.evaluation.loading import load_for_eval, logits_fn_for
 from megatron_kappa.model.build import build_model
+from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.parallel.launch_env import free_port
 from megatron_kappa.parallel.sharding import consolidate, load_full_state_dict
-from megatron_kappa.checkpoint.store import Checkpoints
-from megatron_kappa.parallel.groups import current_device
 
 pytestmark = pytest.mark.slow  # every test runs or reads the 2-process demo
 
@@ -96,7 +96,8 @@ def test_demo_rerun_reuses_data_and_training(demo):
 
 def test_checkpoint_evaluates_the_same_with_one_and_two_processes(demo, tmp_path):
     out, _ = demo
-    port = lambda: str(free_port())
+    def port():
+        return str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
     run(launcher + ["--master_port", port(), "eval/core.py", "--checkpoint", out / "run", "--bundle",
                     "tests/core_bundle", "--no-progress", "--json", tmp_path / "core2.json"])
@@ -132,7 +133,8 @@ def test_tensor_parallel_checkpoint_evaluates_the_same_with_one_and_two_processe
     """A TP2 (sequence-parallel) checkpoint: the padded, TP-gathered logits in 2 processes and the
     consolidated model in 1 process give the same validation loss."""
     out, _ = demo
-    port = lambda: str(free_port())
+    def port():
+        return str(free_port())
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
     run_dir = tmp_path / "tp2"
     run(launcher + ["--master_port", port(), "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",

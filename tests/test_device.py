@@ -10,16 +10,16 @@ scorers sent CPU token batches to the model. The negative controls below reprodu
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.parallel import groups
 from megatron_kappa.train import loop
 from megatron_kappa.train.data import batch_at, build_datasets
-from tests.support.simulated_device import SIM, DeviceMixup, SimulatedDevice, on_device
 from tests.support.device_steps import STEPS, PlainEngine, fresh_process_caches, run_steps
+from tests.support.simulated_device import SIM, DeviceMixup, SimulatedDevice, on_device
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 steps with a non-finite loss or gradient norm, or skipped by DeepSpeed for an overflow, end it in
 one line with exit status 3 and no checkpoint of them; the last good checkpoint stays the latest."""
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

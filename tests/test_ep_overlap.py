@@ -116,8 +116,8 @@ def test_deferred_wgrad_equals_autograd(dtype):
 def test_grouped_experts_refuse_an_unrun_queue(world1):
     """A backward whose weight gradients nobody computed is an error at the next forward, not a
     silently missing gradient."""
-    from megatron_kappa.model.experts import GroupedExperts
     from megatron_kappa.model.build import transformer_config
+    from megatron_kappa.model.experts import GroupedExperts
     tconfig = copy.copy(transformer_config(load_config("configs/tiny.yaml", ["precision=bf16"])))
     tconfig.delay_wgrad_compute = True  # EP1 here: the flag set past megatron's EP check
     experts = GroupedExperts(2, tconfig, kappa=None)

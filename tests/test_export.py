@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-
-from tests.support.export_runs import ROOT, close, export, hf_env, hf_logits, runs, tokens, training_logits  # noqa: F401
+from tests.support.export_runs import ROOT, close, export, hf_env, hf_logits, tokens, training_logits
 
 
 @pytest.mark.slow
@@ -92,7 +91,8 @@ def test_the_hf_tokenizer_encodes_like_sentencepiece(sample_shards):
     ours = Tokenizer(sample_shards["tokenizer"])
     theirs = hf_tokenizer(sample_shards["tokenizer"], add_bos=True)
     texts = pq.read_table(ROOT / "data_prep/sample/fwe_sample_00001.parquet").column("text").to_pylist()[:200]
-    texts += ["  two leading spaces", "digits 12345 and 3.14", "tabs\tand\nnew lines\n\n  x", "émoji 🎉 日本語", " ", "a  b"]
+    texts += ["  two leading spaces", "digits 12345 and 3.14", "tabs\tand\nnew lines\n\n  x", "émoji 🎉 日本語", " ",
+              "a  b"]
     for text in texts:
         assert theirs(text).input_ids == [ours.bos] + ours.encode(text), text[:80]
         assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
@@ -107,6 +107,7 @@ def test_the_exported_tokenizer_loads_without_remote_code(sample_shards, tmp_pat
     export prompts, as transformers 5 reads config.json (whose auto_map names the modeling file)
     before the tokenizer: what the card and docs/export.md say."""
     import subprocess
+    import sys
 
     from megatron_kappa.export.tokenizer import hf_tokenizer
     from megatron_kappa.tokenizer import Tokenizer

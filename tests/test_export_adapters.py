@@ -13,7 +13,6 @@ from megatron_kappa.export.adapter import Rule
 from megatron_kappa.export.targets.mixtral import Mixtral
 from megatron_kappa.export.targets.qwen3_moe import Qwen3Moe
 from megatron_kappa.model.layout import model_layout
-
 from tests.support.settings import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.support.export_runs import ROOT, hf_env, two_steps  # noqa: F401
+from tests.support.export_runs import ROOT, hf_env
 
 
 def card_of(folder: Path) -> tuple[dict, str]:

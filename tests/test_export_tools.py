@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.export_runs import ROOT, export, hf_env, runs  # noqa: F401
+from tests.support.export_runs import ROOT, export, hf_env
 
 
 @pytest.mark.slow

@@ -16,10 +16,12 @@ from megatron_kappa.config.checks import fp8_capability_error
 from megatron_kappa.model import fp8
 
 torchao = pytest.importorskip("torchao")
-from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.float8.config import ScalingGranularity  # noqa: E402 (torchao only once importorskip found it)
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
 from torchao.prototype.moe_training.utils import (  # noqa: E402
-    torch_to_3d_rowwise_float8_transpose_rhs, torch_to_float8_per_group_colwise)
+    torch_to_3d_rowwise_float8_transpose_rhs,
+    torch_to_float8_per_group_colwise,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BAND = (0.015, 0.08)  # relative error of one e4m3 GEMM with rowwise scales: ≈ 0.037 here
@@ -141,7 +143,8 @@ def test_padded_grouped_gemm_equals_unpadded():
         seen.append(offs.clone())
         return fp8.EmulatedFloat8GroupedMM.apply(a, b_t, offs)
 
-    padded = lambda a, w, offs: fp8.padded_grouped_mm(emulated, a, w.transpose(1, 2), offs)  # noqa: E731
+    def padded(a, w, offs):
+        return fp8.padded_grouped_mm(emulated, a, w.transpose(1, 2), offs)
     for counts in (COUNTS, [16, 0, 3, 33]):
         assert grouped_errors(padded, counts=counts) == pytest.approx(grouped_errors(fp8_grouped, counts=counts),
                                                                       rel=1e-4, abs=1e-7)
@@ -277,7 +280,8 @@ def test_preflight_fp8_needs_torchao_and_hopper(monkeypatch):
 
 
 def test_log_line_says_emulated():
-    line = fp8.describe(load_config("configs/tiny.yaml", ["precision=fp8", "model.fp8.attention=false"]).model.fp8, "cpu")
+    line = fp8.describe(load_config("configs/tiny.yaml", ["precision=fp8", "model.fp8.attention=false"]).model.fp8,
+                        "cpu")
     assert line == ("fp8: torchao rowwise for dense_mlp, experts; emulated on the CPU (same casts, fp32 "
                     "products: no FP8 speed-up)")
 

@@ -41,9 +41,9 @@ def test_the_deepspeed_config_asks_for_fp32():
 
 def update_dtypes(method, zero, accum):
     """Dtypes each update call sees over two steps of two micro-batches, bf16 parameters."""
+    from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import muon
     from megatron_kappa.optim import optimizer as optim
-    from megatron_kappa.model.build import build_model
     from megatron_kappa.train.loop import lm_loss
     cfg = load_config("configs/tiny.yaml", ["data.mock=true", "model.seq_length=16", "train.micro_batch=2",
                                             "train.global_batch=4", "train.grad_clip=0", f"train.optimizer={method}",

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from tests.support import parity
-from tests.support.compare import max_gap
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.sharding import gather_full
+from tests.support import parity
+from tests.support.compare import max_gap
 
 
 def trained(cfg, state):

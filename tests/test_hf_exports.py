@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tests.support.export_runs import export, hf_logits, tokens
 from megatron_kappa.config import load_config
+from tests.support.export_runs import export, hf_logits, tokens
 
 TRAIN = ["data.mock=true", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=2",
          "log.tensorboard=false", "eval.valid_every=0", "log.interval=1", "checkpoint.interval=1",

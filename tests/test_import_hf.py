@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-
 from tests.support.export_runs import hf_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,12 +164,11 @@ def test_settings_read_back_the_models_that_each_target_exports(target):
     """Every target's `settings` inverts its `config` on the export tests' models (each with every
     optional part its class can carry, tests/test_export_adapters.py): the settings make a model
     whose config.json is the same. Negative control: a κ setting changed is seen."""
-    from tests.support.settings import MODELS as EXPORTED
-
     from megatron_kappa.export import targets
     from megatron_kappa.import_hf.folder import config_class
     from megatron_kappa.model.build import kappa_settings
     from megatron_kappa.model.layout import model_layout
+    from tests.support.settings import MODELS as EXPORTED
     adapter, special = targets.lookup(target), {"bos": 1, "eos": 2, "pad": 3}
 
     def config_json(cfg):
@@ -242,8 +240,9 @@ def test_a_run_whose_model_differs_is_refused_in_one_line(world1, folders):
 
 
 def test_unsupported_classes_and_fields_are_refused_in_one_line(folders, tmp_path):
-    from megatron_kappa.import_hf.folder import HFFolder
     import shutil
+
+    from megatron_kappa.import_hf.folder import HFFolder
     for edit, expected in (
             ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
              r"LlamaForCausalLM \(model_type llama\) is not a class the import reads; expected one of "
@@ -324,10 +323,11 @@ def test_the_cli_prints_the_settings_and_writes_a_config(folders, tmp_path):
 def test_export_import_export_round_trips_through_a_parallel_layout(folders, tmp_path):
     """Each folder starts a 2-process run (TP2 or EP2) that takes one step at learning rate 0; the
     run's export is the folder again, bit for bit, and its config.json has the folder's fields."""
-    from tests.support.pipeline_runs import launch
     from megatron_kappa.import_hf.folder import HFFolder
+    from tests.support.pipeline_runs import launch
     zero = ["train.lr=0", "train.lr_non_matrix=0", "model.kappa.lr=0", "model.kappa.lr_end=0",
-            "train.lr_resid_scalar=0", "train.lr_x0_scalar=0", "model.moe.bias_update_rate=0", "model.kappa.freeze_fraction=0", "train.steps=1",
+            "train.lr_resid_scalar=0", "train.lr_x0_scalar=0", "model.moe.bias_update_rate=0",
+            "model.kappa.freeze_fraction=0", "train.steps=1",
             "train.micro_batch=2", "train.global_batch=4", "data.mock=true", "eval.valid_every=0",
             "log.tensorboard=false", "checkpoint.interval=1", "model.seq_length=32"]
     plan = [{"overrides": [*HFFolder(folders[name], "--hf").overrides(), *zero, LAYOUTS[name],

@@ -26,7 +26,8 @@ def reference(g, u, s, a, b, U, scale, gain):
 
 def inputs(n=37, f=24, dtype=torch.float64, seed=0, use_a=True, use_b=True):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_()
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_()
     return (r(n, f, scale=2.0), r(n, f), r(n, scale=3.0),
             r(f, scale=0.5) if use_a else None, r(f, scale=0.5) if use_b else None)
 
@@ -54,7 +55,8 @@ def test_forward_and_all_gradients_match_float64_formula(variant, dtype, tol):
 def test_gradcheck_float64(variant):
     use_a, use_b, scale, gain = VARIANTS[variant]
     args = inputs(n=6, f=5, use_a=use_a, use_b=use_b)
-    fn = lambda *a: kappa_swiglu(*a, U=3.0, logit_scale=scale, tanh_gain=gain)
+    def fn(*a):
+        return kappa_swiglu(*a, U=3.0, logit_scale=scale, tanh_gain=gain)
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.kappa import kappa_swiglu
 from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.kappa import kappa_swiglu
 from megatron_kappa.model.build import kappa_settings
 from megatron_kappa.optim import schedule
 from megatron_kappa.train import recipe
@@ -21,7 +21,8 @@ T, E, H, F, K = 13, 4, 16, 8, 2
 
 def leaves(seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *shape, mag=1.0: (torch.randn(*shape, generator=gen) * mag).to(dtype).requires_grad_()  # noqa: E731
+    def r(*shape, mag=1.0):
+        return (torch.randn(*shape, generator=gen) * mag).to(dtype).requires_grad_()
     # x · W gives logits of a few units; weights of uneven norms so the normaliser matters
     w = (torch.randn(E, H, generator=gen) * torch.tensor([0.3, 0.6, 1.0, 1.4])[:, None]).to(dtype).requires_grad_()
     return dict(x=r(T, H, mag=2.0), w=w, g=r(T * K, F, mag=2.0), u=r(T * K, F),
@@ -174,7 +175,8 @@ def test_U_ramp_follows_the_authors_get_kappa_slope_max_scale():
     # input logit (the paper): U constant; explicit keys override the variant's
     assert all(recipe.kappa_U(s, 10000, kcfg().model.kappa) == 3.0 for s in (0, 500, 9999))
     assert recipe.kappa_U(0, 10000, kcfg("input=normalized", "u_warmup=0").model.kappa) == 4.0
-    assert recipe.kappa_U(1250, 10000, kcfg("input=normalized", "schedule=authors", "U=3").model.kappa) == pytest.approx(2.0)
+    assert recipe.kappa_U(1250, 10000, kcfg("input=normalized", "schedule=authors",
+                                            "U=3").model.kappa) == pytest.approx(2.0)
 
 
 def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
@@ -194,7 +196,9 @@ def test_authors_schedule_freeze_and_lr_against_hand_computed_values():
     # from step 1000, no width scaling, no main-LR multiplier).
     paper = load_config(None, ["model.hidden_size=3072", "model.num_attention_heads=24"])
     assert schedule.kappa_lr(1000, 10000, paper.train, paper.model) == pytest.approx(0.12 / 1000)
-    assert schedule.kappa_lr(7500, 10000, paper.train, paper.model) != pytest.approx(schedule.kappa_lr(7500, 10000, cfg.train, cfg.model))
+    assert schedule.kappa_lr(7500, 10000, paper.train, paper.model) != pytest.approx(schedule.kappa_lr(7500, 10000,
+                                                                                                       cfg.train,
+                                                                                                       cfg.model))
 
 
 def test_variant_settings_and_conflicting_keys():

@@ -36,7 +36,8 @@ def formula(g, u, s, a, b, scale, gain, counts=None):
 
 def make(n, f, counts=None, use_a=True, use_b=True, dtype=torch.float32, seed=0, logit_mag=3.0):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *shape, mag=1.0: (torch.randn(*shape, generator=gen) * mag).to(dtype).requires_grad_()  # noqa: E731
+    def r(*shape, mag=1.0):
+        return (torch.randn(*shape, generator=gen) * mag).to(dtype).requires_grad_()
     pshape = (f,) if counts is None else (len(counts), f)
     return [r(n, f, mag=2.0), r(n, f), r(n, mag=logit_mag),
             r(*pshape, mag=0.5) if use_a else None, r(*pshape, mag=0.5) if use_b else None]
@@ -222,7 +223,8 @@ def check_rows_past_counts(counts, n=37, f=24):
     w = torch.randn(n, f, generator=torch.Generator().manual_seed(5)).double()
     out, grads = run(lambda *a: kappa_swiglu_triton(*a, U, 0.15, 2.0, torch.tensor(counts), **SMALL), leaves, w)
     ref, ref_grads = run(lambda *a: formula(*a, 0.15, 2.0, counts), refs, w[:m])
-    pad = lambda t: torch.cat([t, t.new_zeros(n - m, *t.shape[1:])])  # noqa: E731
+    def pad(t):
+        return torch.cat([t, t.new_zeros(n - m, *t.shape[1:])])
     close(out, pad(ref), 1e-5)
     for i, (got, want) in enumerate(zip(grads, ref_grads)):
         close(got, pad(want) if i < 3 else want, 1e-5)

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from tests.support import analysis_reference as ref
-from tests.support import parity
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.metrics import paper_analyses as analysis
 from megatron_kappa.model.build import kappa_settings
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.metrics import paper_analyses as analysis
+from tests.support import analysis_reference as ref
+from tests.support import parity
 
 BUILT_IN = list(kappa_inputs.VARIANTS)
 
@@ -112,7 +112,8 @@ def test_analysis_sees_what_kappa_sees(registry, world1, name):
         x, kappa_logits, routing_map = seen[index]
         token, expert = routing_map.reshape(kappa_logits.shape).nonzero(as_tuple=True)
         alpha = layer.experts.kappa_alpha.detach().double()[expert]                 # [P, F]
-        term = lambda s: (alpha * scale * s[token, expert][:, None]).abs().mean().item()  # noqa: E731
+        def term(s):
+            return (alpha * scale * s[token, expert][:, None]).abs().mean().item()
         got = stats[f"kappa/layer{index}/alpha_s_abs"]
         assert got == pytest.approx(term(kappa_logits), rel=1e-5), index
         # Negative control: where the variant changes the logit, the raw logit gives another number
@@ -151,7 +152,8 @@ def test_a_variant_registered_at_run_time_trains(registry, world1, tmp_path):
     # gradient through the transform; the loss (at these sizes it barely moves: equal, not a control)
     quantiles = [f"kappa/layer{i}/{q}" for i in (1, 2, 3) for q in ("bottom5", "mean", "top5")]
     alpha = [f"kappa/layer{i}/alpha_abs" for i in (1, 2, 3)]
-    gap = lambda a, b, keys: max(abs(a[-1][k] - b[-1][k]) / abs(b[-1][k]) for k in keys)  # noqa: E731
+    def gap(a, b, keys):
+        return max(abs(a[-1][k] - b[-1][k]) / abs(b[-1][k]) for k in keys)
     assert gap(halved, same, quantiles + alpha + ["loss"]) < 1e-6
     # negative control: the toy's transform is visible in both
     assert gap(halved, plain, quantiles) > 5e-4 and gap(halved, plain, alpha) > 1e-2

@@ -83,7 +83,8 @@ def make(case, dtype=f64, seed=0, rows=12, n=8):
     elif case == "per_row":
         k = torch.rand(rows, generator=g, dtype=f64) * (n - 0.2) + 0.1
         a = torch.rand(rows, generator=g, dtype=f64) * 2 + 0.1
-    leaf = lambda x: torch.as_tensor(x, dtype=f64).to(dtype).requires_grad_()
+    def leaf(x):
+        return torch.as_tensor(x, dtype=f64).to(dtype).requires_grad_()
     return leaf(r), leaf(k), leaf(a)
 
 

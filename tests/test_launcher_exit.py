@@ -74,7 +74,8 @@ def test_the_torchrun_lines_replaced_are_torchs_and_only_they_are_dropped():
     assert all(line in source for line in launcher_exit._TORCHRUN_REPLACED)
     assert api.logger.name == launcher_exit._TORCHRUN_LOGGER
     keep = launcher_exit._DropReplacedLines().filter
-    record = lambda msg: logging.LogRecord(api.logger.name, logging.WARNING, "api.py", 1, msg, (), None)
+    def record(msg):
+        return logging.LogRecord(api.logger.name, logging.WARNING, "api.py", 1, msg, (), None)
     assert not keep(record("Sending process %s closing signal %s"))
     assert not keep(record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"))
     assert keep(record("Starting elastic_operator with launch configs:"))  # control

@@ -46,6 +46,7 @@ def test_matches_float64_cross_entropy():
 
 def test_nonpositive_chunk_is_refused():
     import pytest
+
     from megatron_kappa.model.loss import vocab_parallel_loss
     logits, target, _ = inputs()
     with pytest.raises(ValueError, match="chunk must be positive, got 0"):
@@ -113,9 +114,9 @@ def test_model_with_the_chunked_loss_trains_like_megatrons_loss(world1):
     (~sqrt(2048)·6e-8 relative each) averages out: measured one ulp on AVX-512, AVX2 and the
     default kernels; 2e-6 allows four. A gradient's largest error is a few fp32 ulps of its
     tensor's largest entry (measured <= 6.1e-7); 1e-5 allows ~80."""
-    from tests.support import parity
     from megatron_kappa.model.loss import ChunkedLossGPTModel
     from megatron_kappa.parallel.groups import init_distributed
+    from tests.support import parity
 
     def run(chunk, state=None):
         cfg = parity.make_cfg(overrides=[f"model.cross_entropy_chunk={chunk}"])

@@ -9,8 +9,7 @@ The same reference checks the DeepSpeed path in tests/test_optimizers.py.
 import pytest
 import torch
 
-from megatron_kappa.optim.matrix import (RowBlocks, aurora_polar, matrix_update, newton_schulz,
-                                               orthogonalize)
+from megatron_kappa.optim.matrix import RowBlocks, aurora_polar, matrix_update, newton_schulz, orthogonalize
 from tests.support.optim_reference import ref_direction
 
 D = torch.float64
@@ -119,8 +118,10 @@ def test_aurora_equalises_long_side_norms(shape):
     G = G if shape == (8, 40) else G.T.contiguous()
     plain = newton_schulz(G, 5, (2.0, -1.5, 0.5), compute_dtype=D)
     U = aurora_polar(G, ns_steps=5, compute_dtype=D)
-    long_sq = lambda X: (X * X).sum(0) if m < n else (X * X).sum(1)  # noqa: E731
-    cv = lambda x: (x.std() / x.mean()).item()  # noqa: E731
+    def long_sq(X):
+        return (X * X).sum(0) if m < n else (X * X).sum(1)
+    def cv(x):
+        return (x.std() / x.mean()).item()
     assert abs(long_sq(U).mean().item() - 8 / 40) < 1e-6
     assert cv(long_sq(U)) < 0.1 < 1.0 < cv(long_sq(plain))
     s = torch.linalg.svdvals(U)

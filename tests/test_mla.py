@@ -41,7 +41,8 @@ def mla_reference(w: dict, h, cfg, interleaved_pairs=True, norms=True):
     a, m = cfg.model.mla, cfg.model
     n, eps = m.num_attention_heads, m.norm_eps
     s, b, _ = h.shape
-    norm = lambda x, name: rms(x, eps, w[name]) if norms else x  # noqa: E731
+    def norm(x, name):
+        return rms(x, eps, w[name]) if norms else x
     if a.q_lora_rank:
         q = norm(h @ w["linear_q_down_proj.weight"].T, "q_layernorm.weight") @ w["linear_q_up_proj.weight"].T
     else:
@@ -61,7 +62,8 @@ def mla_reference(w: dict, h, cfg, interleaved_pairs=True, norms=True):
     return out @ w["linear_proj.weight"].T
 
 
-@pytest.mark.parametrize("sets", [["model.mla.q_lora_rank=32"], ["model.mla.q_lora_rank=null", "model.qk_layernorm=false"]],
+@pytest.mark.parametrize("sets", [["model.mla.q_lora_rank=32"], ["model.mla.q_lora_rank=null",
+                                                                 "model.qk_layernorm=false"]],
                          ids=["query-latent", "no-query-latent-no-norms"])
 def test_mla_matches_a_float64_recomputation_of_its_formulas(world1, sets):
     cfg = load_config("configs/tiny.yaml", [*MLA, *sets])

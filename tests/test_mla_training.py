@@ -8,7 +8,6 @@ megatron's own MLASelfAttention as the negative control, is in tests/test_parall
 import pytest
 
 from megatron_kappa.config import load_config
-
 from tests.support.pipeline_runs import COMMON, assert_same_run, final_weights, launch, resume_from_step_1
 from tests.support.processes import records
 from tests.support.settings import MLA

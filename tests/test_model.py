@@ -7,16 +7,17 @@ import torch
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout, moe_layer_pattern
+from megatron_kappa.parallel.groups import current_device
 from megatron_kappa.summary import summarize
 from megatron_kappa.summary.__main__ import main as summary_main
-from megatron_kappa.parallel.groups import current_device
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 
 
 def test_layouts():
-    cfg = lambda layout, n, **kw: load_config(None, [f"model.layout={layout}", f"model.num_layers={n}"] +
-                                              [f"{k}={v}" for k, v in kw.items()])
+    def cfg(layout, n, **kw):
+        return load_config(None, [f"model.layout={layout}", f"model.num_layers={n}"] +
+                           [f"{k}={v}" for k, v in kw.items()])
     assert moe_layer_pattern(cfg("dense", 4).model) == [0, 0, 0, 0]
     assert moe_layer_pattern(cfg("moe", 5, **{"model.first_dense": 2}).model) == [0, 0, 1, 1, 1]
     assert moe_layer_pattern(cfg("sandwich", 6).model) == [0, 0, 1, 1, 0, 0]
@@ -100,7 +101,8 @@ def test_summary_counts_match_architecture(world1, name):
     assert s["active_params_per_token"] == round(sum(by.values()) - by["experts"] * (1 - k / E))
     discount = (k / E) ** 0.5 if 5 * sum(moe_layer_pattern(cfg.model)) >= m.num_layers else 1.0
     assert s["expert_discount"] == (discount != 1.0) == (name != "sandwich28")
-    neff = sum(by.values()) - by["embedding"] // 2 - by["value_embedding"] - by["scalars"] - by["experts"] * (1 - discount)
+    neff = (sum(by.values()) - by["embedding"] // 2 - by["value_embedding"] - by["scalars"]
+            - by["experts"] * (1 - discount))
     assert s["n_eff"] == round(neff) and s["token_budget"] == int(5 * neff)
     # Negative control: a different expert count changes the architecture's numbers.
     other = load_config(next(c for c in CONFIGS if c.stem == name), ["model.moe.num_experts=8", "parallel.ep=1"])
@@ -140,7 +142,8 @@ def test_paper_configs_against_the_papers_numbers(world1, capsys):
     # every config pinned: (total, active, tokens, automatic batch), the nanochat block by the rules
     for name, pinned in PAPER_PINS.items():
         s = rows[name]
-        assert (s["total_params"], s["active_params_per_token"], s["token_budget"], s["auto_batch_tokens"]) == pinned, name
+        assert (s["total_params"], s["active_params_per_token"], s["token_budget"],
+                s["auto_batch_tokens"]) == pinned, name
     # negative control: megatron's block (no value embeddings) misses the published active counts
     plain = summarize(load_config(CONFIGS[0].parent / "sandwich28.yaml", ["model.block=megatron"]))
     assert plain["active_params_per_token"] < 0.6 * 849.0e6

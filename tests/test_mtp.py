@@ -12,7 +12,6 @@ from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import build_model
 
 
-
 def gradients(weight: float | None, state=None):
     """(gradients by name, state dict) of one forward/backward of the tiny model with one MTP depth
     of loss weight `weight` (None: no MTP), from `state` when given."""
@@ -66,8 +65,8 @@ def test_the_summary_counts_mtp_apart(world1):
 
 @pytest.fixture(scope="module")
 def mtp_runs(world1, tmp_path_factory):
-    from tests.support.pipeline_runs import COMMON, LAYOUTS, launch
     from megatron_kappa.train.loop import run
+    from tests.support.pipeline_runs import COMMON, LAYOUTS, launch
     from tests.support.weights import save_init_weights
     tmp = tmp_path_factory.mktemp("mtp")
     sets = COMMON + ["model.mtp.num_layers=1", "model.mtp.loss_weight=0.5"]
@@ -125,10 +124,9 @@ def test_the_embedding_copy_stays_the_first_stages(mtp_runs, name):
 def test_mtp_resume_and_evaluation(mtp_runs):
     import shutil
 
+    from megatron_kappa.evaluation.loading import load_model_for_eval
     from tests.support.pipeline_runs import STEPS, launch
     from tests.support.processes import records
-
-    from megatron_kappa.evaluation.loading import load_model_for_eval
     tmp, sets = mtp_runs
     resumed = tmp / "resumed"  # the TP2×EP2 run from its step-1 checkpoint
     shutil.copytree(tmp / "tp2_ep2", resumed)
@@ -152,7 +150,8 @@ def test_a_logged_steps_mtp_loss_is_its_own(world1, tmp_path):
             "eval.valid_every=0", "log.tensorboard=false", "model.mtp.num_layers=1", "checkpoint.interval=100"]
     logged = {}
     for interval in (1, 2):
-        run(load_config("configs/tiny.yaml", [*sets, f"log.interval={interval}", f"run.dir={tmp_path / str(interval)}"]),
+        run(load_config("configs/tiny.yaml", [*sets, f"log.interval={interval}",
+                                              f"run.dir={tmp_path / str(interval)}"]),
             log=lambda *a: None)
         from tests.support.processes import records
         logged[interval] = {r["step"]: r["mtp_loss"] for r in records(tmp_path / str(interval))}

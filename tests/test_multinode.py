@@ -9,24 +9,24 @@ every launch also checks that the ranks bind the interface that reaches the othe
 import json
 import os
 import re
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
+from tests.support.compare import max_gap
+from tests.support.netns_cluster import netns_cluster
+from tests.support.slurm_cluster import FINAL_STATES
+from tests.support.slurm_jobs import job_log, records, wait_for_steps
+from tests.support.weights import save_init_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two hosts; a lost host is named by timing
 
 ROOT = Path(__file__).resolve().parents[1]
-from tests.support.netns_cluster import netns_cluster  # noqa: E402
-from tests.support.slurm_cluster import FINAL_STATES  # noqa: E402
-from tests.support.slurm_jobs import job_log, records, wait_for_steps  # noqa: E402
-from tests.support.weights import save_init_weights  # noqa: E402
 
 STEPS = 12
 MODEL = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=8", "model.kappa.warmup=2",

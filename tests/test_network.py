@@ -81,6 +81,7 @@ def test_failure_names_the_hosts_of_the_ranks(monkeypatch):
 
 def test_rank_hosts_are_gathered_with_the_control_group(world1):
     import socket
+
     from megatron_kappa.parallel import groups
     groups.control_group()
     assert groups.rank_hosts() == [socket.gethostname()]

@@ -31,7 +31,8 @@ def test_offloaded_steps_equal_the_default_and_resume_exactly(world1, tmp_path, 
     from megatron_kappa.train.loop import run
     torch.manual_seed(3)
     init = tmp_path / "init.pt"
-    torch.save({k: v for k, v in build_model(load_config("configs/tiny.yaml", BASE), current_device()).state_dict().items()
+    torch.save({k: v for k, v in build_model(load_config("configs/tiny.yaml", BASE),
+                                             current_device()).state_dict().items()
                 if not k.endswith("_extra_state")}, init)
     started = []
     original = engine.initialize
@@ -43,7 +44,8 @@ def test_offloaded_steps_equal_the_default_and_resume_exactly(world1, tmp_path, 
 
     def losses(run_dir, steps, offload):
         cfg = load_config("configs/tiny.yaml", BASE + [f"run.dir={run_dir}", f"train.steps={steps}",
-                                                       f"zero.offload_optimizer={offload}", f"train.init_weights={init}",
+                                                       f"zero.offload_optimizer={offload}",
+                                                       f"train.init_weights={init}",
                                                        "train.allow_schedule_change=true"])  # resumed 2 → 4
         run(cfg, log=lambda *a, **k: None)
         return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

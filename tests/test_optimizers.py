@@ -16,20 +16,21 @@ import time
 import pytest
 import torch
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.parallel.groups import current_device
+from tests.support.compare import max_gap
 from tests.support.optim_reference import ref_direction
+from tests.support.optimizer_runs import COMMON, STEPS, tp_emulation
 from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, losses, records
 from tests.support.weights import save_init_weights
-from tests.support.optimizer_runs import COMMON, STEPS, tp_emulation
 
 D = torch.float64
 
 
 # ---- config ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting,message", [
-    (["train.optimizer=aurora", "train.grad_clip=1.0"], "train.grad_clip: must be 0 or null with train.optimizer=aurora"),
+    (["train.optimizer=aurora", "train.grad_clip=1.0"],
+     "train.grad_clip: must be 0 or null with train.optimizer=aurora"),
     (["train.optimizer=sgd"], "train.optimizer: expected one of"),
     (["train.muon.ns_steps=0"], "train.muon.ns_steps"),
     (["train.muon.momentum=1.0"], "train.muon.momentum"),
@@ -60,6 +61,7 @@ def test_patched_symbols_exist_upstream():
 
 def test_install_and_uninstall_restore_deepspeed():
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
     from megatron_kappa.optim import muon
     before = original_muon.muon_update, muon_optimizer.muon_update
     fn = muon.update_fn(load_config("configs/tiny.yaml", ["train.optimizer=muon", "train.grad_clip=0"]).train)
@@ -74,6 +76,7 @@ def test_install_and_uninstall_restore_deepspeed():
 def test_padded_muon_groups_are_refused():
     """On ZeRO's padded path DeepSpeed does not pass muon_num_heads: the blocks would be lost."""
     from types import SimpleNamespace as NS
+
     from megatron_kappa.optim import muon
 
     class MuonWithAuxAdam:  # only the class name matters to the check
@@ -119,10 +122,11 @@ def test_zero_step_matches_float64_reference(world1, method, zero):
     """Two steps of DeepSpeed ZeRO + MuonWithAuxAdam + our update (Newton–Schulz in float64
     here) against explicit float64 formulas; AdamW groups at lr 0 must not move at all."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
-    from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.optim import muon
     from megatron_kappa.optim import optimizer as optim
+    from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.train.loop import lm_loss
     cfg = load_config("configs/tiny.yaml", COMMON + [f"train.optimizer={method}", f"zero.stage={zero}",
                                                      "model.seq_length=16"])
@@ -302,5 +306,6 @@ def test_sigkill_and_resume_continue_exactly(runs, init_weights, tmp_path):
         last = max(killed[m].glob("checkpoints/step_*"), key=lambda d: int(d.name[5:]))
         momentum = {}
         for f in last.glob("rank_*.pt"):
-            momentum.update(torch.load(f, map_location="cpu", weights_only=False)["optimizer"].get("momentum_buffer", {}))
+            momentum.update(torch.load(f, map_location="cpu", weights_only=False)["optimizer"].get("momentum_buffer",
+                                                                                                   {}))
         assert momentum and all(t.norm() > 0 for t in momentum.values())

@@ -39,7 +39,8 @@ def test_the_two_arms_differ_only_where_the_authors_did():
     on = load_config("configs/moe8.yaml", ["model.kappa.enabled=true"]).model.moe.aux_loss
     off = load_config("configs/moe8.yaml", ["model.kappa.enabled=false"]).model.moe.aux_loss
     assert (on, off) == (5e-4, 1e-3)
-    fixed = [load_config("configs/moe8.yaml", [f"model.kappa.enabled={k}", "model.moe.aux_loss=1e-3"]).model.moe.aux_loss
+    fixed = [load_config("configs/moe8.yaml", [f"model.kappa.enabled={k}",
+                                               "model.moe.aux_loss=1e-3"]).model.moe.aux_loss
              for k in ("true", "false")]
     assert fixed == [1e-3, 1e-3] != [on, off]
     # configs without the rule keep their number whatever κ is

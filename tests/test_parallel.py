@@ -7,9 +7,9 @@ experts are grouped GEMMs (the default) except in the cases named "sequential".
 """
 import pytest
 
+from megatron_kappa.parallel.sharding import gather_full
 from tests.support import parity
 from tests.support.compare import max_gap, max_rel_grad_error
-from megatron_kappa.parallel.sharding import gather_full
 
 WORLD = 4
 # fp8 against one process (measured: loss gap 3.9e-4, largest per-tensor gradient error 0.14 of the

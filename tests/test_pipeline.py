@@ -9,8 +9,16 @@ import shutil
 import pytest
 
 from megatron_kappa.config import ConfigError, load_config
-from tests.support.pipeline_runs import (COMMON, LAYOUTS, STEPS, assert_same_run, base_sets, final_weights, launch,
-                                         nanochat_sets)
+from tests.support.pipeline_runs import (
+    COMMON,
+    LAYOUTS,
+    STEPS,
+    assert_same_run,
+    base_sets,
+    final_weights,
+    launch,
+    nanochat_sets,
+)
 from tests.support.processes import records
 
 
@@ -31,7 +39,8 @@ def stage_runs(world1, tmp_path_factory):
     (base, sets), (nano, nano_sets), (uneven, uneven_sets_) = out["base"], out["nanochat"], out["uneven"]
     launch(base, [{"overrides": sets + PP2["base"] + [f"run.dir={base / 'pp2'}", *every_step]},
                   {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'pp2'}", *every_step]},
-                  {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'neg'}"], "negative": "x0_not_sent_back"},
+                  {"overrides": nano_sets + PP2["nanochat"] + [f"run.dir={nano / 'neg'}"],
+                   "negative": "x0_not_sent_back"},
                   {"overrides": nano_sets + VPP + [f"run.dir={nano / 'vpp2'}"]},
                   {"overrides": uneven_sets_ + PP2["uneven"] + [f"run.dir={uneven / 'pp2'}", *every_step]},
                   {"overrides": uneven_sets_ + LAYOUT_STRING + [f"run.dir={uneven / 'layout'}"]},
@@ -179,6 +188,7 @@ def test_uneven_stages_split_as_megatron_does(monkeypatch):
     from types import SimpleNamespace
 
     from megatron.core.transformer import transformer_layer
+
     from megatron_kappa.model.layout import model_layout
     for layers, pp, first, last in ((5, 2, 3, None), (5, 2, None, 1), (61, 16, 4, 1), (10, 4, 1, 3), (7, 3, 1, None),
                                     (8, 4, None, None)):
@@ -189,7 +199,8 @@ def test_uneven_stages_split_as_megatron_does(monkeypatch):
         config = SimpleNamespace(pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=None,
                                  num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
                                  num_layers=layers, virtual_pipeline_model_parallel_size=None,
-                                 account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+                                 account_for_embedding_in_pipeline_split=False,
+                                 account_for_loss_in_pipeline_split=False)
         offsets = [transformer_layer.get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)]
         assert [shape.stage_layers(r)[0] for r in range(pp)] == offsets, (layers, pp, first, last)
         assert shape.stage_layers(pp - 1)[1] == layers and sum(shape.stage_counts()) == layers
@@ -207,6 +218,7 @@ def test_layout_strings_split_as_megatron_does():
     trainer's preflight refuses them: tests/test_preflight.py); the checks refuse what megatron
     does not run, each in one line naming the key."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
     from megatron_kappa.model.layout import model_layout
     for layers, pp, mtp, text in ((5, 2, 0, "Et*3|ttL"), (5, 2, 0, "Ett|t*3L"), (10, 4, 0, "Et|(t*3|)*2t*3L"),
                                   (61, 16, 1, "Et*3|(t*4|)*14t*2mL"), (7, 3, 1, "Et,t|ttt|ttmL"),
@@ -378,6 +390,7 @@ def test_virtual_stages_split_as_megatron_does(monkeypatch):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import transformer_layer
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
     from megatron_kappa.model.layout import model_layout
     for layers, pp, vpp in ((4, 2, 2), (12, 2, 3), (16, 4, 2)):
         monkeypatch.setattr(ps, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", vpp)
@@ -386,7 +399,8 @@ def test_virtual_stages_split_as_megatron_does(monkeypatch):
         config = SimpleNamespace(pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=None,
                                  num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                                  num_layers=layers, virtual_pipeline_model_parallel_size=vpp,
-                                 account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+                                 account_for_embedding_in_pipeline_split=False,
+                                 account_for_loss_in_pipeline_split=False)
         for r in range(pp):
             for v in range(vpp):
                 start, stop = shape.stage_layers(r, v)
@@ -407,8 +421,10 @@ def test_virtual_stages_split_as_megatron_does(monkeypatch):
         assert sum(shape.stage_counts()) == layers
     refused = {("parallel.pp=1", "parallel.vpp=2"): "parallel.vpp: 2 needs parallel.pp > 1",
                ("parallel.pp=2", "parallel.vpp=3"): "not divisible by pp × vpp = 6",
-               ("parallel.pp=2", "parallel.vpp=2", "parallel.first_stage_layers=2"): "give uneven chunks as parallel.layout",
-               ("parallel.pp=2", "parallel.vpp=2", "parallel.layout=Et|t|ttL"): "3 entries for parallel.pp=2 × parallel.vpp=2",
+               ("parallel.pp=2", "parallel.vpp=2",
+                "parallel.first_stage_layers=2"): "give uneven chunks as parallel.layout",
+               ("parallel.pp=2", "parallel.vpp=2",
+                "parallel.layout=Et|t|ttL"): "3 entries for parallel.pp=2 × parallel.vpp=2",
                ("parallel.pp=2", "parallel.vpp=2", "model.num_layers=5", "model.mtp.num_layers=1",
                 "parallel.layout=Et|t|tm|ttL"): "MTP layers (m) before L"}
     for sets, message in refused.items():
@@ -481,7 +497,9 @@ def test_the_stage_split_is_part_of_the_recorded_layout():
     resume in another split is a layout change (weights through the full model's names, no RNG
     states restored); an even PP2 split records as before."""
     from megatron_kappa.parallel.layout import layout_record
-    record = lambda sets: layout_record(load_config("configs/tiny.yaml", ["parallel.pp=2", *sets]).parallel, 2)  # noqa: E731
+    def record(sets):
+        return layout_record(load_config("configs/tiny.yaml", ["parallel.pp=2", *sets]).parallel, 2)
+
     assert record([]) == {"world": 2, "tp": 1, "ep": 1, "etp": 1, "pp": 2}
     splits = [["parallel.vpp=2"], ["parallel.first_stage_layers=1"], ["parallel.last_stage_layers=1"],
               ["parallel.layout=Et|tttL"], ["parallel.layout=Ett|ttL"]]

@@ -323,7 +323,8 @@ def test_verdict_and_search():
 
 def test_bad_layout_is_a_one_line_error():
     cfg = load_config("configs/tiny.yaml")
-    with pytest.raises(ConfigError, match=r"parallel.ep: model.moe.num_experts=4 is not divisible by ep=8 \(TP1 PP1 EP8 "):
+    with pytest.raises(ConfigError,
+                       match=r"parallel.ep: model.moe.num_experts=4 is not divisible by ep=8 \(TP1 PP1 EP8 "):
         planner.plan(cfg, Layout(8, 1, 1, 8, 1), gpu_mem_gib=80)
     with pytest.raises(ConfigError, match=r"world size 8 is not divisible by ep × etp × pp = 4 × 1 × 4 .*\(TP1 PP4 EP4 "
                                           r"ETP1 DP2 \(EDP\?\)\)$"):  # a floor of 8 / 16 would read EDP0
@@ -335,8 +336,9 @@ def test_bad_layout_is_a_one_line_error():
 
 
 def test_command_line(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "plan", *a], cwd=ROOT,  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "plan", *a], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
     done = run("--config", "configs/moe8.yaml", "--world", "8", "--set", "parallel.ep=8", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
@@ -380,7 +382,8 @@ MEMORY_CASES = {  # name: (world, tp, pp, ep, etp, zero stage)
     "ep2_etp2_zero1": (4, 1, 1, 2, 2, 1), "pp2_ep2_zero1": (4, 1, 2, 2, 1, 1)}
 ACCUM = {"bf16": {name: [] for name in MEMORY_CASES},
          "fp32": {**{name: [] for name in MEMORY_CASES},
-                  **{f"{name} aurora": ["train.optimizer=aurora", "train.grad_clip=0"] for name in ("dp2_zero1", "ep2_zero2")}}}
+                  **{f"{name} aurora": ["train.optimizer=aurora", "train.grad_clip=0"] for name in ("dp2_zero1",
+                                                                                                    "ep2_zero2")}}}
 
 
 def memory_cases(tmp) -> list[dict]:

@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from megatron_kappa.config import ConfigError, load_config
-from megatron_kappa.preflight import preflight
 from megatron_kappa.plan import Layout, search
 from megatron_kappa.plan.accepted import refusal
+from megatron_kappa.preflight import preflight
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 WORLD = 8
@@ -85,8 +85,9 @@ def test_a_refused_overlap_drops_out_through_the_trainers_checks(monkeypatch):
     on = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_moe_expert_parallel_comm=True))
     assert "zero.stage" in refusal(on, Layout(WORLD, ep=2))
     assert not any(r.ep_overlap for r in search.search(cfg, WORLD, top=None))
-    as_zero1 = lambda variant, layout: refusal(dataclasses.replace(variant, zero=dataclasses.replace(  # noqa: E731
-        variant.zero, stage=1)), layout)
+    def as_zero1(variant, layout):
+        return refusal(dataclasses.replace(variant, zero=dataclasses.replace(
+variant.zero, stage=1)), layout)
     monkeypatch.setattr(search, "refusal", as_zero1)
     assert any(r.ep_overlap for r in search.search(cfg, WORLD, top=None))
 
@@ -123,14 +124,16 @@ def test_a_factor_the_schema_lacks_is_refused_as_the_trainer_refuses_it():
     finally:
         accepted.to_dict = original
     # a layout the trainer's batch check refuses: 8 sequences, micro-batch 4 over DP 8
-    assert "train.global_batch" in refusal(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=4)),
+    assert "train.global_batch" in refusal(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                                              micro_batch=4)),
                                            Layout(WORLD))
 
 
 def test_command_line_marks_every_row():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "plan", "--config", "configs/tiny.yaml",  # noqa: E731
-                                     "--world", str(WORLD), "--search", "--no-progress", "--top", "100", *a],
-                                    cwd=ROOT, capture_output=True, text=True, timeout=300)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "plan", "--config", "configs/tiny.yaml",
+                               "--world", str(WORLD), "--search", "--no-progress", "--top", "100", *a],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     plain, moments, planned = run(), run("--optimizer-states", "bf16"), run("--planned-layouts")
     assert plain.returncode == moments.returncode == planned.returncode == 0, plain.stderr + planned.stderr
     head, *rows = plain.stdout.splitlines()

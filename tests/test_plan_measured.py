@@ -6,7 +6,15 @@ import dataclasses
 import pytest
 
 from megatron_kappa.plan import Layout, model_shape, speed
-from megatron_kappa.plan.published import LONG_CONTEXT, MEASURED, TUNED, check_run, config_of, measured_seconds, megatron_model_flops
+from megatron_kappa.plan.published import (
+    LONG_CONTEXT,
+    MEASURED,
+    TUNED,
+    check_run,
+    config_of,
+    measured_seconds,
+    megatron_model_flops,
+)
 from megatron_kappa.plan.speed import Rates
 
 # ModelZoo best_practice/qwen3/readme.md:14, :15, :19, :18 give both a step time and megatron's model TFLOP/s per GPU
@@ -77,6 +85,7 @@ def test_plan_rates_counts_the_flops_torch_counts():
     the bench prints."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+
     from bench.plan_rates import attention_flops, experts_flops, gemm_flops
 
     def counted(fn):

@@ -25,6 +25,7 @@ def held_after_one_step(cfg) -> dict:
     """Bytes of the ZeRO optimizer's state after one step: the Muon groups' momentum buffers, the
     staged copies, and every other state tensor (AdamW's moments)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import muon
     from megatron_kappa.optim import optimizer as optim

@@ -96,7 +96,8 @@ def test_bf16_moments_and_optimizer_offload():
     # the step's fp32 gradient of a group is made on the CPU too: the GPU's step peak is the partitions
     # (bf16 accumulation; with fp32 accumulation AdamW's groups step their fp32 partitions in place)
     bf16_sums = tiny("train.grad_accum_dtype=bf16")
-    on_gpu, on_cpu = (planner.gradient_bytes(params, bf16_sums, layout, Planned(offload_optimizer=o)) for o in (False, True))
+    on_gpu, on_cpu = (planner.gradient_bytes(params, bf16_sums, layout, Planned(offload_optimizer=o)) for o in (False,
+                                                                                                                True))
     assert on_gpu["step"] - on_cpu["step"] == 4 * on_gpu["largest_group"] > 0
     on_gpu, on_cpu = (planner.gradient_bytes(params, cfg, layout, Planned(offload_optimizer=o)) for o in (False, True))
     assert on_gpu["step"] == on_cpu["step"] == on_gpu["partitions"] and on_gpu["largest_group"] == 0
@@ -112,7 +113,8 @@ def test_fp8_activations_and_norm_recompute_by_hand():
     # norm recompute (a selective module): each layer drops its two norms' outputs (the qkv and the
     # fc1/router inputs); without selective recompute it is not on
     selective = act(cfg, recompute="selective")
-    assert selective - act(cfg, recompute="selective", planned=Planned(recompute_norms=True)) == 4 * 2 * TOKENS * H * size
+    assert selective - act(cfg, recompute="selective",
+                           planned=Planned(recompute_norms=True)) == 4 * 2 * TOKENS * H * size
     assert act(cfg, planned=Planned(recompute_norms=True)) == base
     # "moe": the routed rows' fc1 input (h) and output (2 F) in 1 byte, in the 3 MoE layers
     assert base - act(cfg, planned=Planned(fp8_activations="moe")) == 3 * rows * (H + 2 * FFN) * size / 2
@@ -226,19 +228,23 @@ def test_command_line_planned_flags():
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "plan", *a], cwd=root,  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
-    done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2", "--optimizer-states", "bf16", "--set", "train.micro_batch=2",
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "plan", *a], cwd=root,
+                              capture_output=True, text=True, timeout=120)
+    done = run("--config", "configs/tiny.yaml", "--world", "8", "--cp", "2", "--optimizer-states", "bf16", "--set",
+               "train.micro_batch=2",
                "--offload-optimizer", "--latency-us", "0", "--overlap", "data,expert", "--fused-swiglu")
     assert done.returncode == 0, done.stderr
     assert "TP1 PP1 CP2 EP1" in done.stdout and "DP4" in done.stdout
     assert "planned only  bf16 optimizer moments, optimizer offload, overlap (data, expert), fused SwiGLU (the" \
         in done.stdout
     assert "offloaded" in done.stdout
-    done = run("--config", "configs/tiny.yaml", "--world", "2", "--layer-ms", "1.5", "--attention-tflops", "50", "--json",
+    done = run("--config", "configs/tiny.yaml", "--world", "2", "--layer-ms", "1.5", "--attention-tflops", "50",
+               "--json",
                "--set", "train.micro_batch=2", "train.global_batch=8")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["speed"]["terms"]["fixed"] == pytest.approx(1.5e-3 * 2 * 4)  # 2 micro-batches, 4 layers
+    # 2 micro-batches, 4 layers
+    assert json.loads(done.stdout)["speed"]["terms"]["fixed"] == pytest.approx(1.5e-3 * 2 * 4)
     for bad, flag in ((["--latency-us", "-1"], "--latency-us"), (["--cp", "0"], "--cp"),
                       (["--layer-ms", "-1"], "--layer-ms"), (["--attention-tflops", "0"], "--attention-tflops"),
                       (["--fp8-activations", "all"], "--fp8-activations"), (["--overlap", "data,all"], "--overlap")):
@@ -329,8 +335,9 @@ def test_node_limited_dispatch_by_hand():
         layout = Layout(4, ep=4)
         params = [planner.stage_params(cfg, layout, 0)]
         rows = 8 * 128 / 4 * 2  # a DP4 replica's tokens x top-2
-        expert = lambda gpus, params, **k: speed.step_time(  # noqa: E731
-            cfg, layout, rates=rates, gpus_per_node=gpus, stage_params=params, **k).terms["expert"]
+        def expert(gpus, params, **k):
+            return speed.step_time(
+cfg, layout, rates=rates, gpus_per_node=gpus, stage_params=params, **k).terms["expert"]
         # plain: half the rows go to the other node over InfiniBand, a quarter to the node peer
         # over NVLink, the two at once
         assert expert(2, params) == pytest.approx(4 * 3 * max(rows / 2 * H * 2 / 25e9, rows / 4 * H * 2 / 200e9))

@@ -98,7 +98,8 @@ def test_scaling_by_the_probabilities_gives_autograds_gradients_bit_for_bit(dtyp
         args = (gate, up, logit, alpha, bias, 4.0, 1.0, 1.0)
         h = kappa_swiglu(*args, backend="torch")
         if scaled:
-            remake = lambda *inputs: kappa_swiglu(*inputs, *args[5:], backend="torch")  # noqa: E731
+            def remake(*inputs):
+                return kappa_swiglu(*inputs, *args[5:], backend="torch")
             y = ScaledByProbs.apply(h, probs, dtype, remake, *args[:5])
         else:
             y = (h * probs.unsqueeze(-1)).to(dtype)

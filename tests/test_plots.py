@@ -110,7 +110,8 @@ def test_the_softmoe_figure_reads_the_same_way(tmp_path):
     run.mkdir()
     rows = [{"step": s, "tokens_seen": 512 * s, "softmoe/k_mean": 1.5, "softmoe/layer1/k": 1.4, "softmoe/layer2/k": 1.6,
              "softmoe/layer1/active_mean": 1.4, "softmoe/layer2/active_mean": 1.6,
-             "softmoe/layer1/active_hist": [0.1, 0.5, 0.3, 0.1, 0.0], "softmoe/layer2/active_hist": [0, 0.5, 0.4, 0.1, 0]}
+             "softmoe/layer1/active_hist": [0.1, 0.5, 0.3, 0.1, 0.0], "softmoe/layer2/active_hist": [0, 0.5, 0.4, 0.1,
+                                                                                                     0]}
             for s in STEPS]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     from megatron_kappa.analysis.plots import layers_of
@@ -124,8 +125,10 @@ def test_a_run_that_logged_nothing_yet_is_one_line(tmp_path, capsys):
     run = tmp_path / "fresh"
     run.mkdir()
     assert plots.main([str(run)]) == 2
-    assert capsys.readouterr().err == f"error: {run / 'metrics.jsonl'}: no such file (expected a training run directory)\n"
+    assert capsys.readouterr().err == (f"error: {run / 'metrics.jsonl'}: no such file "
+                                       "(expected a training run directory)\n")
     (run / "metrics.jsonl").write_text("")
     assert plots.main([str(run)]) == 2
-    assert capsys.readouterr().err == f"error: {run / 'metrics.jsonl'}: no records yet (the run has not logged a step)\n"
+    assert capsys.readouterr().err == (f"error: {run / 'metrics.jsonl'}: no records yet "
+                                       "(the run has not logged a step)\n")
     assert not (run / "plots").exists()

@@ -48,9 +48,11 @@ def test_stop_checkpoint_and_resume_exactly(world1, tmp_path):
     init = tmp_path / "init.pt"
     torch.save({k: v for k, v in build_model(base, current_device()).state_dict().items()
                 if not k.endswith("_extra_state")}, init)
-    cfg = lambda d: load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}", f"run.dir={d}",
-                                                                  f"train.init_weights={init}"])
-    quiet = lambda *a, **k: None
+    def cfg(d):
+        return load_config("configs/tiny.yaml", SETTINGS + [f"train.steps={steps}", f"run.dir={d}",
+                                                             f"train.init_weights={init}"])
+    def quiet(*a, **k):
+        return None
     run(cfg(tmp_path / "straight"), log=quiet)
 
     preemption.request_stop(signal.SIGUSR1)
@@ -246,8 +248,8 @@ def test_ctrl_c_checkpoints_and_resumes_exactly_and_twice_stops_at_once(world1, 
     """Ctrl-C (SIGINT) on one process: one line, a checkpoint at the step it stopped, exit 75; the
     rerun ends with an uninterrupted run's losses. Twice: exit 130 at once without a checkpoint,
     saying the last one stands."""
-    from tests.support.weights import save_init_weights
     from megatron_kappa.checkpoint.listing import CheckpointDir
+    from tests.support.weights import save_init_weights
     init = save_init_weights(tmp_path / "init.pt", SETTINGS)
     steps = 30
     straight = _pretrain(tmp_path / "straight", steps, init)
@@ -281,9 +283,9 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_dies(world1, tmp_path)
     """torchrun with 2 ranks, killed (SIGKILL) at step 2 of 200: the ranks, orphaned, notice it,
     agree on a step, checkpoint there and exit, long before their last step (they used to train
     to the end)."""
-    from tests.support.processes import env
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
+    from tests.support.processes import env
     steps = 200
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              f"--master_port={free_port()}", "launch/pretrain.py", "--config", "configs/tiny.yaml",
@@ -304,10 +306,10 @@ def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1
     SIGTERM and waits 30 s, which the ranks also read as a stop), the runner says so in one line
     with exit status 130 (no KeyboardInterrupt traceback); the rerun ends with an uninterrupted
     run's losses."""
-    from tests.support.processes import deepspeed_cmd, env
-    from tests.support.weights import save_init_weights
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
+    from tests.support.processes import deepspeed_cmd, env
+    from tests.support.weights import save_init_weights
     init = save_init_weights(tmp_path / "init.pt", SETTINGS)
     steps = 30
     sets = [*SETTINGS, f"train.steps={steps}", f"train.init_weights={init}", "parallel.ep=2"]
@@ -328,7 +330,8 @@ def test_ctrl_c_to_the_deepspeed_launcher_checkpoints_and_resumes_exactly(world1
     out, _ = proc.communicate(timeout=300)
     stopped = CheckpointDir(tmp_path / "stopped").latest()
     assert stopped is not None and stopped < steps, out[-3000:]
-    assert f"stopped at step {stopped}/{steps} on SIGINT" in out or f"stopped at step {stopped}/{steps} on SIGTERM" in out
+    assert (f"stopped at step {stopped}/{steps} on SIGINT" in out
+            or f"stopped at step {stopped}/{steps} on SIGTERM" in out)
     assert "Ctrl-C: stopping after this step with a checkpoint" in out
     # the runner waited for its ranks, then one line (megatron_kappa/launcher_exit.py), exit 130
     assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
@@ -361,11 +364,12 @@ def test_sigterm_to_the_launcher_alone_checkpoints_and_resumes(world1, tmp_path,
     a step, checkpoint there and exit; the rerun resumes from that checkpoint and finishes. The
     same with 4 ranks in two pipeline stages of two virtual stages each (the interleaved
     schedule between the signal and the agreed step)."""
-    from tests.support.processes import deepspeed_cmd, env
     from megatron_kappa.checkpoint.listing import CheckpointDir
     from megatron_kappa.parallel.launch_env import free_port
+    from tests.support.processes import deepspeed_cmd, env
     steps = 200
-    layout = ["parallel.pp=2", "parallel.vpp=2", "train.global_batch=8"] if launcher.endswith("vpp2") else ["parallel.ep=2"]
+    layout = ["parallel.pp=2", "parallel.vpp=2",
+              "train.global_batch=8"] if launcher.endswith("vpp2") else ["parallel.ep=2"]
     args = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *SETTINGS, f"train.steps={steps}",
             f"run.dir={tmp_path}", *layout]
     if launcher.startswith("torchrun"):

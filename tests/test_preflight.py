@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_kappa.data_prep.shards import ShardWriter
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.data.blend import split_ranges
+from megatron_kappa.data_prep.shards import ShardWriter
 from megatron_kappa.preflight import preflight
 from tests.support.bare_python import run_bare
 
@@ -68,7 +68,9 @@ def test_small_corpus_with_default_split_names_the_empty_split(tmp_path):
 
 def test_split_ranges_match_megatron_core():
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     for split in ("99,1,0", "50,50,0", "98,2,0", "90,5,5", "1,1,1", "3,0,1"):
         for n in (1, 2, 3, 50, 99, 100, 101, 1000):
             matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))

@@ -44,9 +44,11 @@ def test_off_by_default():
 
 @pytest.mark.parametrize("sets,message", [
     (["train.qk_clip=10"], "train.qk_clip: needs model.qk_layernorm false with gqa"),
-    (["train.qk_clip=10", "model.qk_layernorm=false", "model.attention=local"], "train.qk_clip: needs model.attention sdpa"),
+    (["train.qk_clip=10", "model.qk_layernorm=false", "model.attention=local"],
+     "train.qk_clip: needs model.attention sdpa"),
     (["train.qk_clip=0"], "train.qk_clip: must be positive"),
-    (["train.qk_clip=10", "model.qk_layernorm=false", "train.qk_clip_alpha=1.0"], "train.qk_clip_alpha: must be in (0, 1)")])
+    (["train.qk_clip=10", "model.qk_layernorm=false", "train.qk_clip_alpha=1.0"],
+     "train.qk_clip_alpha: must be in (0, 1)")])
 def test_refused_in_one_line(sets, message):
     with pytest.raises(ConfigError) as e:
         load_config("configs/tiny.yaml", sets)
@@ -104,6 +106,7 @@ def engine_for(sets, lr, tau=None, scale_up=SCALE_UP, seed=0):
     """(cfg, model, engine) of tiny + `sets` on DeepSpeed ZeRO in this process, every group at
     learning rate `lr`, the query/key projections × `scale_up`; QK-Clip at τ (`tau`, also None)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.model.build import build_model
     from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.parallel import engine as ds_engine
@@ -210,7 +213,8 @@ def test_context_parallel_chunks_give_the_whole_sequences_maxima():
             every = torch.cat([torch.cat([k, v], -1)[sequence_positions(r, cp, S)] for r in range(cp)])
             context_parallel_attention(
                 q[mine], k[mine], v[mine], rank=rank, size=cp, scale=scale, gather=lambda t, every=every: every,
-                enable_gqa=True, observe=lambda q_, k_, mask: (masked.append(head_max_logits(q_, k_, scale, False, mask)),
+                enable_gqa=True, observe=lambda q_, k_, mask: (masked.append(head_max_logits(q_, k_, scale, False,
+                                                                                             mask)),
                                                                unmasked.append(head_max_logits(q_, k_, scale, False))))
         torch.testing.assert_close(torch.stack(masked).amax(0).to(D), whole, rtol=1e-6, atol=1e-6)
         assert (torch.stack(unmasked).amax(0).to(D) > whole + 1e-4).any()
@@ -244,6 +248,7 @@ def k2_factors(name, W, S, tau, alpha, cfg):
 @pytest.mark.parametrize("kind,optimizer", [("gqa", "muon"), ("mla", "aurora"), ("gqa", "adamw")])
 def test_clip_equals_k2_formula_in_float64_after_a_real_step(world1, kind, optimizer):
     from deepspeed.utils import safe_get_full_fp32_param
+
     from megatron_kappa.optim import qk_clip
     alpha = 0.5
     cfg, model, engine = engine_for(KINDS[kind] + [f"train.optimizer={optimizer}"], lr=0.02, tau=1.0)
@@ -348,12 +353,13 @@ def test_data_parallel_maxima_are_reduced(world1, tmp_path):
     """DP2 (each rank its own micro-batch) and CP2 (each rank two chunks of every sequence) against
     one process: the same losses and logged maxima only when the clip uses the maxima of both
     ranks (negative control: DP2 with each rank's own)."""
+    from megatron_kappa.train.loop import run
     from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, records
     from tests.support.weights import save_init_weights
-    from megatron_kappa.train.loop import run
     init = save_init_weights(tmp_path / "init.pt", DP)
     runs = {name: tmp_path / name for name in ("one", "dp2", "local", "cp2")}
-    sets = lambda name: DP + [f"run.dir={runs[name]}", f"train.init_weights={init}"]  # noqa: E731
+    def sets(name):
+        return DP + [f"run.dir={runs[name]}", f"train.init_weights={init}"]
     run(load_config("configs/tiny.yaml", sets("one")), log=lambda *a: None)
     plan = [{"overrides": sets("dp2")}, {"overrides": sets("local"), "local_max": True},
             {"overrides": sets("cp2") + ["parallel.cp=2"]}]

@@ -212,7 +212,8 @@ def test_a_failed_save_removes_its_files_and_keeps_the_previous(world1, tmp_path
     from collections import namedtuple
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
-    with pytest.raises(CheckpointSaveError, match=r"rank 0: no space left on the device \(1 MiB free in .*the write failed with: "
+    with pytest.raises(CheckpointSaveError,
+                       match=r"rank 0: no space left on the device \(1 MiB free in .*the write failed with: "
                                                   r"\[enforce fail .*unexpected pos"):
         loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=2", LONGER]), log=lambda *a: None)
     assert not (tmp_path / ".lock").exists()  # the run.dir is free again
@@ -257,7 +258,8 @@ def test_token_ids_beyond_the_vocabulary_are_found_up_front(tmp_path):
     (tmp_path / "shard.bin").write_bytes(ids.tobytes())
     (tmp_path / "shard.idx").write_bytes(index_bytes([4], np.uint16))
     sets = ["data.mock=false", f"data.paths=[{prefix}]", f"data.valid_paths=[{prefix}]", "model.vocab_size=2048"]
-    with pytest.raises(ConfigError, match=r"shard: token ids up to 3000 \(read from its .bin\), but model.vocab_size is 2048"):
+    with pytest.raises(ConfigError,
+                       match=r"shard: token ids up to 3000 \(read from its .bin\), but model.vocab_size is 2048"):
         checked(sets)
     checked([*sets[:-1], "model.vocab_size=4096"])
     (tmp_path / "manifest.json").write_text(json.dumps({"prefixes": {"train": ["shard"]},
@@ -464,7 +466,8 @@ def test_library_escape_warnings_stay_quiet_without_bytecode(tmp_path):
         done = subprocess.run([sys.executable, "-c", code], env={**base, "KAPPA_SHOW_WARNINGS": show},
                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
-        assert ("escaping_library.py:1: SyntaxWarning: invalid escape sequence" in done.stderr) == bool(show), done.stderr
+        assert ("escaping_library.py:1: SyntaxWarning: invalid escape "
+                "sequence" in done.stderr) == bool(show), done.stderr
         assert "escaping_own.py:1: SyntaxWarning: invalid escape sequence" in done.stderr, done.stderr
 
 

@@ -9,10 +9,10 @@ import typing
 import pytest
 
 from megatron_kappa import attention_kinds, preflight, routers
-from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.checkpoint import resume
 from megatron_kappa.config import Config, ConfigError, load_config, to_dict
 from megatron_kappa.config.schema import flat_keys
+from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.build import build_model
 from megatron_kappa.optim.optimizer import param_groups
 from tests.support.toy_attention import TOY, toy_kind  # an attention kind with a q/k/v bias: another model
@@ -124,7 +124,8 @@ def test_a_resume_that_changes_the_schedules_length_is_refused_unless_allowed():
     the line said at start). Negative controls: the same length, other allowed changes and a run with
     no step left to train pass without a word."""
     saved = to_dict(load_config("configs/tiny.yaml", ["train.steps=50"]))
-    now = lambda *sets: to_dict(load_config("configs/tiny.yaml", ["train.steps=50", *sets]))  # noqa: E731
+    def now(*sets):
+        return to_dict(load_config("configs/tiny.yaml", ["train.steps=50", *sets]))
     with pytest.raises(ConfigError, match=r"^config: train.steps 50 → 80: checkpoint x was trained on schedules of "
                                           r"the other length.*step 20.*train.allow_schedule_change=true") as e:
         resume.check_schedule(saved, now("train.steps=80"), "x", 20)
@@ -134,12 +135,14 @@ def test_a_resume_that_changes_the_schedules_length_is_refused_unless_allowed():
     said = resume.check_schedule(saved, now("train.steps=80", "train.allow_schedule_change=true"), "x", 20)
     assert said.startswith("resume: train.steps 50 → 80 (train.allow_schedule_change)") and "\n" not in said
     assert resume.check_schedule(saved, now(), "x", 20) is None
-    assert resume.check_schedule(saved, now("train.lr=1e-3", "log.interval=2", "train.global_batch=16"), "x", 20) is None
+    assert resume.check_schedule(saved, now("train.lr=1e-3", "log.interval=2", "train.global_batch=16"), "x",
+                                 20) is None
     assert resume.check_schedule(saved, now("train.steps=20"), "x", 20) is None  # nothing left: the loop says so
     assert resume.check_schedule(None, now("train.steps=80"), "x", 20) is None  # no recorded config
     # the token budget (train.steps null): its inputs set the length
     budget = to_dict(load_config("configs/tiny.yaml", ["train.steps=null"]))
-    assert resume.check_schedule(budget, to_dict(load_config("configs/tiny.yaml", ["train.steps=null"])), "x", 2) is None
+    assert resume.check_schedule(budget, to_dict(load_config("configs/tiny.yaml", ["train.steps=null"])), "x",
+                                 2) is None
     for change in ("train.global_batch=16", "train.tokens_per_param=10", "model.moe.topk=1", "train.steps=80"):
         key = change.split("=")[0]
         with pytest.raises(ConfigError, match=f"^config: {key} "):
@@ -171,7 +174,8 @@ def test_resume_with_another_shape_is_refused_before_any_write(world1, tmp_path,
     loop.run(load_config("configs/tiny.yaml", sets), log=lambda *a: None)
     config = (tmp_path / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"model.hidden_size 64 → 128: checkpoint .*step_2"):
-        loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=3"]), log=lambda *a: None)
+        loop.run(load_config("configs/tiny.yaml", [*sets, "model.hidden_size=128", "train.steps=3"]),
+                 log=lambda *a: None)
     assert (tmp_path / "config.yaml").read_text() == config
     assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["start_0.yaml"]
     # another schedule length: refused before any write too, unless train.allow_schedule_change

@@ -100,7 +100,8 @@ def test_aux_loss_counts_topk_assignments_per_token():
     gen = torch.Generator().manual_seed(2)
     probs = torch.softmax(torch.randn(64, E, generator=gen, dtype=torch.float64), dim=-1)
     top = probs.topk(k, dim=-1).indices
-    counts = torch.zeros(E, dtype=torch.float64).index_add_(0, top.flatten(), torch.ones(top.numel(), dtype=torch.float64))
+    counts = torch.zeros(E, dtype=torch.float64).index_add_(0, top.flatten(), torch.ones(top.numel(),
+                                                                                         dtype=torch.float64))
     ours = switch_load_balancing_loss_func(probs, counts, 64, k, E, transformer_config(cfg).moe_aux_loss_coeff)
     f = counts / 64  # per token: Σf = k (the authors' tokens_per_expert)
     P = probs.mean(dim=0)
@@ -137,7 +138,8 @@ def test_the_anneal_reaches_every_router_and_training_uses_it(world1, tmp_path):
     for name, warm in (("anneal", ["model.moe.aux_loss_warmup_scale=3.0", "model.moe.aux_loss_warmup_steps=2"]),
                        ("constant", [])):
         last = run(cfg_of(*sets, *warm, f"run.dir={tmp_path / name}"), log=lambda *a: None)
-        aux[name] = [json.loads(line)["aux_loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        aux[name] = [json.loads(line)["aux_loss"] for line in lines]
         assert last["step"] == 4
     ratios = [a / c for a, c in zip(aux["anneal"], aux["constant"])]
     assert ratios == pytest.approx([3.0, 2.0, 1.0, 1.0], rel=1e-5)

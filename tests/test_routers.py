@@ -145,7 +145,7 @@ def test_every_built_in_piece_is_handed_over_by_its_module():
     importing that package hands every one over, each by its own router's module (a moved or
     missing piece fails here, not in a training run). Negative controls: a piece nobody handed
     over says so in one line, and a module cannot hand over what its entry does not leave to it."""
-    import megatron_kappa.model.routers  # noqa: F401
+    import megatron_kappa.model.routers  # noqa: F401 (the import hands the pieces over: what is tested)
     handed = {name: routers.given(routers.lookup(name)) for name in ("softmax", "sigmoid", "softmoe")}
     assert {name: sorted(pieces) for name, pieces in handed.items()} == {
         "softmax": ["layer", "router"], "sigmoid": ["after_step", "layer", "router"],
@@ -162,7 +162,8 @@ def test_every_built_in_piece_is_handed_over_by_its_module():
 
 
 def test_the_registry_and_the_config_import_no_torch():
-    code = ("import sys; import plan; from megatron_kappa import routers; from megatron_kappa.config import load_config; "
+    code = ("import sys; import plan; from megatron_kappa import routers; from megatron_kappa.config import "
+            "load_config; "
             "from megatron_kappa.config.world import check_world; "
             "cfg = load_config(None, ['model.moe.router=softmoe']); check_world(cfg.parallel, 1); "
             "print('TORCH', 'torch' in sys.modules, cfg.model.moe.active_experts)")

@@ -5,7 +5,6 @@ A W&B offline run's transaction log, read back with wandb's own protobuf classes
 metrics.jsonl; a resume continues the same W&B run id. TensorBoard's event file holds the config as
 text and, per MoE layer, histograms of κ and of the tokens per expert whose counts and sums agree
 with the same step's metrics. With log.wandb disabled, wandb is never imported."""
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +39,8 @@ def test_an_offline_run_holds_the_config_and_the_records(tmp_path):
 
 
 def test_a_resume_continues_the_same_run_and_another_dir_starts_its_own(tmp_path):
-    quiet = lambda *a: None  # noqa: E731
+    def quiet(*a):
+        return None
     for start, record in enumerate(RECORDS):
         log = MetricsLog(tmp_path / "a", tensorboard=False, enabled=True, wandb=OFFLINE,
                          config={"train": {"steps": 2 * (start + 1)}}, start=start, log=quiet)

@@ -64,7 +64,8 @@ def test_wsd_matches_the_authors_code_at_every_step(total):
 
 def test_schedules_at_hand_computed_steps():
     cfg = paper()  # 100 steps, decay over the last 50 to 0
-    lr = lambda step, c=cfg: schedule.lr_multiplier(step, 100, c.train)
+    def lr(step, c=cfg):
+        return schedule.lr_multiplier(step, 100, c.train)
     assert (lr(0), lr(50), lr(51), lr(75), lr(99)) == pytest.approx((1.0, 1.0, 0.98, 0.5, 0.02))
     assert schedule.lr_multiplier(75, 100, paper("train.min_lr_ratio=0.1").train) == pytest.approx(0.55)
     warm = paper("train.warmup=10")
@@ -201,7 +202,8 @@ def test_paper_configs_use_the_authors_recipe():
     assert (t.optimizer, t.router_optimizer, t.lr_decay_style, t.wd_decay_style, t.clip) == (
         "aurora", "matrix", "wsd", "linear", 0.0)
     b = math.sqrt(t.global_batch * 2048 / 2 ** 19)  # the authors' batch_lr_scale
-    assert schedule.peak_lrs(cfg.train, cfg.model) == pytest.approx({"matrix": 0.01 * b, "router": 3e-4 * b, "embedding": 0.3 * b,
+    assert schedule.peak_lrs(cfg.train, cfg.model) == pytest.approx({"matrix": 0.01 * b, "router": 3e-4 * b,
+                                                                     "embedding": 0.3 * b,
                                                     "output": 0.004 * b, "non_matrix": 0.3 * b,
                                                     "resid_lambda": 0.005 * b, "x0_lambda": 0.5 * b})
     assert schedule.peak_weight_decays(cfg.train, cfg.model)["matrix"] == pytest.approx(0.05 * 2.25)
@@ -223,7 +225,8 @@ def test_optim_cli_lists_the_optimizer_groups(capsys):
         assert rows[kind]["lr"] == pytest.approx(peak[kind])
     assert rows["matrix"]["weight_decay"] == pytest.approx(0.45)
     assert rows["output"]["names"] == ["output_layer.weight"] and rows["output"]["eps"] == 1e-10
-    assert rows["kappa"]["lr"] == pytest.approx(max(schedule.kappa_lr(s, 100, cfg.train, cfg.model) for s in range(100)))
+    assert rows["kappa"]["lr"] == pytest.approx(max(schedule.kappa_lr(s, 100, cfg.train,
+                                                                      cfg.model) for s in range(100)))
     from megatron_kappa.model.build import build_model  # the CLI set up the process group of one
     model = build_model(cfg, meta=True)
     assert sum(r["tensors"] for r in rows.values()) == len(list(model.parameters()))

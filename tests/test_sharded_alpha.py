@@ -20,8 +20,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
+from tests.support.compare import max_gap
 from tests.support.optim_reference import authors_aurora_direction, authors_scale
 
 D = torch.float64

@@ -8,12 +8,20 @@ from pathlib import Path
 import pytest
 
 from megatron_kappa.parallel import launch_env
-from megatron_kappa.parallel.launch_env import (LaunchEnv, LaunchEnvError, expand_hostlist, export,
-                                                export_environment, first_host, from_environment,
-                                                slurm_port, tasks_on_node)
+from megatron_kappa.parallel.launch_env import (
+    LaunchEnv,
+    LaunchEnvError,
+    expand_hostlist,
+    export,
+    export_environment,
+    first_host,
+    from_environment,
+    slurm_port,
+    tasks_on_node,
+)
+from tests.support.slurm_cluster import slurm_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-from tests.support.slurm_cluster import slurm_cluster  # noqa: E402
 
 pytestmark = pytest.mark.serial  # the session's Slurm cluster (and a second one)
 

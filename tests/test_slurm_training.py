@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
+from tests.support.compare import max_gap
+from tests.support.slurm_cluster import FINAL_STATES
+from tests.support.slurm_jobs import job_log, rank_pid, records, wait_for_steps
+from tests.support.weights import save_init_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # every test runs jobs on the Slurm cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-from tests.support.slurm_cluster import FINAL_STATES  # noqa: E402
-from tests.support.weights import save_init_weights  # noqa: E402
-from tests.support.slurm_jobs import job_log, rank_pid, records, wait_for_steps  # noqa: E402
 
 STEPS = 24
 SETTINGS = ["data.mock=true", "log.interval=1", "checkpoint.interval=100", "eval.valid_every=0",

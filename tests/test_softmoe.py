@@ -18,10 +18,10 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.model.build import layer_specs, transformer_config
 from megatron_kappa.model.layout import model_layout
-from megatron_kappa.model.softmoe import CLAMP, Allocation, link_budgets, softmoe_routers
 from megatron_kappa.model.routers.softmoe import softmoe_stats
-from tests.support.moe_reference import expert_grads, layer_weights
+from megatron_kappa.model.softmoe import CLAMP, Allocation, link_budgets, softmoe_routers
 from tests.support.lapsum_reference import reference as lapsum_reference
+from tests.support.moe_reference import expert_grads, layer_weights
 
 f64 = torch.float64
 S, B, H, E = 8, 3, 16, 4

@@ -23,14 +23,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.support import parity
-from tests.support import device_steps
-from tests.support.compare import max_gap, max_rel_grad_error
 from megatron_kappa.config import load_config
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.softmoe import softmoe_routers
 from megatron_kappa.parallel import groups
 from megatron_kappa.parallel.sharding import gather_full
+from tests.support import device_steps, parity
+from tests.support.compare import max_gap, max_rel_grad_error
 from tests.support.simulated_device import SIM, SimulatedDevice
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -176,9 +176,11 @@ def test_slurm_submission_collection_and_resubmission(data, tmp_path):
     assert len(calls) == 6  # per run: training, then loss and CORE evaluation after it
     assert calls[0].startswith("sbatch --parsable -p cpu --time=10 launch/slurm/pretrain.sbatch --config")
     assert "train.seed=24" in calls[0] and "model.kappa.enabled=false" in calls[0]
-    assert calls[1].startswith("sbatch --parsable -p cpu --time=10 --dependency=afterok:100 launch/slurm/eval.sbatch loss")
+    assert calls[1].startswith("sbatch --parsable -p cpu --time=10 --dependency=afterok:100 launch/slurm/eval.sbatch "
+                               "loss")
     assert "--dependency=afterok:100 launch/slurm/eval.sbatch core" in calls[2]
-    assert json.loads((study / "runs/swiglu-seed24/slurm.json").read_text()) == {"train": "100", "loss": "101", "core": "102"}
+    assert json.loads((study / "runs/swiglu-seed24/slurm.json").read_text()) == {"train": "100", "loss": "101",
+                                                                                 "core": "102"}
     assert "waiting for Slurm" in done.stdout
 
     (tmp_path / "queue").write_text("101 Dependency\n102 Dependency\n104 Priority\n")  # still queued
@@ -270,7 +272,8 @@ def test_student_t_p_value_against_numerical_integration():
 
 
 def test_summary_statistics_and_pairing():
-    results = [{"variant": v, "seed": s, "valid_loss": loss, "bits_per_byte": loss / 2, "core": c, "tokens_per_s": 100.0}
+    results = [{"variant": v, "seed": s, "valid_loss": loss, "bits_per_byte": loss / 2, "core": c,
+                "tokens_per_s": 100.0}
                for v, s, loss, c in [("swiglu", 24, 3.0, 0.10), ("swiglu", 26, 3.2, 0.12), ("swiglu", 28, 3.1, 0.11),
                                      ("kappa", 24, 2.9, 0.13), ("kappa", 26, 3.15, 0.12), ("kappa", 28, 3.0, 0.14)]]
     table = study_table.summarize(results, ["swiglu", "kappa"], [24, 26, 28])
@@ -311,7 +314,8 @@ def test_study_flags_are_checked_before_any_config(tmp_path):
     base = ["--config", str(ROOT / "configs/tiny.yaml"), "--dir", str(tmp_path / "study")]
     cases = [(["--config", str(tmp_path / "none.yaml")], "--config: " + str(tmp_path / "none.yaml") + ": no such file"),
              (["--dir", str(tmp_path / "file" / "study")],
-              f"--dir: {tmp_path / 'file'} is a file, not a folder (under which {tmp_path / 'file' / 'study'} would go)"),
+              f"--dir: {tmp_path / 'file'} is a file, not a folder (under which {tmp_path / 'file' / 'study'} would "
+              f"go)"),
              (["--sbatch-args", "-p 'gpu"], "--sbatch-args: No closing quotation in \"-p 'gpu\"")]
     for flags, message in cases:
         with pytest.raises(study.StudyError) as e:

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_kappa.config import load_config
-from megatron_kappa.summary import summarize
 from megatron_kappa.metrics import throughput
+from megatron_kappa.summary import summarize
 
 
 def test_flops_per_token_of_tiny_by_hand(world1):
@@ -32,4 +32,5 @@ def test_mfu_from_tokens_per_second():
     out = throughput.throughput(tokens_per_s=2e6, flops_token=3e8, world=4, peak=peak)
     assert out["tflops_per_gpu"] == pytest.approx(150.0)  # 2e6 × 3e8 / 4 / 1e12
     assert out["mfu"] == pytest.approx(1.5)
-    assert "mfu" not in throughput.throughput(1e3, 1e6, 1, throughput.peak_tflops(load_config(None).log, torch.device("cpu")))
+    assert "mfu" not in throughput.throughput(1e3, 1e6, 1, throughput.peak_tflops(load_config(None).log,
+                                                                                  torch.device("cpu")))

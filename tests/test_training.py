@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.compare import max_gap
 from megatron_kappa.config import load_config
 from megatron_kappa.model.layout import moe_layer_pattern
 from megatron_kappa.optim import schedule
-from megatron_kappa.train import recipe
 from megatron_kappa.parallel.groups import current_device
-from tests.support.weights import save_init_weights
+from megatron_kappa.train import recipe
+from tests.support.compare import max_gap
 from tests.support.processes import ROOT, deepspeed_cmd, env, free_port, losses, records
+from tests.support.weights import save_init_weights
 
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "checkpoint.interval=100",
@@ -153,7 +153,8 @@ def test_kappa_l2_gradient(world1, reduction):
     loss.backward()
     kappa = [(n, p) for n, p in model.named_parameters() if "kappa_" in n]
     assert len(kappa) == 2 * sum(moe_layer_pattern(cfg.model))
-    count = lambda p: p.numel() if reduction == "mean" else 1  # noqa: E731
+    def count(p):
+        return p.numel() if reduction == "mean" else 1
     for name, p in model.named_parameters():
         if name.endswith("kappa_alpha"):
             torch.testing.assert_close(p.grad, 2 * 0.02 * p.detach() / count(p))
@@ -181,8 +182,9 @@ def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
         f"train.steps={steps}", "checkpoint.interval=2"]
     straight = overrides(init_weights, tmp_path / "straight", True, 2, ep=2) + [
         f"train.steps={steps}", "checkpoint.interval=2"]
-    cmd = lambda s: deepspeed_cmd(ROOT / "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *s,
-                                  port=free_port())
+    def cmd(s):
+        return deepspeed_cmd(ROOT / "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *s,
+                             port=free_port())
     proc = subprocess.Popen(cmd(sets), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "killed/checkpoints/step_2/meta.json"
@@ -194,8 +196,9 @@ def test_sigkill_and_resume_continue_exactly(init_weights, tmp_path):
     assert marker.exists()
     outputs = []
     # The uninterrupted run goes through torchrun: the launcher must not matter either.
-    torchrun = lambda s: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *s]
+    def torchrun(s):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *s]
     for command in (cmd(sets), torchrun(straight)):
         done = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]

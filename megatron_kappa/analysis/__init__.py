@@ -1,4 +1,5 @@
-"""Analyses of finished runs: figures (plots.py, drawn on the axes of figure_axes.py) and a study's table (study_table.py).
+"""Analyses of finished runs: figures (plots.py, drawn on the axes of figure_axes.py) and a study's
+table (study_table.py).
 
 Modules:
   figure_axes.py  The axes every run figure shares: steps below and tokens seen above, one y scale

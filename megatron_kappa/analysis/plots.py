@@ -26,16 +26,17 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import matplotlib
 
-import matplotlib  # noqa: E402
-
+# the file backend before pyplot is imported (here or by the modules below): no display needed
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 
-from megatron_kappa.analysis.figure_axes import grid, legend_below, save, step_axes  # noqa: E402
-from megatron_kappa.metrics.log import read_records  # noqa: E402
+from megatron_kappa.analysis.figure_axes import grid, legend_below, save, step_axes
+from megatron_kappa.metrics.log import read_records
+
+ROOT = Path(__file__).resolve().parents[2]
 
 _LAYER_KEY = re.compile(r"^(?P<family>[a-z_]+)/layer(?P<layer>\d+)/(?P<stat>.+)$")
 _BANDS = (("top5", "95 %", "-"), ("mean", "mean", ":"), ("bottom5", "5 %", "--"))
@@ -170,7 +171,8 @@ def overview_figure(records, unfreeze=None, title=""):
             bar = fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(layers[0], layers[-1])), ax=right)
             bar.set_label("MoE layer")
         else:
-            handles = [Line2D([], [], color=f"C{i}", label=f"layer {layer}") for i, layer in enumerate(layers)] + handles
+            handles = [Line2D([], [], color=f"C{i}", label=f"layer {layer}") for i,
+                       layer in enumerate(layers)] + handles
         right.legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     return fig
 
@@ -179,7 +181,7 @@ def alpha_b_figure(records, unfreeze=None):
     layers = layers_of(records, "kappa")
     keys = ("alpha_pos_mean", "bias_pos_mean", "alpha_s_abs", "bias_routed_abs")
     labels = ("mean of positive α", "mean of positive b", "mean |α·s| (routed)", "mean |b| (routed)")
-    layers = [l for l in layers if any(series(records, f"kappa/layer{l}/{k}")[0] for k in keys)]
+    layers = [layer for layer in layers if any(series(records, f"kappa/layer{layer}/{k}")[0] for k in keys)]
     if not layers:
         return None
     fig, axes = grid(len(layers), "α and b: positive means; |α·s| against |b|, the two terms inside κ's tanh")
@@ -197,7 +199,7 @@ def alpha_b_figure(records, unfreeze=None):
 
 def load_figure(records):
     """Tokens per expert against their mean, all three ratios on one scale (1 = balanced)."""
-    layers = [l for l in layers_of(records, "load") if series(records, f"load/layer{l}/cv")[0]]
+    layers = [layer for layer in layers_of(records, "load") if series(records, f"load/layer{layer}/cv")[0]]
     if not layers:
         return None
     fig, axes = grid(len(layers), "router load: tokens per expert against the mean (last micro-batch of each rank)")
@@ -215,7 +217,7 @@ def load_figure(records):
 
 
 def dropped_figure(records):
-    layers = [l for l in layers_of(records, "load") if series(records, f"load/layer{l}/dropped_frac")[0]]
+    layers = [layer for layer in layers_of(records, "load") if series(records, f"load/layer{layer}/dropped_frac")[0]]
     if not layers:
         return None
     fig, axes = grid(len(layers), "dropped by the expert capacity (model.moe.capacity_factor)")
@@ -246,7 +248,7 @@ def checkpoint_figures(run_dir: Path) -> dict:
         ax.set(xlabel="cos(r_e, w_e,j) (unitless)", ylabel="gate rows (count)")
         ax.grid(alpha=0.3)
     figures["alignment_final.png"] = fig
-    kappa = {l: t for l, t in tables.items() if t["alpha"] is not None or t["bias"] is not None}
+    kappa = {layer: t for layer, t in tables.items() if t["alpha"] is not None or t["bias"] is not None}
     if kappa:
         fig, axes = grid(len(kappa), f"α and b at step {step} (the last checkpoint)")
         for ax, (layer, t) in zip(axes, sorted(kappa.items())):

@@ -12,15 +12,16 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 import matplotlib
 
+# the file backend before pyplot is imported (here or by the modules below): no display needed
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from megatron_kappa.analysis.figure_axes import legend_below, step_axes
 from megatron_kappa.analysis.plots import layers_of, read_metrics, series
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plot_allocation(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -6,7 +6,8 @@
 
 Four variants of the same config in one run: plain SwiGLU and κ-SwiGLU experts, each as grouped
 GEMMs and as megatron's per-expert loop (SequentialMLP). With --precisions: plain and κ grouped
-experts in each precision given (e.g. bf16 fp8), with time and peak-memory ratios against the first. All four models are built and warmed up,
+experts in each precision given (e.g. bf16 fp8), with time and peak-memory ratios against the first. All four models are
+built and warmed up,
 then their forward + backward passes (no optimizer) alternate (megatron_kappa/bench/interleave.py) and each
 one's median over `reps` is taken. The op count is what the profiler sees in one pass (CUDA
 kernels on a GPU, aten ops on the CPU), a proxy for launch overhead; peak memory is measured on
@@ -25,12 +26,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from megatron_kappa.bench.interleave import sync, time_interleaved
 from megatron_kappa.config import load_config
 from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
-from megatron_kappa.bench.interleave import sync, time_interleaved
 
 VARIANTS = [("plain", "sequential"), ("kappa", "sequential"), ("plain", "grouped"), ("kappa", "grouped")]
 
@@ -57,7 +58,8 @@ def op_count(step, device) -> int:
         step()
         sync(device)
     kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
-    return sum(1 for e in prof.events() if e.device_type == kind and (device.type == "cuda" or e.name.startswith("aten::")))
+    return sum(1 for e in prof.events()
+               if e.device_type == kind and (device.type == "cuda" or e.name.startswith("aten::")))
 
 
 def measure(cfgs: dict, device, micro_batch: int, reps: int) -> dict:
@@ -98,11 +100,13 @@ def main(argv=None) -> int:
         raise SystemExit("error: the config has no MoE layer")
     if args.precisions:  # (activation, experts, precision); the baseline: the first precision
         variants = [(act, "grouped", p) for p in args.precisions for act in ("plain", "kappa")]
-        baseline = lambda act, experts, p: (act, experts, args.precisions[0])  # noqa: E731
+        def baseline(act, experts, p):
+            return (act, experts, args.precisions[0])
         against = f"vs {args.precisions[0]}"
     else:
         variants = [(act, experts, base.precision) for act, experts in VARIANTS]
-        baseline = lambda act, experts, p: ("plain", "sequential", p)  # noqa: E731
+        def baseline(act, experts, p):
+            return ("plain", "sequential", p)
         against = "vs loop plain"
     cfgs = {}
     for act, experts, precision in variants:  # each config is checked (fp8 widths) before any build

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from megatron_kappa.parallel.launch_env import free_port
+# after the environment above, which must be set before torch is first imported
+from megatron_kappa.parallel.launch_env import free_port  # noqa: E402
 
 METHODS = ("adamw", "muon", "aurora")
 
@@ -81,13 +82,13 @@ def interleaved_step_ms(rounds: int, warmup: int) -> dict:
     import torch
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kappa.config import ParallelConfig, load_config
     from megatron_kappa.model.build import build_model
+    from megatron_kappa.optim import muon, schedule
+    from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.parallel import engine as ds_engine
     from megatron_kappa.parallel.groups import init_distributed
-    from megatron_kappa.optim import schedule
-    from megatron_kappa.optim import muon
-    from megatron_kappa.optim import optimizer as optim
     from megatron_kappa.train.loop import lm_loss
 
     device = init_distributed(ParallelConfig(), seed=1)

@@ -135,7 +135,8 @@ def terms(cfg, rates) -> dict:
     gemms = t["compute"] + t["memory"]  # the memory-bound experts' excess is GEMM time too
     busy = gemms + t["tensor"] + t["context"] + t["expert"] + t["pipeline"]
     grow = 1 + t["bubble"] / busy
-    comm = lambda s: sum(s.terms[k] for k in ("tensor", "context", "expert", "pipeline", "data"))  # noqa: E731
+    def comm(s):
+        return sum(s.terms[k] for k in ("tensor", "context", "expert", "pipeline", "data"))
     return {"compute": gemms * grow, "traffic": comm(zero) * grow, "messages": (comm(one) - comm(zero)) * grow,
             "estimated": step(rates.latency_us).seconds}
 
@@ -182,13 +183,14 @@ def main(argv=None) -> int:
     before = spearman(measured_s, [r["estimated"] for r in rows])
     after = spearman(measured_s, [r["calibrated"] for r in rows])
     tau = {key: kendall(measured_s, [r[key] for r in rows]) for key in ("estimated", "calibrated", "held_out")}
-    print(f"{'layout':<10}{'measured s':>12}{'default s':>12}{'calibrated s':>14}{'held out s':>12}{'held out/measured':>19}"
-          f"{'messages':>10}")
+    print(f"{'layout':<10}{'measured s':>12}{'default s':>12}{'calibrated s':>14}{'held out s':>12}"
+          f"{'held out/measured':>19}{'messages':>10}")
     for r in rows:
         print(f"{r['layout']:<10}{r['measured']:>12.4f}{r['estimated']:>12.2e}{r['calibrated']:>14.4f}"
               f"{r['held_out']:>12.4f}{r['held_out'] / r['measured']:>19.2f}{r['messages']:>10.0f}")
     print(f"fit (on all {len(rows)} layouts: {', '.join(LAYOUTS)}): {k['c']:.4f} s per step not modelled; compute at "
-          f"{fitted.tflops:.4g} TFLOP/s, traffic at {fitted.nvlink_gbs:.4g} GB/s, {fitted.latency_us:.4g} µs per message; "
+          f"{fitted.tflops:.4g} TFLOP/s, traffic at {fitted.nvlink_gbs:.4g} GB/s, {fitted.latency_us:.4g} µs per "
+          f"message; "
           "held out: each layout predicted by the fit on the other eight")
     print(f"Spearman rank correlation of the measured step times with the planner's estimate: {before:.2f} at its "
           f"default (GPU) rates, {after:.2f} at the fitted CPU rates")

@@ -32,8 +32,13 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_kappa.checkpoint import optimizer_state
-from megatron_kappa.checkpoint.listing import (CheckpointDir, CheckpointSaveError, atomic_write_text, file_checksum,
-                                               write_failure)
+from megatron_kappa.checkpoint.listing import (
+    CheckpointDir,
+    CheckpointSaveError,
+    atomic_write_text,
+    file_checksum,
+    write_failure,
+)
 from megatron_kappa.parallel import sharding
 
 FORMAT = 2  # meta.json "format": 2 = parameter-shaped optimizer state (any layout); absent = 1
@@ -175,7 +180,8 @@ class Checkpoints(CheckpointDir):
                 previous = self.latest(warn=lambda message: None, content=False)
                 raise CheckpointSaveError(
                     f"checkpoint {self.folder(step)}: saving failed ({failed}); its partial files are removed, "
-                    + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint exists yet"))
+                    + (f"the latest checkpoint is still {self.folder(previous)}" if previous else "no checkpoint "
+                       "exists yet"))
 
     def load(self, engine, model, step: int, device: torch.device, same_layout: bool):
         """Restore checkpoint `step` into `model` and `engine` (collective): the weights and

@@ -20,7 +20,8 @@ def parse_args(argv=None):
     add_checkpoint_arguments(p)
     p.add_argument("--data", required=True, nargs="+", help="held-out shard prefixes")
     p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many tokens (default: all)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="score at most this many tokens (default: all)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward pass")
     p.add_argument("--json", help="also write the result to this JSON file")
     p.add_argument("--no-progress", action="store_true")

@@ -21,10 +21,10 @@ from megatron_kappa.checkpoint.listing import CheckpointSaveError
 from megatron_kappa.cli_types import positive_int
 from megatron_kappa.config import ConfigError, load_config
 from megatron_kappa.data.cache import DataCacheError
-from megatron_kappa.train import preemption  # signals only: no heavy imports
-from megatron_kappa.train.divergence import TrainingDiverged  # torch-free at import
 from megatron_kappa.parallel.launch_env import LaunchEnvError, exit_process, export_environment
 from megatron_kappa.preflight import preflight
+from megatron_kappa.train import preemption  # signals only: no heavy imports
+from megatron_kappa.train.divergence import TrainingDiverged  # torch-free at import
 
 
 def parse_args(argv=None):

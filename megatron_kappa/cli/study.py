@@ -35,14 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from megatron_kappa.analysis.study_table import markdown, write_table
 from megatron_kappa.cli_types import positive_int
-from megatron_kappa.metrics.log import read_records
 from megatron_kappa.config import ConfigError, load_config
+from megatron_kappa.metrics.log import read_records
 from megatron_kappa.paths import folder_problem
 
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {"swiglu": ["model.kappa.enabled=false"], "kappa": ["model.kappa.enabled=true"],
             "kappa-no-alpha": ["model.kappa.enabled=true", "model.kappa.use_alpha=false"],
             "kappa-no-bias": ["model.kappa.enabled=true", "model.kappa.use_bias=false"]}
@@ -70,7 +69,8 @@ def parse_args(argv=None):
                     help="processes per run (default: the visible GPUs, else 1); slurm: set by --sbatch-args")
     ap.add_argument("--valid-data", nargs="+", default=None, metavar="PREFIX",
                     help="held-out shard prefixes for eval/loss.py (default: data.valid_paths)")
-    ap.add_argument("--valid-max-tokens", type=positive_int, default=None, help="score at most this many validation tokens")
+    ap.add_argument("--valid-max-tokens", type=positive_int, default=None,
+                    help="score at most this many validation tokens")
     ap.add_argument("--core-bundle", default=None, help="CORE bundle (default: eval.core_bundle)")
     ap.add_argument("--core-max-per-task", type=positive_int, default=None, help="CORE items per task (default: all)")
     ap.add_argument("--no-core", action="store_true", help="no CORE evaluation (the column stays empty)")

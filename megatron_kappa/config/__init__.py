@@ -40,13 +40,28 @@ Modules:
                    a global batch
 """
 from megatron_kappa.config.checks import validate
-from megatron_kappa.config.loading import (load_config, load_config_for_cli, load_recorded, parse_overrides,
-                                           read_yaml)
+from megatron_kappa.config.loading import load_config, load_config_for_cli, load_recorded, parse_overrides, read_yaml
 from megatron_kappa.config.reference import markdown_reference
-from megatron_kappa.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig,
-                                          EvalConfig, KappaConfig, LogConfig, ModelConfig,
-                                          MoEConfig, MuonConfig, ParallelConfig, ProfileConfig, RunConfig,
-                                          SoftMoEConfig, TrainConfig, WandbConfig, ZeroConfig, to_dict)
+from megatron_kappa.config.schema import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    KappaConfig,
+    LogConfig,
+    ModelConfig,
+    MoEConfig,
+    MuonConfig,
+    ParallelConfig,
+    ProfileConfig,
+    RunConfig,
+    SoftMoEConfig,
+    TrainConfig,
+    WandbConfig,
+    ZeroConfig,
+    to_dict,
+)
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "KappaConfig",
            "LogConfig", "ModelConfig", "MoEConfig", "MuonConfig", "ParallelConfig", "ProfileConfig", "RunConfig",

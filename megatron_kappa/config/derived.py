@@ -67,7 +67,8 @@ def derived(m: ModelConfig, par: ParallelConfig, t: TrainConfig, world: int | No
     tokens_per_step = t.global_batch * m.seq_length
     return {
         "world": world, "dp": dp, "expert_dp": world // (par.ep * par.expert_tp * par.pp),
-        "layers": pattern, "stage_layers": [sum(c) for c in _per_stage(chunk_counts(m.num_layers, par.pp, par.vpp, par.first_stage_layers,
+        "layers": pattern, "stage_layers": [sum(c) for c in _per_stage(chunk_counts(m.num_layers, par.pp, par.vpp,
+                                                                                    par.first_stage_layers,
                                                                   par.last_stage_layers, par.layout), par.pp)],
         "micro_batches": t.global_batch // (t.micro_batch * dp), "tokens_per_step": tokens_per_step,
         "steps": t.steps, "tokens": t.steps * tokens_per_step if t.steps is not None else None,
@@ -90,7 +91,8 @@ def render(d: dict, m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> str:
     lines = [
         f"layers       {' '.join('M' if x else 'd' for x in d['layers'])}  ({len(d['layers']) - moe} dense, "
         f"{moe} MoE{experts}){stages}",
-        f"world        {d['world']} rank{'s' * (d['world'] > 1)}: tp {par.tp}{cp} × pp {par.pp} × dp {d['dp']}; experts "
+        f"world        {d['world']} rank{'s' * (d['world'] > 1)}: tp {par.tp}{cp} × pp {par.pp} × dp {d['dp']}; "
+             f"experts "
         f"ep {par.ep} × etp {par.expert_tp} × pp {par.pp} × expert dp {d['expert_dp']}",
         f"batch        {t.global_batch} sequences × {m.seq_length} tokens = {d['tokens_per_step']:,} tokens per step",
         f"micro-batch  {t.micro_batch} sequences; {d['micro_batches']} per rank per step (gradient accumulation)",

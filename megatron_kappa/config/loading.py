@@ -7,11 +7,10 @@ values are the base, this file's values are merged over them key by key, then th
 """
 from __future__ import annotations
 
-import math
-import sys
-
 import dataclasses
 import difflib
+import math
+import sys
 import types
 import typing
 from pathlib import Path
@@ -83,7 +82,8 @@ def _build(cls, data: dict, prefix: str = ""):
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)  # a typo's likely key, as git and Hydra say
             hint = f"did you mean '{prefix}{near[0]}'? " if near else ""
-            raise ConfigError(f"config: unknown key '{prefix}{key}' ({hint}expected one of: {', '.join(sorted(names))})")
+            raise ConfigError(f"config: unknown key '{prefix}{key}' ({hint}expected one of: "
+                              f"{', '.join(sorted(names))})")
     values = {k: _check(v, hints[k], prefix + k) for k, v in data.items()}
     return cls(**values)
 

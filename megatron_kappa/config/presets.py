@@ -1,5 +1,6 @@
 """Keys that set other keys: `model.block` (a preset of the block keys), `model.aspect_ratio`
-(the width from the depth) and a null `model.moe.aux_loss` (14c9b04's weight for the arm). Applied to the merged YAML and overrides before the schema builds
+(the width from the depth) and a null `model.moe.aux_loss` (14c9b04's weight for the arm). Applied to the merged YAML
+and overrides before the schema builds
 the config, so every reader sees plain values and a run's config.yaml records them.
 
 A preset fills only the keys the config leaves out: `model.block: nanochat` with

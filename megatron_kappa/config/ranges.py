@@ -11,9 +11,19 @@ import dataclasses
 import typing
 
 from megatron_kappa.config import facts
+
 # the range kinds, their words and tests, re-exported for the tests
-from megatron_kappa.config.facts import (AT_LEAST_ONE, BEYOND_ONE, FRACTION, NON_NEGATIVE,  # noqa: F401
-                                         OPEN_FRACTION, POSITIVE, PROBABILITY, TESTS, WORDS)
+from megatron_kappa.config.facts import (  # noqa: F401
+    AT_LEAST_ONE,
+    BEYOND_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    OPEN_FRACTION,
+    POSITIVE,
+    PROBABILITY,
+    TESTS,
+    WORDS,
+)
 from megatron_kappa.config.schema import Config, flat_keys
 
 # {dotted key: range}, read from the schema's fields (facts.key(range=...))

@@ -20,7 +20,8 @@ def allowed(hint, key: str) -> str:
     if typing.get_origin(kind) is typing.Literal:
         text = " \\| ".join(f"`{c}`" for c in typing.get_args(kind))
     elif kind in (int, float):
-        text = ("integer" if kind is int else "finite number") + (f" {ranges.RANGES[key]}" if key in ranges.RANGES else "")
+        text = ("integer" if kind is int else "finite number") + (
+            f" {ranges.RANGES[key]}" if key in ranges.RANGES else "")
     else:
         text = {bool: "true/false", str: "text", list: "list"}.get(kind, "")
     return text + (", or null" if nullable else "")
@@ -42,7 +43,8 @@ def markdown_reference() -> str:
     state, derived = facts.marked(Config, "state"), facts.marked(Config, "derived")
 
     def on_resume(key: str) -> str:
-        covered = lambda names: any(key == n or key.startswith(n + ".") for n in names)  # noqa: E731
+        def covered(names):
+            return any(key == n or key.startswith(n + ".") for n in names)
         return "refused" if covered(state) else "not compared" if covered(derived) else ""
 
     def walk(cls, prefix):
@@ -55,9 +57,11 @@ def markdown_reference() -> str:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()
             key = prefix + f.name
-            rows.append(f"| `{key}` | `{shown}` | {allowed(hint, key)} | {on_resume(key)} | {f.metadata.get('help', '')} |")
+            rows.append(f"| `{key}` | `{shown}` | {allowed(hint, key)} | {on_resume(key)} | "
+                        f"{f.metadata.get('help', '')} |")
         if rows:
-            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | allowed | resume | meaning |",
+            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "",
+                          "| key | default | allowed | resume | meaning |",
                           "|---|---|---|---|---|", *rows, ""])
 
     walk(Config, "")

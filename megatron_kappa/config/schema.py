@@ -22,8 +22,15 @@ from megatron_kappa.config.facts import NON_NEGATIVE, POSITIVE
 from megatron_kappa.config.facts import key as _f
 from megatron_kappa.config.facts import section as _section
 from megatron_kappa.config.schema_model import FP8Config, KappaConfig, MLAConfig, MoEConfig, MTPConfig, SoftMoEConfig
-from megatron_kappa.config.schema_run import (CheckpointConfig, DataConfig, EvalConfig, LogConfig, ProfileConfig,
-                                              RunConfig, WandbConfig)
+from megatron_kappa.config.schema_run import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    ProfileConfig,
+    RunConfig,
+    WandbConfig,
+)
 from megatron_kappa.config.schema_train import MuonConfig, ParallelConfig, TrainConfig, ZeroConfig
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "FP8Config", "KappaConfig",
@@ -130,7 +137,9 @@ class Config:
     run: RunConfig = _section(RunConfig)
     model: ModelConfig = _section(ModelConfig)
     parallel: ParallelConfig = _section(ParallelConfig, derived=True)
-    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32", "parameter/compute precision: fp8 keeps bf16 parameters and runs the GEMMs chosen in "
+    precision: Literal["fp32", "bf16", "fp8"] = _f("fp32",
+                                                   "parameter/compute precision: fp8 keeps bf16 parameters and runs "
+                                                   "the GEMMs chosen in "
                     "model.fp8 in FP8 (torchao; emulated off CUDA; docs/fp8.md)", state=True)
     train: TrainConfig = _section(TrainConfig)
     zero: ZeroConfig = _section(ZeroConfig)

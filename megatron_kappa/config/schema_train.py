@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_kappa.config.facts import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, OPEN_UNIT,
-                                         POSITIVE, PROBABILITY)
+from megatron_kappa.config.facts import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    OPEN_FRACTION,
+    OPEN_UNIT,
+    POSITIVE,
+    PROBABILITY,
+)
 from megatron_kappa.config.facts import key as _f
 from megatron_kappa.config.facts import section as _section
 
@@ -30,7 +37,8 @@ class ParallelConfig:
     layout: Optional[str] = _f(
         None, "megatron's pipeline_model_parallel_layout instead of first/last_stage_layers: each stage's layers, "
               "stages separated by '|': E the embedding (opens the first), t a decoder layer, m an MTP layer, L the "
-              "loss (closes the last); x*n and (...)*n repeat, e.g. 'Et*3|t*2mL'; one entry per stage and virtual stage "
+              "loss (closes the last); x*n and (...)*n repeat, e.g. 'Et*3|t*2mL'; one entry per stage and virtual "
+                               "stage "
               "(pp × vpp, megatron's order: entry c on rank c mod pp); an entry without a t (e.g. 'Et|(tt|)*30mL') "
               "is the planner's only: the trainer refuses it (megatron_kappa/config/stage_layout.py)")
     vpp: int = _f(1, "virtual pipeline stages per pipeline rank (megatron's virtual_pipeline_model_parallel_size): "
@@ -149,7 +157,8 @@ class TrainConfig:
     nonfinite_steps: int = _f(1, "consecutive steps with a non-finite loss or gradient norm (or skipped by DeepSpeed "
                                  "for one) that end the run, in one line and without a checkpoint of them "
                                  "(Megatron-LM's --check-for-nan-in-loss-and-grad: the first; 0: never; read on "
-                                 "logging and checkpoint steps: megatron_kappa/train/divergence.py)", range=NON_NEGATIVE)
+                                 "logging and checkpoint steps: megatron_kappa/train/divergence.py)",
+                              range=NON_NEGATIVE)
     grad_clip: Optional[float] = _f(None, "global gradient-norm clip (0: off; null: 1.0 for adamw, off for "
                                           "muon/aurora, which refuse a nonzero clip)", range=NON_NEGATIVE)
     qk_clip: Optional[float] = _f(

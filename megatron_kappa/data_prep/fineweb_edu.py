@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from megatron_kappa.data_prep import DataPrepError, sources, state as st, work
+from megatron_kappa.data_prep import DataPrepError, sources, work
+from megatron_kappa.data_prep import state as st
 from megatron_kappa.data_prep.shards import ShardWriter, choose_dtype, merge
 from megatron_kappa.data_prep.sources import STATUS_NAMES, Selection
 
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = ap.add_argument_group("input")
     src.add_argument("--input", nargs="+", required=True,
                      help="hub dataset (owner/name), or parquet/jsonl files, globs or folders")
-    src.add_argument("--name", help="hub dataset config, e.g. sample-100BT (every paper config's budget; docs/data_prep.md)")
+    src.add_argument("--name",
+                     help="hub dataset config, e.g. sample-100BT (every paper config's budget; docs/data_prep.md)")
     src.add_argument("--split", default="train", help="hub dataset split")
     src.add_argument("--text-column", default="text")
     src.add_argument("--min-int-score", type=int, help="keep documents with int_score >= this")
@@ -292,10 +294,12 @@ def tokenize(out: Path, state: dict, source: dict, tok_file: Path, selection: Se
             # shutdown(cancel_futures=True) drops the queued units and lets the running ones end.
             pool = ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
                                        initializer=work.init, initargs=init_args)
-            submit = lambda unit: _submit_deferring_ctrl_c(pool, unit)  # noqa: E731
+            def submit(unit):
+                return _submit_deferring_ctrl_c(pool, unit)
         else:
             work.init(*init_args)
-            submit = lambda unit: _Done(work.process(unit))  # noqa: E731
+            def submit(unit):
+                return _Done(work.process(unit))
         window: deque = deque()
         units = enumerate(source["units"](writer.unit), start=writer.unit)
         going = True
@@ -455,8 +459,8 @@ def _terminated(signum, frame):
 
 
 def main(argv=None) -> int:
-    from concurrent.futures.process import BrokenProcessPool
     import threading
+    from concurrent.futures.process import BrokenProcessPool
     ours = threading.current_thread() is threading.main_thread()  # signal.signal needs the main thread
     previous = signal.signal(signal.SIGTERM, _terminated) if ours else None
     try:

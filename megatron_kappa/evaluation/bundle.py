@@ -175,7 +175,8 @@ def _parse_core_yaml(text, where):
         shots = item.get("num_fewshot")
         shots = shots[0] if isinstance(shots, list) and shots else shots  # nanochat reads num_fewshot[0]
         if not isinstance(shots, int) or isinstance(shots, bool) or shots < 0:
-            raise BundleError(f"{at('num_fewshot')}: expected num_fewshot: [k] with k >= 0, got {item.get('num_fewshot')!r}")
+            raise BundleError(f"{at('num_fewshot')}: expected num_fewshot: [k] with k >= 0, got "
+                              f"{item.get('num_fewshot')!r}")
         delimiter = item.get("continuation_delimiter", " ")
         if not isinstance(delimiter, str):
             raise BundleError(f"{at('continuation_delimiter')}: expected a string continuation_delimiter")
@@ -249,7 +250,8 @@ def task_baselines(bundle: Bundle, table: str = "v1") -> dict:
             try:
                 out[task.label] = float(raw)
             except (TypeError, ValueError):
-                raise BundleError(f"{bundle.meta_file}:{line}: random baseline {raw!r} of {task.label!r} is not a number") from None
+                raise BundleError(f"{bundle.meta_file}:{line}: random baseline {raw!r} of {task.label!r} is not a "
+                                  f"number") from None
         elif task.label in V1_BASELINES:
             out[task.label] = V1_BASELINES[task.label]
         else:

@@ -17,8 +17,18 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from megatron_kappa.evaluation.bundle import (  # noqa: F401  (the bundle API, re-exported)
-    BASELINE_TABLES, CORE_TASKS, NANOCHAT_BUNDLE_URL, TASK_TYPES, V1_BASELINES, Bundle, BundleError,
-    Task, fetch_bundle, load_bundle, task_baselines)
+    BASELINE_TABLES,
+    CORE_TASKS,
+    NANOCHAT_BUNDLE_URL,
+    TASK_TYPES,
+    V1_BASELINES,
+    Bundle,
+    BundleError,
+    Task,
+    fetch_bundle,
+    load_bundle,
+    task_baselines,
+)
 
 SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
 
@@ -53,7 +63,8 @@ def format_table(result: dict) -> str:
     for r in result["tasks"]:
         lines.append(f"{r['task']:<34} {r['type']:<17} {r['shots']:>5} {r['n']:>6} "
                      f"{r['accuracy']:>9.4f} {r['centered']:>9.4f}")
-    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.4f}"
     lines.append(f"CORE ({result['baselines']} baselines, {len(result['tasks'])} tasks): {fmt(result['core'])}"
                  f"   CORE without BoolQ: {fmt(result['core_no_boolq'])}")
     if result["missing"]:

@@ -106,7 +106,8 @@ def validation_loss(logits_fn, data, tokenizer, seq_len: int, max_tokens=None, b
         nll = F.cross_entropy(logits[keep.to(logits.device)].float(), targets[keep].to(logits.device),
                               reduction="none").double().cpu()
         nbytes = byte_len[targets[keep]]
-        sums += torch.stack([nll.sum(), (nll * (nbytes > 0)).sum(), nbytes.sum(), torch.tensor(float(nll.numel()), dtype=torch.float64)])
+        sums += torch.stack([nll.sum(), (nll * (nbytes > 0)).sum(), nbytes.sum(), torch.tensor(float(nll.numel()),
+                                                                                               dtype=torch.float64)])
         passes += 1
     # Expert parallelism exchanges tokens inside every forward pass: keep the pass count equal.
     for _ in range(math.ceil(n_batches / dp_world) - passes):

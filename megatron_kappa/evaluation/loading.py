@@ -17,13 +17,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_kappa.checkpoint.listing import locate, run_of
+from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import ConfigError, ParallelConfig, load_recorded
 from megatron_kappa.model.build import build_model
 from megatron_kappa.model.layout import model_layout
 from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.sharding import load_full_state_dict, load_local_state, read_full_state_dict
-from megatron_kappa.checkpoint.listing import locate, run_of
-from megatron_kappa.checkpoint.store import Checkpoints
 
 
 def logits_fn_for(model, vocab_size: int | None = None, bos: bool = True):

@@ -132,7 +132,8 @@ def card(*, name: str, cfg, run_dir: Path, step: int, adapter, hf_config: dict, 
     if layout_record:
         trained.append(("layout", ", ".join(f"{k} {v}" for k, v in layout_record.items())))
     results = evaluations(run_dir, step, cfg.eval)
-    table = lambda pairs: "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in pairs)  # noqa: E731
+    def table(pairs):
+        return "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in pairs)
     evaluation = ("| result | value | from |\n|---|---|---|\n"
                   + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in results)
                   if results else

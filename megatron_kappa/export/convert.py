@@ -63,7 +63,8 @@ def hf_config(model: ModelConfig, layout: ModelLayout, target: str, special: dic
     return targets.lookup(target).config(model, layout, special, kappa)
 
 
-def layer_tensors(model: ModelConfig, layout: ModelLayout, target: str, i: int, get: Callable[[str], torch.Tensor]) -> dict:
+def layer_tensors(model: ModelConfig, layout: ModelLayout, target: str, i: int, get: Callable[[str],
+                                                                                              torch.Tensor]) -> dict:
     """{HF name: tensor} of layer i; get(relative megatron name) reads decoder.layers.<i>.<name>
     (None where the model has no such tensor)."""
     return targets.lookup(target).to_hf(model, layout, i, get)

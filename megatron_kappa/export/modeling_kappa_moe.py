@@ -117,7 +117,8 @@ class LatentAttention(nn.Module):
         super().__init__()
         c, a = config, config.mla
         self.layer, self.heads, self.theta = layer, c.num_attention_heads, c.rope_theta
-        self.dq, self.dr, self.dv, self.kv_rank = a["qk_head_dim"], a["qk_pos_emb_head_dim"], a["v_head_dim"], a["kv_lora_rank"]
+        self.dq, self.dr, self.dv, self.kv_rank = (a["qk_head_dim"], a["qk_pos_emb_head_dim"], a["v_head_dim"],
+                                                   a["kv_lora_rank"])
         q_width = self.heads * (self.dq + self.dr)
         if a.get("q_lora_rank"):
             self.q_a_proj = nn.Linear(c.hidden_size, a["q_lora_rank"], bias=False)
@@ -132,7 +133,8 @@ class LatentAttention(nn.Module):
 
     def forward(self, h, input_ids, positions, mask, cache):
         b, s, _ = h.shape
-        norm = lambda module, x: x if module is None else module(x)  # noqa: E731
+        def norm(module, x):
+            return x if module is None else module(x)
         if hasattr(self, "q_proj"):
             q = self.q_proj(h)
         else:
@@ -158,7 +160,8 @@ class Attention(nn.Module):
     def __init__(self, config: KappaMoeConfig, layer: int):
         super().__init__()
         c = config
-        self.layer, self.heads, self.kv_heads, self.head_dim = layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.layer, self.heads = layer, c.num_attention_heads
+        self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
@@ -206,7 +209,8 @@ class MoE(nn.Module):
     def __init__(self, config: KappaMoeConfig):
         super().__init__()
         c = config
-        self.topk, self.score, self.route_scale, self.kappa = c.num_experts_per_tok, c.router_score, c.route_scale, c.kappa
+        self.topk, self.score = c.num_experts_per_tok, c.router_score
+        self.route_scale, self.kappa = c.route_scale, c.kappa
         self.groups, self.group_topk = c.n_group, c.topk_group
         if c.router_score not in ("softmax", "sigmoid"):  # the two `route` implements
             raise ValueError(f"router_score: expected softmax or sigmoid, got {c.router_score!r}")

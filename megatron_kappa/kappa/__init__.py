@@ -115,7 +115,8 @@ def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
     # host: free for the host counts megatron's dispatchers give, and the Triton path (CUDA)
     # reads them on the device instead.
     counts = tokens_per_expert.tolist()
-    pick = lambda p, e: None if p is None else p[e]  # noqa: E731
+    def pick(p, e):
+        return None if p is None else p[e]
     parts = [kappa_swiglu_torch(g, u, s, pick(alpha, e), pick(bias, e), U, logit_scale, tanh_gain)
              for e, (g, u, s) in enumerate(zip(gate.split(counts), up.split(counts), logit.split(counts)))]
     return torch.cat(parts) if parts else gate.new_empty(0, gate.shape[1])

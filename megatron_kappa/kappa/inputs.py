@@ -143,7 +143,8 @@ def resolve(k) -> Variant:
     config's for a variant with config_scales (logit), the variant's own otherwise (the config
     checks refuse other values there)."""
     v = lookup(k.input)
-    pick = lambda mine, default: default if mine is None else float(mine)  # noqa: E731
+    def pick(mine, default):
+        return default if mine is None else float(mine)
     return dataclasses.replace(
         v, U=pick(k.U, v.U),
         logit_scale=float(k.logit_scale) if v.config_scales else v.logit_scale,

@@ -48,7 +48,8 @@ class KappaSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, logit, alpha, bias, U, scale, gain):
         dt = gate.dtype
-        cast = lambda t: None if t is None else t.to(dt)
+        def cast(t):
+            return None if t is None else t.to(dt)
         s, a, b = logit.to(dt), cast(alpha), cast(bias)
         log_u = math.log(U)
         out = torch.empty_like(gate)
@@ -100,7 +101,8 @@ class KappaSwiGLU(torch.autograd.Function):
                 if d_bias is not None:
                     d_bias.add_(dz.sum(0))
             torch.mul(e, grad_act, out=d_gate[rows])
-        to = lambda x, ref: None if x is None or ref is None else x.to(ref.dtype)
+        def to(x, ref):
+            return None if x is None or ref is None else x.to(ref.dtype)
         return (d_gate, d_up, to(d_logit, logit), to(d_alpha, alpha), to(d_bias, bias),
                 None, None, None)
 

@@ -24,7 +24,7 @@ def failure_message(err, device, backend) -> str:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             where += f" ({torch.cuda.get_device_name(device)}, sm_{major}{minor})"
-    except Exception:  # noqa: BLE001 - the message must not fail for want of a device name
+    except Exception:  # the message must not fail for want of a device name
         pass
     return (f"model.kappa.backend: {backend}: the κ kernel failed to compile or launch for {where} "
             f"({cause}); set model.kappa.backend=torch")

@@ -46,8 +46,15 @@ import triton
 import triton.language as tl
 
 from megatron_kappa.kappa.triton_guard import (  # noqa: F401 (KappaKernelError, check_tiles: API)
-    MAX_BLOCK_F, MAX_BLOCK_N, MAX_NUM_WARPS, MAX_TILE_PER_THREAD, KappaKernelError, check_tiles,
-    failure_message, power_of_2)
+    MAX_BLOCK_F,
+    MAX_BLOCK_N,
+    MAX_NUM_WARPS,
+    MAX_TILE_PER_THREAD,
+    KappaKernelError,
+    check_tiles,
+    failure_message,
+    power_of_2,
+)
 
 # Tile defaults, not timed yet: [8, 128] with 4 warps gives 16-byte bf16 loads.
 BLOCK_N, BLOCK_F, NUM_WARPS = 8, 128, 4
@@ -259,7 +266,7 @@ def _run(kernel, grid, args, constexprs, num_warps, params, maxnreg=None):
     limits = {"maxnreg": maxnreg} if maxnreg else {}  # (the interpreter ignores it)
     try:
         kernel[grid](*args, **constexprs, num_warps=num_warps, **limits)
-    except Exception as err:  # noqa: BLE001 - any failure here means: this machine cannot run it
+    except Exception as err:  # any failure here means: this machine cannot run it
         raise KappaKernelError(failure_message(err, args[0].device, params["backend"])) from err
 
 
@@ -312,7 +319,8 @@ class _KappaSwiGLUTriton(torch.autograd.Function):
         d_gate = _empty(gate.shape, gate.dtype, gate.device)
         d_up = _empty(up.shape, up.dtype, up.device)
         if gate.numel() == 0:  # nothing to launch: the reductions are empty sums
-            zeros = lambda t, needed: torch.zeros_like(t) if needed else None  # noqa: E731
+            def zeros(t, needed):
+                return torch.zeros_like(t) if needed else None
             d_logit = zeros(logit, need_dlogit)
             return (d_gate, d_up, None if d_logit is None else d_logit.to(ctx.logit_dtype),
                     zeros(alpha, need_da), zeros(bias, need_db), None, None)

@@ -219,7 +219,8 @@ def load_stats(layer: MoELayer, moe: MoEConfig, device: torch.device, prefix: st
     x, routing_map = last
     routed = routing_map.reshape(-1, routing_map.shape[-1]) != 0
     counts = torch.cat([routed.sum(0), torch.tensor([routed.shape[0]], device=routed.device)]).to(device, torch.float64)
-    dist.all_reduce(counts, group=stage_group())  # token sets are disjoint across ranks (DP batch split, SP sequence split)
+    dist.all_reduce(counts,
+                    group=stage_group())  # token sets are disjoint across ranks (DP batch split, SP sequence split)
     counts = counts.cpu()
     per_expert, tokens = counts[:-1], counts[-1].item()
     if histograms is not None:

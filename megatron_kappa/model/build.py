@@ -18,24 +18,24 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-import megatron_kappa.model.attention_kinds  # noqa: F401  (hands the built-in kinds' pieces to the registry)
+import megatron_kappa.model.attention_kinds  # hands the built-in kinds' pieces to the registry
 import megatron_kappa.model.routers  # noqa: F401  (hands the built-in routers' classes to the registry)
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import Config, KappaConfig, ModelConfig, MoEConfig
+from megatron_kappa.config import recompute as selective
 from megatron_kappa.kappa import KappaSettings
 from megatron_kappa.kappa import inputs as kappa_inputs
+from megatron_kappa.model import fp8, init, nanochat, softmoe
 from megatron_kappa.model.attention import SDPAttention
 from megatron_kappa.model.capacity import install_capacity_switch
 from megatron_kappa.model.experts import GroupedExperts, KappaSequentialMLP
-from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
-from megatron_kappa.config import recompute as selective
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.model import fp8, init, nanochat, softmoe
+from megatron_kappa.model.loss import ChunkedLossGPTModel, softcap_logits
 from megatron_kappa.model.norms import SPTorchNorm
 from megatron_kappa.model.virtual_stages import VirtualStages
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel.random import (
-    CheckpointWithoutOutput, get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name)
+    CheckpointWithoutOutput,
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -175,7 +178,8 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         ffn = config.moe_ffn_hidden_size // etp
         self.num_local_experts, self.ffn_local = num_local_experts, ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        make = lambda *shape: torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))  # noqa: E731
+        def make(*shape):
+            return torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))
         self.fc1_weight = make(num_local_experts, 2 * ffn, config.hidden_size)
         self.fc2_weight = make(num_local_experts, config.hidden_size, ffn)
         # megatron's marks: expert-TP splits fc1's rows and fc2's columns; `allreduce=False` means
@@ -216,11 +220,13 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
         if self.kappa is not None:
             probs, logits = permuted_probs.unbind(-1)
             self.last_logits = (logits.detach(), tokens_per_expert)
-            act_fn = lambda fc1, p, s: self.activation(*fc1.chunk(2, dim=-1), p, s,  # noqa: E731
-                                                       tokens_per_expert=tokens_per_expert)
+            def act_fn(fc1, p, s):
+                return self.activation(*fc1.chunk(2, dim=-1), p, s,
+                                       tokens_per_expert=tokens_per_expert)
             act_args = (fc1, probs, logits)
         else:  # megatron's probability-weighted SwiGLU: one fused kernel through torch.compile on a GPU
-            act_fn = lambda fc1, p: weighted_bias_swiglu_impl(fc1, None, p.unsqueeze(-1))  # noqa: E731
+            def act_fn(fc1, p):
+                return weighted_bias_swiglu_impl(fc1, None, p.unsqueeze(-1))
             act_args = (fc1, permuted_probs)
         if not self.recompute_activation:
             return self._gemm(act_fn(*act_args), self.fc2_weight, offs), None

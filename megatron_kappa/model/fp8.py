@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from megatron_kappa.config import ConfigError
 from megatron_kappa.config.checks import fp8_capability_error

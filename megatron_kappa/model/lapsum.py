@@ -169,6 +169,7 @@ def lapsum_topk(scores: Tensor, k, alpha) -> Tensor:
     # Numbers become tensors of the compute dtype (as_tensor would round 0.1 to fp32 for fp64
     # input), made by a fill on the scores' device: torch.tensor(x, device=...) would be a
     # host-to-device copy, which waits for the device.
-    as_tensor = lambda x: torch.full((), x, dtype=_compute_dtype(scores), device=scores.device)
+    def as_tensor(x):
+        return torch.full((), x, dtype=_compute_dtype(scores), device=scores.device)
     k, alpha = (x if torch.is_tensor(x) else as_tensor(x) for x in (k, alpha))
     return LapSumTopK.apply(scores, k, alpha)

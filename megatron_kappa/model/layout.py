@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_kappa.config import Config
-from megatron_kappa.config.derived import chunk_counts, moe_layer_pattern  # noqa: F401 (moe_layer_pattern: this module's API too)
+from megatron_kappa.config.derived import chunk_counts, moe_layer_pattern  # moe_layer_pattern: this module's API too
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.layers import (_initialize_affine_weight_cpu, _initialize_affine_weight_gpu,
-                                                  set_tensor_model_parallel_attributes)
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,7 +30,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron_kappa.config import ModelConfig
 from megatron_kappa.model.layout import VALUE_GATE_CHANNELS, has_value_embedding
 from megatron_kappa.model.loss import ChunkedLossGPTModel
-
 
 
 class BlockInputs:
@@ -93,7 +95,8 @@ class ScaledResidualLayer(TransformerLayer):
     """megatron's TransformerLayer after x = λ_resid·x + λ_x0·x0 (λ_resid = 1, λ_x0 = 0 at init:
     gpt 2092-2106); λ are one-element parameters, trained by AdamW (megatron_kappa.optim)."""
 
-    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, inputs: BlockInputs, **kwargs):
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, inputs: BlockInputs,
+                 **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs
         device = _param_device(config)
@@ -122,7 +125,8 @@ class ValueEmbeddingAttention(SelfAttention):
     input, gathered over the sequence-parallel group. v is added to after the projections and
     before attention (it is not roped or normed, so before RoPE as the authors)."""
 
-    def __init__(self, config: TransformerConfig, submodules, layer_number: int, *args, inputs: BlockInputs, vocab_size: int,
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int, *args, inputs: BlockInputs,
+                 vocab_size: int,
                  **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.inputs = inputs

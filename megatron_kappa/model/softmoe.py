@@ -100,7 +100,8 @@ def link_budgets(model) -> Allocation | None:
 class SoftMoERouter(TopKRouter):
     """megatron's TopKRouter (gating, z-loss, loss logging) with SoftMoE's `routing`."""
 
-    def __init__(self, config: TransformerConfig, pg_collection=None, is_mtp_layer=False, settings: SoftMoESettings = None):
+    def __init__(self, config: TransformerConfig, pg_collection=None, is_mtp_layer=False,
+                 settings: SoftMoESettings = None):
         if settings is None:
             raise ValueError("SoftMoERouter needs its settings (megatron_kappa.model.softmoe.softmoe_settings)")
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
@@ -167,7 +168,8 @@ class SoftMoERouter(TopKRouter):
     def pop_counts(self, device) -> torch.Tensor:
         """[E + 2]: training tokens since the last call by experts run (0..E), then those over the cap."""
         E = self.config.num_moe_experts
-        counts = torch.zeros(E + 2, dtype=torch.long, device=device) if self._counts is None else self._counts.to(device)
+        counts = torch.zeros(E + 2, dtype=torch.long,
+                             device=device) if self._counts is None else self._counts.to(device)
         self._counts = None
         return counts
 

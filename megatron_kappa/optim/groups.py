@@ -7,8 +7,13 @@ Aurora) build these groups the same way.
 from __future__ import annotations
 
 from megatron_kappa.config import KappaConfig, TrainConfig
-from megatron_kappa.model.params import (RESIDUAL_SCALARS, is_embedding_or_output, is_kappa, is_kappa_alpha,
-                                         residual_scalar)
+from megatron_kappa.model.params import (
+    RESIDUAL_SCALARS,
+    is_embedding_or_output,
+    is_kappa,
+    is_kappa_alpha,
+    residual_scalar,
+)
 
 # resid_lambda, x0_lambda: model.residual_scalars' λ (the authors' scalar groups, 14c9b04
 # nanochat/gpt.py 2375-2380); the value embeddings are in "embedding" (gpt 2352-2353)

@@ -72,7 +72,8 @@ def mla_multiplier(attn, S: torch.Tensor) -> dict:
     attn.qk_clip_balancing_eta = gamma(S, c.qk_clip_threshold).view(-1, 1, 1)  # what megatron's helpers read
     q = attn.linear_q_up_proj.weight if c.q_lora_rank is not None else attn.linear_q_proj.weight
     kv = attn.linear_kv_up_proj.weight
-    ones = lambda w: torch.ones(w.shape, dtype=torch.float32, device=S.device)  # noqa: E731
+    def ones(w):
+        return torch.ones(w.shape, dtype=torch.float32, device=S.device)
     return {q: attn._clip_q_proj_weight(ones(q)), kv: attn._clip_kv_proj_weight(ones(kv))}
 
 

@@ -3,7 +3,8 @@
 `apply(device)` is called once per process before the first model build (by
 megatron_kappa.parallel.groups.init_distributed) and does nothing unless the device is the CPU.
 It covers megatron-core 0.19.2 (the sites below), megatron's jit_fuser (torch.compile: a cold
-start per process on CPU; its functions run eager there, Dynamo stays on for model.compile) and DeepSpeed's JIT-built ops (a 25-40 s compile each; the
+start per process on CPU; its functions run eager there, Dynamo stays on for model.compile) and DeepSpeed's JIT-built
+ops (a 25-40 s compile each; the
 shm comm op serves only inference, and the optimizer is torch's). `PATCHED` lists each library
 symbol replaced here; tests/test_compat.py checks they all still exist, so an upgrade that moves
 one fails loudly instead of silently unpatched.

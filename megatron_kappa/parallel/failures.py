@@ -76,7 +76,7 @@ def missing_ranks(window_s: float) -> str:
     hosts = groups.rank_hosts() or []
     try:
         missing = roll_call.absent(window_s)
-    except Exception:  # noqa: BLE001 - the store is rank 0's (srun, mp.spawn) or the launcher's
+    except Exception:  # the store is rank 0's (srun, mp.spawn) or the launcher's
         host0 = hosts[0] if hosts else "rank 0's host"
         return f"the rendezvous store (rank 0's, on {host0}) cannot be reached: {host0} is lost, or " \
                f"this host's link"

@@ -28,9 +28,9 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_kappa.config import ConfigError, ParallelConfig
+from megatron_kappa.config.world import check_world
 from megatron_kappa.parallel import compat, launch_env, network, roll_call
 from megatron_kappa.parallel.launch_env import DEVICE_ENV
-from megatron_kappa.config.world import check_world
 
 _device: torch.device | None = None
 _control: tuple | None = None  # (the default group it was made for, control group, barrier group, hosts)
@@ -97,7 +97,8 @@ def init_distributed(par: ParallelConfig, seed: int, num_experts: int | None = N
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
                    parallel_state.get_context_parallel_world_size())
-        if current == (par.tp, par.ep, par.expert_tp, par.pp, par.vpp, par.cp):  # same layout: keep the groups (creating more is slow)
+        if current == (par.tp, par.ep, par.expert_tp, par.pp, par.vpp,
+                       par.cp):  # same layout: keep the groups (creating more is slow)
             set_seed(seed)
             return _device
         parallel_state.destroy_model_parallel()

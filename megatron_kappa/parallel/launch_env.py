@@ -28,7 +28,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 from collections.abc import Mapping as _MappingABC
 from dataclasses import dataclass, fields
 from pathlib import Path

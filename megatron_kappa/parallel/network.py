@@ -91,7 +91,8 @@ def choose_interface(peers: Iterable[str], multi_host: Optional[bool]) -> Option
         f"the interfaces with an address are {', '.join(others)}" if others else "no interface has an IPv4 address")
     raise LaunchEnvError(f"cannot tell which network interface the ranks of this multi-node job should use: "
                          f"this host's name {me!r} resolves to {own or 'nothing'} and {what}; "
-                         f"set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that reaches the other hosts")
+                         f"set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that reaches the other "
+                         f"hosts")
 
 
 def _peers(found: LaunchEnv, environ) -> list:

@@ -37,7 +37,7 @@ def start_answering(generation: int):
             store.wait([prefix + "called"], datetime.timedelta(days=365))
             if store.get(prefix + "called") == b"call":
                 store.set(prefix + f"here/{me}", "1")
-        except Exception:  # noqa: BLE001 - the store is gone: nobody left to answer
+        except Exception:  # the store is gone: nobody left to answer
             pass
 
     thread = threading.Thread(target=answer, name="kappa-roll-call", daemon=True)
@@ -54,7 +54,7 @@ def stop_answering(release: bool):
         try:
             _answerer["store"].set(_answerer["prefix"] + "called", "end")
             _answerer["thread"].join(5)
-        except Exception:  # noqa: BLE001 - the store is already gone
+        except Exception:  # the store is already gone
             pass
     _answerer = None
 

@@ -19,7 +19,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import ConfigError
 from megatron_kappa.model.layout import layer_offset, shift_layers
-from megatron_kappa.model.params import is_expert as _is_expert, is_kappa as _is_kappa
+from megatron_kappa.model.params import is_expert as _is_expert
+from megatron_kappa.model.params import is_kappa as _is_kappa
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 

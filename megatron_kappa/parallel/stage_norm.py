@@ -11,7 +11,8 @@ unequal counts, wait forever for each other (a hang, seen with the nanochat bloc
 only) with the same arithmetic keyed by group name: every rank sums its groups' squared norms
 (each parameter's norm in fp64, as DeepSpeed; under CPU offload the norms DeepSpeed recorded on
 the gradients' way to the CPU) in a vector indexed by the names of all stages, one all-reduce
-(sum) over the model-parallel group gives each group's norm, DeepSpeed's own expert-norm averaging runs on this rank's groups, and a
+(sum) over the model-parallel group gives each group's norm, DeepSpeed's own expert-norm averaging runs on this rank's
+groups, and a
 second all-reduce (max) gives every rank every group's final norm, so all stages combine the same
 numbers. tests/test_compat.py checks the DeepSpeed attributes read here still exist.
 """

@@ -60,11 +60,24 @@ from megatron_kappa.plan import speed
 from megatron_kappa.plan.activations import activation_bytes
 from megatron_kappa.plan.estimate import HEADROOM, Plan, StagePlan, plan, plan_stage
 from megatron_kappa.plan.layout import Layout, check, layout_of, model_shape, with_layout
-from megatron_kappa.plan.params import (EXPERT_KINDS, KINDS, attention_matrices, attention_params, largest_tensors, layer_params,
-                         stage_params)
+from megatron_kappa.plan.params import (
+    EXPERT_KINDS,
+    KINDS,
+    attention_matrices,
+    attention_params,
+    largest_tensors,
+    layer_params,
+    stage_params,
+)
 from megatron_kappa.plan.planned import Planned
 from megatron_kappa.plan.render import render, render_search
-from megatron_kappa.plan.state import REDUCE_BUCKET_ELEMENTS, bucket_bytes, gradient_bytes, optimizer_groups, state_bytes
+from megatron_kappa.plan.state import (
+    REDUCE_BUCKET_ELEMENTS,
+    bucket_bytes,
+    gradient_bytes,
+    optimizer_groups,
+    state_bytes,
+)
 from megatron_kappa.plan.units import GIB, value_bytes
 
 __all__ = ["EXPERT_KINDS", "GIB", "HEADROOM", "KINDS", "Layout", "Plan", "Planned", "REDUCE_BUCKET_ELEMENTS",

@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--published", action="store_true",
                     help="plan each published frontier run at its layout and settings (plan.published)")
     ap.add_argument("--rank", action="store_true",
-                    help="with --published: also rank each run among --search's layouts (a search each: about two minutes for all eight)")
+                    help="with --published: also rank each run among --search's layouts (a search each: about two "
+                    "minutes for all eight)")
     ap.add_argument("--markdown", action="store_true",
                     help="with --published: docs/plan.md's tables of the runs at 80 GiB, 8 GPUs a node (plan.tables; "
                          "with --rank, their search positions)")
@@ -149,7 +150,8 @@ def published(gpu_mem: float, gpus_per_node: int, as_json: bool, ranked: bool, p
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
-    for title, runs in (("published runs", RUNS), ("NVIDIA's tuned layouts, measured on H100 (Megatron-MoE-ModelZoo)", TUNED)):
+    for title, runs in (("published runs", RUNS), ("NVIDIA's tuned layouts, measured on H100 (Megatron-MoE-ModelZoo)",
+                                                   TUNED)):
         if not as_json:
             print(f"{title}:", flush=True)
         for run in runs:

@@ -21,8 +21,8 @@ import re
 
 from megatron_kappa.config import Config, ConfigError, to_dict
 from megatron_kappa.config.loading import from_mapping
-from megatron_kappa.preflight import check_parallel
 from megatron_kappa.plan.layout import Layout
+from megatron_kappa.preflight import check_parallel
 
 
 def trainer_config(cfg: Config, layout: Layout) -> Config:

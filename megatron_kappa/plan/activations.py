@@ -26,11 +26,13 @@ SDPA (no s² scores kept; but `local` below):
              cast; GQA's key and value heads repeated: s·b·2·(heads − groups)·d/tp more
 in 2 bytes (4 in fp32). Selective recompute drops what its modules (model.recompute_modules) keep:
 core_attn the core's output (and CP's gathered K/V and masks: its checkpoint keeps the rank's own
-q, k, v), mla_up_proj MLA's q, k, v (under CP's all-gather q alone: the own K and V are not kept), moe_act the experts' activation, mlp a
+q, k, v), mla_up_proj MLA's q, k, v (under CP's all-gather q alone: the own K and V are not kept), moe_act the experts'
+activation, mlp a
 dense MLP's fc1 output and glu's tensors, moe the routed rows' tensors and the shared expert's,
 shared_experts the shared expert's (core_attn also local's probabilities and repeated heads).
 Full keeps only each layer's input (s·b·h/tp; only the stage's first model.recompute_layers
-layers when set, the rest keep everything) plus one layer's activations while it is recomputed. The output layer's logits add one loss chunk
+layers when set, the rest keep everything) plus one layer's activations while it is recomputed. The output layer's
+logits add one loss chunk
 (model.cross_entropy_chunk tokens, or all s·b) × vocab/tp in fp32.
 
 In flight: under 1F1B stage i holds pp − i micro-batches (at most the micro-batches per step);

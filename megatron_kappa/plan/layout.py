@@ -7,8 +7,8 @@ import dataclasses
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import Config, ConfigError, ParallelConfig
 from megatron_kappa.config.checks import validate
-from megatron_kappa.model.layout import ModelLayout, model_layout
 from megatron_kappa.config.world import check_batch, check_world
+from megatron_kappa.model.layout import ModelLayout, model_layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,8 @@ Per step, for one rank of the slowest pipeline stage:
             (bf16/fp8), 4 in fp32
 Each collective also pays `Rates.latency_us` per message: a ring over n ranks, or an all-to-all
 among n, sends n - 1 (tensor: tensor_collectives per micro-batch, the loss's all-reduces with
-them; context: one per step of its all-gathers and reduce-scatters, or the ring's hops; expert: dispatcher_messages per MoE layer and micro-batch;
+them; context: one per step of its all-gathers and reduce-scatters, or the ring's hops; expert: dispatcher_messages per
+MoE layer and micro-batch;
 pipeline: one message per boundary crossing; data: a reduce-scatter and an all-gather per step).
 The tensor and expert counts are megatron's own (tests/test_plan.py counts its calls).
 A group talks over NVLink when its ranks sit in one node, over InfiniBand otherwise; megatron

@@ -53,7 +53,8 @@ def optimizer_groups(params: dict[str, int], m: ModelConfig, train: TrainConfig,
     return out
 
 
-def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str, float]:
+def gradient_bytes(params: dict[str, int], cfg: Config, layout: Layout, planned: Planned = Planned()) -> dict[str,
+                                                                                                              float]:
     """The gradient memory DeepSpeed's ZeRO-1/2 holds on one rank with this project's settings
     (contiguous_gradients, reduce_scatter, no overlap_comm: megatron_kappa.parallel.engine), at
     its two peaks. Each group's gradient partition holds its elements / d; where ZeRO copies

@@ -24,8 +24,13 @@ import math
 
 from megatron_kappa.config import Config, TrainConfig
 from megatron_kappa.model.layout import ModelLayout, model_layout
-from megatron_kappa.model.params import (is_embedding_or_output, is_expert, is_router, is_value_embedding,
-                                         residual_scalar)
+from megatron_kappa.model.params import (
+    is_embedding_or_output,
+    is_expert,
+    is_router,
+    is_value_embedding,
+    residual_scalar,
+)
 
 
 def _category(name: str) -> str:
@@ -206,9 +211,11 @@ def render(s: dict) -> str:
         f"total parameters        {_fmt(s['total_params'])}  ({s['total_params']:,})",
         f"active per token        {_fmt(s['active_params_per_token'])}  (top-{s['topk']} of {s['experts']} experts)",
         f"N_eff (Appendix 8)      {_fmt(s['n_eff'])}  (all but the input embedding, as the authors count)",
-        f"token budget 5 × N_eff  {_fmt(s['token_budget'])} tokens = {s['steps_for_budget']:,} steps of {s['tokens_per_step']:,}"
+        f"token budget 5 × N_eff  {_fmt(s['token_budget'])} tokens = {s['steps_for_budget']:,} steps of "
+                      f"{s['tokens_per_step']:,}"
         f"  (experts at {'√(k/E)' if s['expert_discount'] else 'full count'})",
-        *([f"corpus read             about {_fmt(s['token_budget'] / (1 - BESTFIT_CROP))} tokens of documents (best-fit "
+        *([f"corpus read             about {_fmt(s['token_budget'] / (1 - BESTFIT_CROP))} tokens of documents "
+           f"(best-fit "
            f"rows crop about {BESTFIT_CROP:.0%} of them in the authors' runs; the trainer logs the share)"]
           if s.get("packing") == "bestfit" else []),
         *([f"authors' auto batch     {s['auto_batch_tokens']:,} tokens = {s['auto_global_batch']} sequences"]

@@ -33,27 +33,29 @@ from megatron_kappa.config.checks import compile_refusal
 from megatron_kappa.data import coverage
 from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
+from megatron_kappa.import_hf import weights as hf_import
+from megatron_kappa.metrics import paper_analyses, throughput
+from megatron_kappa.metrics.log import MetricsLog
+from megatron_kappa.metrics.memory import peak_memory
+from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
+from megatron_kappa.metrics.step_line import done_line, step_line
 from megatron_kappa.model import compile as model_compile
 from megatron_kappa.model import fp8
 from megatron_kappa.model.build import build_model
-from megatron_kappa.model.layout import model_layout
 from megatron_kappa.model.experts import set_kappa_U
-from megatron_kappa.parallel import context, engine as ds_engine
+from megatron_kappa.model.layout import model_layout
+from megatron_kappa.optim import muon, qk_clip, schedule
+from megatron_kappa.optim import optimizer as optim
+from megatron_kappa.parallel import context
+from megatron_kappa.parallel import engine as ds_engine
 from megatron_kappa.parallel.grads import install_tensor_parallel_grad_hooks
 from megatron_kappa.parallel.groups import dp_mean, init_distributed, merge_stages
 from megatron_kappa.parallel.layout import layout_record
 from megatron_kappa.parallel.sharding import global_numel, load_full_state_dict, read_full_state_dict
-from megatron_kappa.import_hf import weights as hf_import
 from megatron_kappa.summary import count
-from megatron_kappa.optim import muon, optimizer as optim, qk_clip, schedule
-from megatron_kappa.metrics import paper_analyses, throughput
-from megatron_kappa.metrics.log import MetricsLog
-from megatron_kappa.metrics.memory import peak_memory
-from megatron_kappa.metrics.step_line import done_line, step_line
-from megatron_kappa.metrics.stats import kappa_stats, mtp_loss, router_losses
 from megatron_kappa.train import hf_exports, pipeline, recipe
-from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # noqa: F401 (TrainingDiverged: the loop's API)
 from megatron_kappa.train.data import batch_at, build_datasets, train_first_sample
+from megatron_kappa.train.divergence import BadSteps, TrainingDiverged  # TrainingDiverged: the loop's API
 from megatron_kappa.train.preemption import Preempted, StopAgreement
 from megatron_kappa.train.profiling import StepProfiler, region
 from megatron_kappa.train.run_lock import RunLock
@@ -107,7 +109,8 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     the last κ L2 penalty, as device tensors: nothing here waits for the device. With pipeline
     stages or the EP overlap: megatron_kappa.train.pipeline."""
     if cfg.parallel.megatron_schedule:
-        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids, grad_accumulation(cfg.train))
+        return pipeline.train_step(engine, model, cfg, train_ds, step, device, position_ids,
+                                   grad_accumulation(cfg.train))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     l2_scale, cp = recipe.l2_scale(), context.backward_scale()
     losses = []

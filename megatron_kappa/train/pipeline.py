@@ -73,7 +73,8 @@ def train_step(engine, model, cfg: Config, train_ds, step: int, device, position
     """One optimizer step; returns (the step's loss averaged over data-parallel ranks, this rank's
     κ L2 penalty), as device tensors."""
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = [batch_at(train_ds, train_first_sample(step, micro, cfg.train, dp_rank, dp), cfg.train.micro_batch, device)
+    batches = [batch_at(train_ds, train_first_sample(step, micro, cfg.train, dp_rank, dp), cfg.train.micro_batch,
+                        device)
                for micro in range(micro_batches)]
     loss = run_schedule(engine.module, batches, cfg, position_ids, forward_only=False)
     for chunk in chunks_of(model):  # MTP's embedding copy on the last stage steps with the first's

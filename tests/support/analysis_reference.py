@@ -52,7 +52,8 @@ def layer_reference(state, index, x, routed, *, topk, capacity_factor=None, logi
     alpha, bias = state.get(pre + "experts.kappa_alpha"), state.get(pre + "experts.kappa_bias")
     alpha = None if alpha is None else alpha.double()
     bias = None if bias is None else bias.double()
-    vec = lambda e: r[(e + expert_shift) % num_experts]  # noqa: E731
+    def vec(e):
+        return r[(e + expert_shift) % num_experts]
     cos, proj = [], {}
     for e in range(num_experts):
         r_hat = vec(e) / vec(e).norm()

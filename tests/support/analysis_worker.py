@@ -15,16 +15,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import parallel_state as ps
 
-from tests.support import analysis_reference as ref  # noqa: E402
-from tests.support import parity  # noqa: E402
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.parallel import sharding  # noqa: E402
-from megatron_kappa.parallel import groups  # noqa: E402
-from megatron_kappa.parallel.groups import init_distributed  # noqa: E402
-from megatron_kappa.metrics import paper_analyses as analysis  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.metrics import paper_analyses as analysis
+from megatron_kappa.parallel import (
+    groups,
+    sharding,
+)
+from megatron_kappa.parallel.groups import init_distributed
 from megatron_kappa.parallel.launch_env import exit_process
+from tests.support import analysis_reference as ref
+from tests.support import parity
 
 
 def run_case(case):

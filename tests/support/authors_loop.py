@@ -212,7 +212,8 @@ def train(bt: BaseTrain, batches: list[dict], record=None) -> list[dict]:
                     module._expert_inputs_cache = module._expert_router_scores_cache = None
         losses = bt.average_step_losses(step_losses, grad_accum_steps)
         lrm = bt.get_lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac,
-                                   lr_scheduler_skip_iters=args.lr_scheduler_skip_iters, lr_base_scale=args.lr_base_scale)
+                                   lr_scheduler_skip_iters=args.lr_scheduler_skip_iters,
+                                   lr_base_scale=args.lr_base_scale)
         muon_momentum = bt.get_muon_momentum(step)
         kappa_lr = None
         for group in optimizer.param_groups:

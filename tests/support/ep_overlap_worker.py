@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-from tests.support import parity  # noqa: E402
-from megatron_kappa.parallel import groups  # noqa: E402
-from megatron_kappa.parallel.launch_env import exit_process  # noqa: E402
+from megatron_kappa.parallel import groups
+from megatron_kappa.parallel.launch_env import exit_process
+from tests.support import parity
 
 
 class EventLog:

@@ -16,13 +16,15 @@ COMMON = ["model.seq_length=32", "train.micro_batch=2", "train.global_batch=4", 
           "checkpoint.interval=1", "eval.valid_every=0", "log.tensorboard=false", "log.interval=1",
           "model.kappa.freeze_fraction=0", "data.mock=false"]
 RUNS = {  # name: (model settings, layout settings, processes)
-    "kappa-nanochat-sigmoid": (["model.block=nanochat", "model.moe.router=sigmoid", "model.moe.shared_ffn_hidden_size=32",
+    "kappa-nanochat-sigmoid": (["model.block=nanochat", "model.moe.router=sigmoid",
+                                "model.moe.shared_ffn_hidden_size=32",
                                 "model.kappa.input=normalized", "model.kappa.u_warmup=0"], [], 1),
     "kappa-softmax-gqa": (["model.num_query_groups=2", "model.kappa.input=scaled", "model.kappa.u_warmup=0",
                            "model.moe.route_scale=1.5"], ["parallel.ep=2"], 2),
     "plain-softmax": (["model.kappa.enabled=false"], ["parallel.tp=2"], 2),
     "deepseek-v3-shaped": ([*MLA, "model.kappa.enabled=false", "model.moe.router=sigmoid", "model.moe.num_groups=2",
-                            "model.moe.group_topk=1", "model.moe.route_scale=2.5", "model.moe.shared_ffn_hidden_size=256",
+                            "model.moe.group_topk=1", "model.moe.route_scale=2.5",
+                            "model.moe.shared_ffn_hidden_size=256",
                             "model.moe.seq_aux_loss=1e-4", "model.norm_eps=1e-6"], ["parallel.tp=2"], 2),
     "kappa-mla-grouped": ([*MLA, "model.moe.router=sigmoid", "model.moe.num_groups=2", "model.moe.group_topk=1",
                            "model.moe.shared_ffn_hidden_size=64"], ["parallel.ep=2"], 2),
@@ -70,7 +72,8 @@ def runs(tmp_path_factory, sample_shards, world1):
         nproc = RUNS[name][2]
         if nproc == 1:
             folder, sets = prepare(name)
-            done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set", *sets],
+            done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--set",
+                                   *sets],
                                   cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
             made[name] = folder / "run"
@@ -102,7 +105,8 @@ def two_steps(world1, sample_shards, tmp_path_factory):
 
 
 def export(run, out, *args):
-    done = subprocess.run([sys.executable, "-m", "megatron_kappa.export", "--checkpoint", str(run), "--output", str(out),
+    done = subprocess.run([sys.executable, "-m", "megatron_kappa.export", "--checkpoint", str(run), "--output",
+                           str(out),
                            "--no-progress", *args], cwd=ROOT, env=hf_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

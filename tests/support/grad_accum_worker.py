@@ -20,27 +20,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.parallel import engine  # noqa: E402
-from megatron_kappa.parallel.launch_env import exit_process  # noqa: E402
-from megatron_kappa.train import loop  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.parallel import engine
+from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.train import loop
 
 
 def case(overrides, merge_fix=True):
     """One entry: its overrides; `merge_fix` False runs it without grad_precision's item 4 (the
     upstream merge that drops AdamW gradients under ZeRO-2 beside Muon groups: a control)."""
     import functools
-    from megatron.core import parallel_state as ps
-    from megatron_kappa.parallel import grad_precision
+
     from deepspeed.runtime.zero.muon import original_muon
+    from megatron.core import parallel_state as ps
+
     from megatron_kappa.optim import muon
+    from megatron_kappa.parallel import grad_precision
     local, worst, dtypes, muon_grads = {}, [0.0], set(), []
     original = engine.initialize
 
-    def reference(model, name, p):  # noqa: ARG001
+    def reference(model, name, p):
         group = ps.get_expert_data_parallel_group() if not getattr(p, "allreduce", True) \
             else ps.get_data_parallel_group()
         ref = local.get(name, torch.zeros(p.shape, dtype=torch.float64))

@@ -18,8 +18,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_kappa.config import load_config
 from megatron_kappa.parallel import groups
-from megatron_kappa.train import loop
 from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.train import loop
 
 
 def live_tensors() -> dict:

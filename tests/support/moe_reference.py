@@ -38,7 +38,7 @@ def authors_normalized(top_k_scores, router_weight, top_k_indices, detach=True):
     MOELayer._select_gate_confidence, kappa_input 'top_logits', exponent 0.5, eps 1e-4), as written
     there; `detach=False` is the negative control (gradient through the normaliser)."""
     exponent, eps = 0.5, 1e-4
-    d = (lambda t: t.detach()) if detach else (lambda t: t)  # noqa: E731
+    d = (lambda t: t.detach()) if detach else (lambda t: t)
     magnitudes_all = torch.linalg.vector_norm(router_weight, ord=2, dim=-1)
     smoothed_all = torch.sqrt(magnitudes_all.square() + eps)
     scale_compensation = d(smoothed_all.pow(1.0 - exponent).mean())

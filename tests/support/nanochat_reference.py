@@ -55,7 +55,8 @@ def forward(state: dict, ids: torch.Tensor, *, layers: int, heads: int, eps: flo
         d = q.shape[-1]
         if p + "self_attention.value_embedding" in w:
             ve = w[p + "self_attention.value_embedding"][ids].view(b, s, heads, d)
-            g = 2 * torch.sigmoid(h[..., :32] @ w[p + "self_attention.value_gate"].T) if gate else torch.ones(b, s, heads)
+            g = 2 * torch.sigmoid(h[..., :32] @ w[p + "self_attention.value_gate"].T) if gate else torch.ones(b, s,
+                                                                                                              heads)
             v = v + g[..., None] * ve
         q, k = rms(rope(q, base), eps), rms(rope(k, base), eps)  # the authors' order: RoPE, then norm
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)

@@ -147,7 +147,8 @@ class NetnsCluster(SlurmCluster):
 
     def _make_net(self):
         ctl = self.ns["ctl"]
-        sh = lambda *a: subprocess.run(a, check=True, capture_output=True, text=True)  # noqa: E731
+        def sh(*a):
+            return subprocess.run(a, check=True, capture_output=True, text=True)
         for ns in self.ns.values():
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -183,7 +184,8 @@ ClusterName={self.name}
 SlurmctldHost=ctl({self.addr['ctl']})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
-{shared_settings(r, self.kill_wait, self.requeue_delay, f'{self.short_root}/spool-%n')}# a host that stops answering is DOWN after SlurmdTimeout; its jobs end (NODE_FAIL)
+{shared_settings(r, self.kill_wait, self.requeue_delay, f'{self.short_root}/spool-%n')}\
+# a host that stops answering is DOWN after SlurmdTimeout; its jobs end (NODE_FAIL)
 SlurmdTimeout={self.slurmd_timeout}
 MessageTimeout=5
 {nodes}

@@ -3,7 +3,6 @@ their shared settings, and the blocks a TP-sharded matrix is orthogonalised in, 
 full tensor."""
 import torch
 
-
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", "checkpoint.interval=100",
           "eval.valid_every=0", "model.seq_length=32", "train.micro_batch=2", "train.global_batch=4",

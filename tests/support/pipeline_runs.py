@@ -10,7 +10,8 @@ from tests.support.processes import ROOT, env, free_port
 from tests.support.weights import save_init_weights
 
 STEPS = 3
-COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", f"eval.valid_every={STEPS}", "eval.valid_iters=4", "model.seq_length=32",
+COMMON = [f"train.steps={STEPS}", "data.mock=true", "log.interval=1", f"eval.valid_every={STEPS}", "eval.valid_iters=4",
+          "model.seq_length=32",
           "train.micro_batch=2", "train.global_batch=8", "train.grad_clip=0.05", "model.kappa.freeze_fraction=0.0",
           "model.kappa.warmup=1", "model.moe.aux_loss=1e-2", "log.tensorboard=false", "zero.stage=1",
           "checkpoint.interval=100"]

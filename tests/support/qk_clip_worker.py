@@ -12,13 +12,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.optim import qk_clip  # noqa: E402
-from megatron_kappa.parallel import groups  # noqa: E402
-from megatron_kappa.parallel.launch_env import exit_process  # noqa: E402
-from megatron_kappa.train import loop  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.optim import qk_clip
+from megatron_kappa.parallel import groups
+from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.train import loop
 
 
 def main(plan_path):

@@ -89,7 +89,8 @@ class DeviceTensor(torch.Tensor):
                 sim.record("item", name)
             elif name.startswith(_DATA_DEPENDENT) or _boolean_indexing(name, args):
                 sim.record("data-dependent shape", name)
-        unwrap = lambda t: t.elem if isinstance(t, DeviceTensor) else t  # noqa: E731
+        def unwrap(t):
+            return t.elem if isinstance(t, DeviceTensor) else t
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": torch.device("cpu")}  # e.g. new_zeros(..., device=the reported one)
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
@@ -158,7 +159,8 @@ class SimulatedDevice:
 
         compat.apply("cpu")  # the CUDA API stand-ins; the device placement is undone below
         self._stack = contextlib.ExitStack()
-        patch = lambda obj, name, value: self._stack.enter_context(_setattr(obj, name, value))  # noqa: E731
+        def patch(obj, name, value):
+            return self._stack.enter_context(_setattr(obj, name, value))
         patch(torch.cuda, "current_device", lambda: 0)  # megatron's "the GPU"
         patch(torch.cuda, "synchronize", lambda *a, **k: self.record("synchronize", "torch.cuda.synchronize"))
         for module in ("megatron.core.transformer.utils", "megatron.core.fusions.fused_softmax"):

@@ -94,7 +94,7 @@ def _die_with_parent():
     try:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, int(_signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort; stop() and _kill_orphans() remain
+    except Exception:  # best effort; stop() and _kill_orphans() remain
         pass
 
 
@@ -219,7 +219,8 @@ SlurmctldHost={_HOST}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
-{shared_settings(r, self.kill_wait, self.requeue_delay, f"{self.short_root}/spool")}NodeName={_HOST} NodeHostname={_HOST} NodeAddr=127.0.0.1 CPUs={self.ncpus} RealMemory={mem} State=UNKNOWN
+{shared_settings(r, self.kill_wait, self.requeue_delay, f"{self.short_root}/spool")}\
+NodeName={_HOST} NodeHostname={_HOST} NodeAddr=127.0.0.1 CPUs={self.ncpus} RealMemory={mem} State=UNKNOWN
 PartitionName=debug Nodes={_HOST} Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -306,7 +307,7 @@ PartitionName=debug Nodes={_HOST} Default=YES MaxTime=INFINITE State=UP
                             "squeue", "-h", "-t", "RUNNING,COMPLETING", "-o", "%A",
                             check=False, timeout=10).stdout.strip():
                         time.sleep(0.3)
-        except Exception:  # noqa: BLE001 - teardown goes on whatever happens
+        except Exception:  # teardown goes on whatever happens
             pass
         finally:
             self._stop_daemons()

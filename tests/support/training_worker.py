@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_kappa.parallel import engine, groups  # noqa: E402
-from megatron_kappa.train import loop  # noqa: E402
-from megatron_kappa.config import load_config  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.parallel import engine, groups
 from megatron_kappa.parallel.launch_env import exit_process
+from megatron_kappa.train import loop
 
 
 def unmarked(original):
@@ -84,7 +84,8 @@ def main(plan_path):
             # negative control: a stage without MTP depths skips the MTP loss's collectives (the hang)
             def skipping(micro_batches, device, mtp_loss=mtp_loss):
                 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-                return {} if MTPLossLoggingHelper.tracker.get("loss_values") is None else mtp_loss(micro_batches, device)
+                return {} if MTPLossLoggingHelper.tracker.get("loss_values") is None else mtp_loss(micro_batches,
+                                                                                                   device)
             loop.mtp_loss = skipping
         from megatron_kappa.model import embedding_copy
         sync = embedding_copy.all_reduce_grads

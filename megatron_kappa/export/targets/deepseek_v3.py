@@ -3,10 +3,16 @@ router with its balance bias (group-limited or not), shared experts a multiple o
 width, dense first layers, no κ."""
 from __future__ import annotations
 
-from megatron_kappa.config import ModelConfig
 from megatron_kappa import attention_kinds
-from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, native_refusals, rope,
-                                           router_refusal)
+from megatron_kappa.config import ModelConfig
+from megatron_kappa.export.adapter import (
+    StateDictAdapter,
+    attention_refusal,
+    ffn_sizes,
+    native_refusals,
+    rope,
+    router_refusal,
+)
 from megatron_kappa.model.layout import ModelLayout
 
 
@@ -18,7 +24,8 @@ class DeepseekV3(StateDictAdapter):
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         moe = model.moe
         why = []
-        need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
+        def need(ok, msg):
+            return None if ok else why.append(msg)
         native_refusals(model, need)
         attention_refusal(self, model, need)
         need(model.qk_layernorm, "model.qk_layernorm is false (DeepSeek-V3 norms its latents)")

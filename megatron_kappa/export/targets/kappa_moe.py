@@ -8,8 +8,14 @@ from pathlib import Path
 
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ConfigError, ModelConfig
-from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, layout_settings,
-                                           rotary_base, router_refusal)
+from megatron_kappa.export.adapter import (
+    StateDictAdapter,
+    attention_refusal,
+    ffn_sizes,
+    layout_settings,
+    rotary_base,
+    router_refusal,
+)
 from megatron_kappa.kappa import inputs as kappa_inputs
 from megatron_kappa.model.layout import ModelLayout, has_value_embedding
 

@@ -3,8 +3,15 @@ q/k norms with gains, no nanochat parts; dense layers are its `mlp_only_layers`.
 from __future__ import annotations
 
 from megatron_kappa.config import ModelConfig
-from megatron_kappa.export.adapter import (StateDictAdapter, attention_refusal, ffn_sizes, layout_settings,
-                                           native_refusals, rope, router_refusal)
+from megatron_kappa.export.adapter import (
+    StateDictAdapter,
+    attention_refusal,
+    ffn_sizes,
+    layout_settings,
+    native_refusals,
+    rope,
+    router_refusal,
+)
 from megatron_kappa.model.layout import ModelLayout
 
 
@@ -16,7 +23,8 @@ class Qwen3Moe(StateDictAdapter):
     def refusals(self, model: ModelConfig, layout: ModelLayout) -> list[str]:
         moe = model.moe
         why = []
-        need = lambda ok, msg: None if ok else why.append(msg)  # noqa: E731
+        def need(ok, msg):
+            return None if ok else why.append(msg)
         native_refusals(model, need)
         attention_refusal(self, model, need)
         router_refusal(self, model, need)

@@ -131,8 +131,8 @@ def test_negative_control_an_unsupported_op_is_counted(world1, dynamo):
 
 # ---- compiled equals eager, and resumes across the switch --------------------------------------
 def train(run_dir, sets, steps=4):
-    from tests.support.processes import records
     from megatron_kappa.train.loop import run
+    from tests.support.processes import records
     lines = []
     run(load_config("configs/tiny.yaml", COMMON + list(sets) + [
         f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.interval=2", "checkpoint.keep=3"]),

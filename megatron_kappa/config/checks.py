@@ -168,7 +168,8 @@ def _validate_stage_split(layers: int, par, need, mtp_layers: int = 0):
              f"{par.vpp} with parallel.first_stage_layers / last_stage_layers: give uneven chunks as parallel.layout")
         chunks = par.pp * par.vpp
         need(layers % chunks == 0, "parallel.vpp",
-             f"model.num_layers={layers} is not divisible by pp × vpp = {chunks} model chunks (or give parallel.layout)")
+             f"model.num_layers={layers} is not divisible by pp × vpp = {chunks} model chunks "
+             "(or give parallel.layout)")
         return
     if first is None and last is None:
         need(layers % par.pp == 0, "parallel.pp",
@@ -330,7 +331,8 @@ def _validate_context(m: ModelConfig, par: ParallelConfig, ev: EvalConfig, route
          f"model.seq_length={m.seq_length} is not divisible by 2 × cp = {2 * cp} (megatron's load-balanced causal "
          f"layout cuts each sequence into 2·cp chunks)")
     need((m.seq_length // cp) % tp == 0, "parallel.cp",
-         f"the {m.seq_length // cp} tokens of a CP rank are not divisible by tp={tp} (sequence parallelism splits them)")
+         f"the {m.seq_length // cp} tokens of a CP rank are not divisible by tp={tp} "
+         "(sequence parallelism splits them)")
     need(m.attention == "sdpa", "model.attention",
          f"must be sdpa with parallel.cp={cp} (its context-parallel path; megatron's local attention refuses "
          f"context parallelism and Transformer Engine's does not run here), got {m.attention}")

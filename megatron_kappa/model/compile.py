@@ -153,7 +153,7 @@ def compile_layers(model) -> dict:
             else:
                 eager_experts += 1
         layer.compile()
-    return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(l)) for l in layers),
+    return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(layer)) for layer in layers),
             "eager_experts": eager_experts, "start": time.perf_counter(),
             "breaks_before": graph_breaks()}
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_kappa.config import load_config  # noqa: E402
-from megatron_kappa.model import compile as model_compile  # noqa: E402
+from megatron_kappa.config import load_config
+from megatron_kappa.model import compile as model_compile
 
 
 def main(out, sets):

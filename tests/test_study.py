@@ -227,7 +227,7 @@ def test_valid_data_of_another_tokenizer_is_refused_before_any_run(data, tmp_pat
     listed under the run's tokenizer pass (control)."""
     import shutil
 
-    from launch import study
+    from megatron_kappa.cli import study
     for case, sha in (("other", "0" * 64), ("same", None)):
         folder = tmp_path / case
         folder.mkdir()

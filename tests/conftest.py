@@ -147,7 +147,8 @@ def sample_shards(tmp_path_factory):
 # only their order matters): pytest-xdist's --dist loadfile hands files to its workers in collection
 # order, so the long ones start first and the last file a worker runs is a short one (a short tail).
 LONGEST_FIRST = ("test_preemption", "test_study", "test_multinode", "test_demo", "test_plan", "test_pipeline",
-                 "test_reshard", "test_export", "test_training", "test_gpu_check", "test_optimizers",
+                 "test_reshard", "test_export", "test_training", "test_async_checkpoint", "test_compile",
+                 "test_disk_full", "test_gpu_check", "test_optimizers",
                  "test_export_tools", "test_import_hf", "test_checkpoint_step", "test_mla_training", "test_mtp",
                  "test_parallel", "test_softmoe_training", "test_two_ranks_reliability", "test_kappa_aot",
                  "test_sharded_alpha", "test_offload", "test_fp8", "test_export_card", "test_analysis", "test_loss",

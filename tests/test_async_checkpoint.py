@@ -160,7 +160,9 @@ def pretrain(nproc: int, run_dir, *sets) -> list[str]:
             f"run.dir={run_dir}", "checkpoint.async_save=true", *sets]
     if nproc == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    # kappa-torchrun: torchrun with its failed-rank report in one line (megatron_kappa/cli/launcher.py)
+    return [sys.executable, "-m", "megatron_kappa.cli.launcher", "torchrun", "--standalone", "--nproc_per_node",
+            str(nproc), *args]
 
 
 def wait_for(marker: Path, proc, seconds=600):

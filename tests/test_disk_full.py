@@ -11,9 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pretrain_with(patch: str, args: list[str]) -> subprocess.CompletedProcess:
-    """launch/pretrain.py's main in a fresh process, after `patch` (Python run first: the fault)."""
-    code = ("import sys; sys.argv[0] = 'launch/pretrain.py'\n" + patch +
-            f"\nfrom megatron_kappa.cli import pretrain\nsys.exit(pretrain.main({args!r}))\n")
+    """launch/pretrain.py's main in a fresh process, after `patch` (Python run first: the fault),
+    started as every entry point starts (entry.start: the libraries' known notices filtered)."""
+    code = ("import sys; sys.argv[0] = 'launch/pretrain.py'\nfrom megatron_kappa import entry\nentry.start()\n"
+            + patch + f"\nfrom megatron_kappa.cli import pretrain\nsys.exit(pretrain.main({args!r}))\n")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

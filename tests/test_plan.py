@@ -101,7 +101,7 @@ def test_routed_rows_per_rank_equal_what_the_dispatcher_delivers(built):
         assert moe_layers == cfg.model.num_layers - cfg.model.first_dense > 0
         average = sum(map(sum, received)) / WORLD / moe_layers
         tokens = cfg.model.seq_length * cfg.train.micro_batch
-        assert average == routed_rows_per_rank(cfg, layout, tokens), (name, received)
+        assert average == routed_rows_per_rank(cfg.model.moe, layout, tokens), (name, received)
 
 
 @pytest.mark.slow

@@ -55,18 +55,18 @@ def case(overrides, merge_fix=True):
             print("DEBUG", dist.get_rank(), name, err, got.double().norm().item(), ref.norm().item(), flush=True)
         worst[0] = max(worst[0], err)
 
-    def started(model, groups_, cfg, grad_accum, build):
+    def started(model, groups_, settings, grad_accum, build):
         names = {id(p): n for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
             p.register_hook(lambda g, n=n: local.__setitem__(n, local.get(n, 0) + g.detach().double()) or g)
-        eng, zero = original(model, groups_, cfg, grad_accum, build)
+        eng, zero = original(model, groups_, settings, grad_accum, build)
         update = original_muon.muon_update
 
         def spy(grad, momentum, *a, **k):
             muon_grads.append(grad.detach().clone())
             dtypes.add(("muon", str(grad.dtype), str(momentum.dtype)))
             return update(grad, momentum, *a, **k)
-        if cfg.train.optimizer != "adamw":
+        if any(g.get("use_muon") for g in groups_):
             muon.install(spy)
         step = zero._optimizer_step
 

@@ -33,7 +33,8 @@ def test_a_nothing_to_do_resume_changes_no_file(world1, tmp_path):
     loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=1"]), log=lines.append)
     assert any(line.startswith("nothing to do: the checkpoint is at step 2") for line in lines), lines
     assert tree(tmp_path) == before
-    loop.run(load_config("configs/tiny.yaml", [*sets, "train.steps=3", "train.allow_schedule_change=true"]), log=lambda *a: None)
+    longer = [*sets, "train.steps=3", "train.allow_schedule_change=true"]
+    loop.run(load_config("configs/tiny.yaml", longer), log=lambda *a: None)
     assert (tmp_path / "config_history/start_2.yaml").exists() and tree(tmp_path) != before
 
 

@@ -195,3 +195,34 @@ def test_compiled_equals_eager_in_two_processes(tmp_path, layout):
     eager, compiled = records(tmp_path / "eager"), records(tmp_path / "compiled")
     assert [r["step"] for r in compiled] == [1, 2, 3]
     assert close(eager, compiled) <= 1e-5
+
+
+# ---- the vector width in the compiled-graph cache key ----------------------------------------
+def _isa_run(cache, capability, mode) -> float:
+    from tests.support.processes import env
+    root = Path(__file__).resolve().parents[1]
+    environment = {**env(), "PYTHONPATH": str(root), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    environment.pop("TORCHDYNAMO_DISABLE")
+    environment.pop("ATEN_CPU_CAPABILITY", None)
+    if capability:
+        environment["ATEN_CPU_CAPABILITY"] = capability
+    done = subprocess.run([sys.executable, "tests/support/isa_cache_worker.py", mode], cwd=root, env=environment,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return float(done.stdout.split()[-1])
+
+
+@pytest.mark.slow
+def test_a_graph_cached_at_one_vector_width_is_not_reused_at_another(tmp_path):
+    """A graph compiled at the CPU's widest vector ISA, then the same graph in a process under
+    ATEN_CPU_CAPABILITY=avx2 with the same inductor cache: equal to eager within fp32 rounding,
+    because model.compile pins the width into the cache key (pin_vector_isa). Negative control,
+    on CPUs wider than AVX2 (AVX-512): unpinned, the second process reuses the 16-wide graph built
+    with 8-wide vectors, and its norm is wrong (it was nan at step 1 of compiled training)."""
+    from torch._inductor import cpu_vec_isa
+    assert _isa_run(tmp_path / "pinned", None, "pin") < 1e-5
+    assert _isa_run(tmp_path / "pinned", "avx2", "pin") < 1e-5
+    if cpu_vec_isa.valid_vec_isa_list()[0].bit_width() <= 256:
+        pytest.skip("negative control needs a vector ISA wider than AVX2 (AVX-512); the pinned runs passed")
+    assert _isa_run(tmp_path / "bare", None, "bare") < 1e-5
+    assert not _isa_run(tmp_path / "bare", "avx2", "bare") < 1e-3

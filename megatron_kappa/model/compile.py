@@ -134,10 +134,25 @@ def _synchronous_tp_collectives():
     layers.dist_reduce_scatter_func = _reduce_scatter
 
 
+def pin_vector_isa() -> int:
+    """Inductor's CPU vector width pinned to the ISA this process picks (ATEN_CPU_CAPABILITY, else
+    the best the CPU has), so that it enters the compiled-graph cache key. torch 2.14's FX graph
+    cache keys on the inductor config but not on the ISA picked from ATEN_CPU_CAPABILITY: a graph
+    generated for AVX-512 (16-wide loops) and reused by a process under ATEN_CPU_CAPABILITY=avx2
+    is built with 8-wide vectors, and its 16-element loads overrun them (the wrong sums, then nan
+    at step 1; tests/test_compile.py). A width already set (cpp.simdlen) is kept. Returns it."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.simdlen is None:
+        config.cpp.simdlen = cpu_vec_isa.pick_vec_isa().bit_width()  # 0: no vector ISA ("default")
+    return config.cpp.simdlen
+
+
 def compile_layers(model) -> dict:
     """Compile each transformer layer of `model` in place; returns what was done, for the start
     line (`describe`): the layer count and the MoE layers whose experts stay eager."""
     layers = transformer_layers(model)
+    pin_vector_isa()
     # megatron 0.19.2 warns on rank 0 inside its linears' forward ("tp_group is None, using default
     # tp group", a DeprecationWarning with keyword arguments, which Dynamo can neither trace nor
     # reorder): inside compiled code the call is dropped instead of breaking every layer's graph

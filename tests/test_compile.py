@@ -129,6 +129,45 @@ def test_negative_control_an_unsupported_op_is_counted(world1, dynamo):
     assert any("item" in reason.lower() or "scalar" in reason.lower() for reason in model_compile.break_reasons())
 
 
+
+def _router_grads(model) -> torch.Tensor:
+    for p in model.parameters():
+        p.grad = None
+    tokens = torch.randint(0, 2048, (2, S), generator=torch.Generator().manual_seed(0))
+    model(tokens, torch.arange(S).expand(2, -1), None, labels=tokens).float().mean().backward()
+    return torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "router" in n])
+
+
+def test_compiled_routers_scale_their_losses_as_megatron(world1, dynamo):
+    """The routers compile with their aux loss and z-loss (0 breaks) and scale those losses'
+    gradients by megatron's scale tensor, here set to 8 after compiling (copied in place, as the
+    pipeline schedule sets it): router gradients equal eager's. Negative control: a scale the
+    compiled routers do not see (a new tensor, eager reads it) gives other gradients."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_kappa.model import aux_loss
+    from megatron_kappa.model.build import build_model
+    cfg = load_config("configs/tiny.yaml", COMMON + ["model.moe.aux_loss=1.0", "model.moe.z_loss=0.1"])
+    compiled = build_model(cfg, "cpu")
+    eager = build_model(cfg, "cpu")
+    eager.load_state_dict(compiled.state_dict())
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    try:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        model_compile.compile_layers(compiled)
+        router_module = sys.modules[aux_loss.ROUTER_MODULE]  # megatron's name, the one patched symbol
+        assert router_module.MoEAuxLossAutoScaler is aux_loss.TraceableAuxLossScaler
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(8.0))
+        want, got = _router_grads(eager), _router_grads(compiled)
+        assert model_compile.break_reasons() == []
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(0.125)
+        want, got = _router_grads(eager), _router_grads(compiled)
+        assert ((got - want).norm() / want.norm()).item() > 1e-3
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = aux_loss.TraceableAuxLossScaler.scale = None
+
+
 # ---- compiled equals eager, and resumes across the switch --------------------------------------
 def train(run_dir, sets, steps=4):
     from megatron_kappa.train.loop import run

@@ -5,14 +5,15 @@ DeepSpeed wraps it. Each TransformerLayer (the MTP layers' too) is compiled in p
 `nn.Module.compile`, so parameter names, state dicts and checkpoints are those of the eager model
 and a run resumes across the switch.
 
-One named boundary stays eager, MOE_DISPATCH: each MoE layer's forward (the router, the dispatch:
-permute, the all-to-all or all-gather with its split sizes read on the host, unpermute, and the
-combine) is data-dependent host work around collectives, as the authors leave theirs eager (their
-own `torch.compiler.disable` marks). The router goes with it: megatron's aux-loss scaler
-(MoEAuxLossAutoScaler reads a class attribute in backward) does not trace. Inside the boundary
-the experts are a compiled graph of their own where grouped GEMMs trace: `torch._grouped_mm`'s
-tracer takes only bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager, and
-so do FP8 experts off CUDA (torchao's emulation multiplies fp32 operands).
+One named boundary stays eager, MOE_DISPATCH: each MoE layer's forward (the dispatch: permute,
+the all-to-all or all-gather with its split sizes read on the host, unpermute, and the combine)
+is data-dependent host work around collectives, as the authors leave theirs eager (their own
+`torch.compiler.disable` marks). Inside the boundary the router (its gating, routing, router
+losses and the κ transform of the logit) is a compiled graph of its own, its losses attached
+through model/aux_loss.py (megatron's scaler reads a class attribute in backward, which Dynamo
+cannot); so are the experts where grouped GEMMs trace: `torch._grouped_mm`'s tracer takes only
+bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager, and so do FP8
+experts off CUDA (torchao's emulation multiplies fp32 operands).
 
 Under tensor parallelism megatron's linears overlap their backward's all-gather and
 reduce-scatter with the input-gradient GEMM (`async_op=True`, which Dynamo does not trace: 13
@@ -30,6 +31,8 @@ import types
 import warnings
 
 import torch
+
+from megatron_kappa.model import aux_loss
 
 # the reasons given to torch.compiler.disable: Dynamo's graph-break counter names them
 MOE_DISPATCH = "megatron_kappa MoE dispatch: data-dependent host work around collectives, left eager"
@@ -150,9 +153,12 @@ def pin_vector_isa() -> int:
 
 def compile_layers(model) -> dict:
     """Compile each transformer layer of `model` in place; returns what was done, for the start
-    line (`describe`): the layer count and the MoE layers whose experts stay eager."""
+    line (`describe`): the layer count and the MoE layers whose experts stay eager. A run sets
+    its router losses' scale before (model/aux_loss.py: the compiled routers read that tensor)."""
     layers = transformer_layers(model)
     pin_vector_isa()
+    aux_loss.install()
+    aux_loss.capture_scale(next(model.parameters()).device)
     # megatron 0.19.2 warns on rank 0 inside its linears' forward ("tp_group is None, using default
     # tp group", a DeprecationWarning with keyword arguments, which Dynamo can neither trace nor
     # reorder): inside compiled code the call is dropped instead of breaking every layer's graph
@@ -163,6 +169,7 @@ def compile_layers(model) -> dict:
         for moe in _moe_layers(layer):
             # the MoE layer is the one eager boundary; its experts are a graph of their own inside it
             moe.forward = torch.compiler.disable(moe.forward, reason=MOE_DISPATCH)
+            moe.router.compile()
             if _grouped_gemm_traces(moe.experts):
                 moe.experts.compile()
             else:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection, permute
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, permute
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_kappa.kappa import DEFAULTS, KappaSettings
 from megatron_kappa.kappa.inputs import kappa_input, scale_grad
 from megatron_kappa.model import capacity
+from megatron_kappa.model.aux_loss import TraceableAuxLossScaler
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class ZLossRouter(TopKRouter):
         z_logits = super().gating(x).reshape(logits.shape)  # the same values; the input gradient scaled
         coeff = coeff / self.tp_cp_group.size()  # each TP/CP rank's local tokens: averaged, as megatron's
         z_loss = z_loss_value(z_logits, self.z_loss.form) * coeff
-        logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
+        logits = TraceableAuxLossScaler.apply(logits, z_loss)  # megatron's MoEAuxLossAutoScaler when eager
         get_moe_metrics_tracker().record("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers,
                                          avg_group=self.tp_dp_cp_group)
         return logits

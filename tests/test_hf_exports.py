@@ -35,3 +35,13 @@ def test_background_exports_equal_the_export_run_afterwards(world1, tmp_path, mo
     background, _ = hf_logits(run / "hf/step_2", ids)
     assert torch.equal(background, hf_logits(tmp_path / "after_2", ids)[0])
     assert not torch.allclose(background, hf_logits(tmp_path / "after_1", ids)[0])
+
+
+def test_an_export_interval_that_is_not_a_multiple_of_the_checkpoints_is_one_line():
+    """checkpoint.hf_every exports checkpoints: 3 with checkpoint.interval 25 would export every 75
+    steps without a word; refused in one line. Control: a multiple (50) loads."""
+    from megatron_kappa.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^config: checkpoint\.hf_every: 3 is not a multiple of checkpoint\.interval "
+                                          r"\(25\): only checkpoints are exported, so the exports would come every 75"):
+        load_config("configs/tiny.yaml", ["checkpoint.hf_every=3"])
+    assert load_config("configs/tiny.yaml", ["checkpoint.hf_every=50"]).checkpoint.hf_every == 50

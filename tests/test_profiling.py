@@ -91,6 +91,23 @@ def test_bad_profile_and_wandb_settings_are_one_line(sets, message):
         load_config("configs/tiny.yaml", sets)
 
 
+def test_profile_steps_past_the_token_budgets_end_are_refused_by_the_trainer(world1, tmp_path):
+    """With train.steps null the run's length is the token budget's, known once the model is built:
+    the config loads (it was a TypeError traceback) and the trainer refuses the window in one line
+    before training (no checkpoint written); control: a window that starts at the last step is kept."""
+    from megatron_kappa.config import ConfigError
+    from megatron_kappa.train import loop
+    sets = ["train.steps=null", "data.mock=true", "model.seq_length=16", "log.tensorboard=false",
+            "eval.valid_every=0", f"run.dir={tmp_path}"]
+    cfg = load_config("configs/tiny.yaml", [*sets, "profile.steps=[100000, 100001]"])
+    with pytest.raises(ConfigError, match=r"^config: profile\.steps: \[100000, 100001\] starts after the "
+                                          r"run's last step \(the token budget's steps=\d+\)"):
+        loop.run(cfg, log=lambda *a: None)
+    assert not (tmp_path / "checkpoints").exists()
+    from megatron_kappa.config.checks import profile_past_end
+    assert profile_past_end([7, 9], 7, "x") is None and profile_past_end([8, 9], 7, "x")
+
+
 def test_profile_steps_reaching_past_the_end_start_inside_the_run():
     """The control of the row above: a range that starts at the run's last step is kept (its trace
     ends where the run ends)."""

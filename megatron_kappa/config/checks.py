@@ -119,9 +119,26 @@ def validate(cfg: Config):
     if cfg.precision == "fp8":
         _validate_fp8(m, par, cfg.train, need)
     _validate_profile(cfg.profile, need)
-    need(not cfg.profile.steps or cfg.profile.steps[0] <= cfg.train.steps, "profile.steps",
-         f"{cfg.profile.steps} starts after the run's last step (train.steps={cfg.train.steps}): nothing "
-         "would be traced")
+    if cfg.train.steps is not None:  # else the token budget's steps: checked by the trainer (profile_past_end)
+        need(not profile_past_end(cfg.profile.steps, cfg.train.steps, "train.steps"), "profile.steps",
+             profile_past_end(cfg.profile.steps, cfg.train.steps, "train.steps"))
+    ckpt = cfg.checkpoint
+    need(ckpt.hf_every % ckpt.interval == 0, "checkpoint.hf_every",
+         f"{ckpt.hf_every} is not a multiple of checkpoint.interval ({ckpt.interval}): only checkpoints are "
+         f"exported, so the exports would come every {_lcm(ckpt.hf_every, ckpt.interval)} steps")
+
+
+def _lcm(a: int, b: int) -> int:
+    import math
+    return a * b // math.gcd(a, b)
+
+
+def profile_past_end(window: list[int], steps: int, source: str) -> str | None:
+    """What is wrong with profile.steps `window` for a run of `steps` steps (named by `source`):
+    a window that starts after the last step traces nothing; None when it is fine."""
+    if window and window[0] > steps:
+        return f"{window} starts after the run's last step ({source}={steps}): nothing would be traced"
+    return None
 
 
 def compile_refusal(m: ModelConfig, par: ParallelConfig, precision: str) -> str | None:

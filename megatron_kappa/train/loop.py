@@ -29,7 +29,7 @@ from megatron_kappa.checkpoint import async_save, resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, TrainConfig, to_dict
-from megatron_kappa.config.checks import compile_refusal
+from megatron_kappa.config.checks import compile_refusal, profile_past_end
 from megatron_kappa.data import coverage
 from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
@@ -221,6 +221,8 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         load_full_state_dict(model, read_full_state_dict(cfg.train.init_weights, "config: train.init_weights"),
                              source=f"config: train.init_weights: {cfg.train.init_weights}")
     steps = total_steps(cfg, model)
+    if cfg.train.steps is None and (past := profile_past_end(cfg.profile.steps, steps, "the token budget's steps")):
+        raise ConfigError(f"config: profile.steps: {past}")  # (with train.steps set, config/checks.py said it)
     flops_token = throughput.flops_per_token(cfg.model, full_count(model, cfg))
     peak = throughput.peak_tflops(cfg.log, device)
     setting, refusal = cfg.model.compile, compile_refusal(cfg.model, cfg.parallel, cfg.precision)

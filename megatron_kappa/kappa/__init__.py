@@ -13,6 +13,8 @@ Backends, one math:
   "triton"  megatron_kappa.kappa.triton_op: fused forward and backward kernels (the GPU path;
             runs on CPU tensors under TRITON_INTERPRET=1, which is how CI tests it);
   "auto"    Triton for CUDA tensors, torch otherwise.
+Inside a graph model.compile compiles, either backend is the same math as plain differentiable
+ops (reference.kappa_swiglu_traced), fused by inductor into its own kernels.
 On the Triton path a kernel that cannot compile or launch on this machine stops with one line
 naming `model.kappa.backend` (set it to "torch" to run without Triton).
 
@@ -94,9 +96,11 @@ def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
     """
     import torch
 
-    from megatron_kappa.kappa.reference import kappa_swiglu_torch
+    from megatron_kappa.kappa.reference import kappa_swiglu_torch, kappa_swiglu_traced
 
     _check(gate, up, logit, alpha, bias, U, tokens_per_expert)
+    if torch.compiler.is_compiling():  # model.compile: inductor's fused kernels, whatever the backend
+        return kappa_swiglu_traced(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain, tokens_per_expert)
     setting = backend
     backend = resolve_backend(backend, gate.device)
     if backend == "triton":

@@ -113,6 +113,34 @@ def kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain):
                              float(tanh_gain))
 
 
+def kappa_swiglu_traced(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain, tokens_per_expert=None):
+    """The same κ-SwiGLU as plain differentiable ops, for model.compile: inductor fuses the
+    elementwise work into its own kernels and derives the backward (autograd then keeps what
+    inductor's partitioner chooses). KappaSwiGLU's row chunks and the grouped path's expert counts
+    read on the host would break the graph and recompile at every new row count; here each row's
+    α and b are gathered by its expert index instead. α, b: [F], or [E, F] with
+    `tokens_per_expert` [E]; either may be None."""
+    dt = gate.dtype
+    n = gate.shape[0]
+    if tokens_per_expert is not None and (alpha is not None or bias is not None):
+        counts = tokens_per_expert.to(gate.device)
+        expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=gate.device), counts, output_size=n)
+        alpha = None if alpha is None else alpha[expert]
+        bias = None if bias is None else bias[expert]
+    if alpha is not None:
+        z = (logit.to(dt) * logit_scale).unsqueeze(-1) * alpha.to(dt)
+        if bias is not None:
+            z = z + bias.to(dt)
+    elif bias is not None:
+        z = bias.to(dt).expand(n, -1)
+    else:
+        z = gate.new_zeros(n, 1)
+    if tanh_gain != 1.0:
+        z = z * tanh_gain
+    kappa = torch.exp(torch.tanh(z) * math.log(U))
+    return F.silu(kappa * gate) / kappa * up
+
+
 def kappa_values(logit, alpha, bias, U, logit_scale, tanh_gain):
     """κ [N, F] itself, for statistics and references."""
     return _kappa(logit, alpha, bias, math.log(U), logit_scale, tanh_gain)

@@ -75,6 +75,8 @@ class KappaExpertActivation:
         settings = (self.kappa_U, k.logit_scale, k.tanh_gain)
         h = kappa_swiglu(gate, up, logits, alpha, bias, *settings, backend=k.backend,
                          tokens_per_expert=tokens_per_expert)
+        if torch.compiler.is_compiling():  # model.compile: the partitioner decides what is kept
+            return (h * probs.unsqueeze(-1)).to(gate.dtype)
 
         def remake(gate, up, logits, alpha, bias):  # h again, from what κ-SwiGLU's backward keeps too
             return kappa_swiglu(gate, up, logits, alpha, bias, *settings, backend=k.backend,

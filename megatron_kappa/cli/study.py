@@ -15,7 +15,9 @@ table.json (analysis/study_table.py) hold mean ± sd per variant and the paired 
 difference to swiglu.
 
 Rerunning the same command skips finished runs (a result.json) and resumes the others from their
-last checkpoint; a killed study resumes the same way. Every input (config per variant, data,
+last checkpoint; a killed study resumes the same way. SIGTERM or Ctrl-C stops the study cleanly:
+the command running is passed SIGTERM and waited for (a training writes its checkpoint first),
+then one line and exit status 143 (130). Every input (config per variant, data,
 tokenizer, bundle, layout on --nproc processes) is checked before the first run starts.
 
 --launcher slurm submits instead of running: per unfinished run one training job
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,42 @@ LAUNCHERS = ("deepspeed", "torchrun", "python", "slurm")
 
 class StudyError(RuntimeError):
     pass
+
+
+class Stopped(Exception):
+    """A stop signal reached the study while a run's command ran: that command was passed SIGTERM
+    (a training checkpoints and exits, launch/pretrain.py) and waited for."""
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(what)
+        self.signum, self.what = signum, what
+
+
+class _Signals:
+    """SIGTERM and SIGINT while a command runs: recorded, and the command sent SIGTERM once (a
+    terminal's Ctrl-C reaches it too; its handler keeps only the first). The default actions would
+    end the study at once and leave the training running on, or killed by subprocess.run's SIGKILL
+    0.25 s after a Ctrl-C, before its checkpoint, and a launcher killed so leaves its ranks behind."""
+
+    def __init__(self):
+        self.child, self.received = None, 0
+
+    def __enter__(self):
+        self.previous = {n: signal.signal(n, self._on) for n in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for n, handler in self.previous.items():
+            signal.signal(n, handler)
+
+    def _on(self, signum, frame):
+        first = not self.received
+        self.received = self.received or signum
+        if first and self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+
+_signals: _Signals | None = None  # set by main() while the runs go
 
 
 def parse_args(argv=None):
@@ -235,19 +274,28 @@ def eval_args(run: Run, inputs: dict, args, valid_json, core_json) -> dict:
 
 
 def _step(cmd: list[str], log: Path, what: str):
+    if _signals is not None and _signals.received:  # a stop signal between two commands: start none
+        raise Stopped(_signals.received, what)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
         f.write(f"\n=== {time.strftime('%F %T')} $ {shlex.join(cmd)}\n")
         f.flush()
         start = f.tell()
-        done = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT)  # relative paths: as given
-    if done.returncode:
+        child = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT)  # relative paths: as given
+        if _signals is not None:
+            _signals.child = child
+            if _signals.received and child.poll() is None:  # it came as the command started
+                child.send_signal(signal.SIGTERM)
+        child.wait()
+    if _signals is not None and _signals.received:
+        raise Stopped(_signals.received, what)
+    if child.returncode:
         with log.open("rb") as f:  # this attempt's last lines, so the reason shows where the error does
             f.seek(start)
             lines = [ln for ln in f.read().decode(errors="replace").splitlines()
                      if ln.strip() and "warn" not in ln.lower()][-12:]
         print("\n".join(f"  | {ln}" for ln in lines), file=sys.stderr, flush=True)
-        raise StudyError(f"{what} failed (exit status {done.returncode}); see {log}")
+        raise StudyError(f"{what} failed (exit status {child.returncode}); see {log}")
 
 
 def run_locally(run: Run, inputs: dict, args):
@@ -333,7 +381,22 @@ def submit(run: Run, inputs: dict, args) -> str:
 
 
 def main(argv=None) -> int:
+    global _signals
     args = parse_args(argv)
+    try:
+        with _Signals() as _signals:
+            return _main(args)
+    except Stopped as e:
+        name = "SIGTERM" if e.signum == signal.SIGTERM else "SIGINT"
+        print(f"{'terminated' if e.signum == signal.SIGTERM else 'interrupted'} ({name}): {e.what} was stopped "
+              "(a training writes its checkpoint first); the same command resumes the study", file=sys.stderr,
+              flush=True)
+        return 128 + e.signum
+    finally:
+        _signals = None
+
+
+def _main(args) -> int:
     try:
         runs, inputs = plan(args)
         spec = inputs["spec"]

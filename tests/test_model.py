@@ -70,6 +70,9 @@ def test_config_file_errors(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(bad)
+    bad.write_bytes(b"model: {}\n\xff\x00")  # a binary file (a checkpoint given as --config): was a traceback
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not a text file \(not UTF-8 at byte 10\); expected a YAML"):
+        load_config(bad)
 
 
 def analytic_counts(cfg):

@@ -131,6 +131,9 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config: {path}: not a text file (not UTF-8 at byte {e.start}); expected a YAML "
+                          "config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path}: expected a mapping at the top level")
     base = data.pop("extends", None)

@@ -7,6 +7,7 @@
   1e-5 (fp32), and a run resumes across the switch both ways.
 Compiling on CPU is slow (tens of seconds a model): the models are tiny and the tests few.
 """
+import functools
 import json
 import shutil
 import subprocess
@@ -179,18 +180,20 @@ def test_compiled_routers_scale_their_losses_as_megatron(world1, dynamo):
 
 
 
-def test_the_kappa_op_compiles_whole_for_every_row_count(dynamo):
-    """κ-SwiGLU of rows grouped by expert (the authors' scale and gain, U 4) compiled: no graph break
-    (the eager op reads the expert counts on the host and walks row chunks), at most one recompile
-    as the row counts change from step to step, and values and gradients equal to the eager op's
-    in float64 within 1e-5. Negative control: other expert counts (α, b gathered for the wrong
-    rows) differ."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_kappa_op_compiles_whole_for_every_row_count(dynamo, backend):
+    """κ-SwiGLU of rows grouped by expert (the authors' scale and gain, U 4) compiled, with either
+    backend setting: no graph break (the eager torch op reads the expert counts on the host and
+    walks row chunks; the Triton kernels are left to eager code), at most one recompile as the row
+    counts change from step to step, and values and gradients equal to the eager torch op's in
+    float64 within 1e-5. Negative control: other expert counts (α, b gathered for the wrong rows)
+    differ."""
     from megatron_kappa.kappa import kappa_swiglu
     from megatron_kappa.kappa.reference import kappa_swiglu_traced
 
-    def op(gate, up, logit, alpha, bias, counts):
-        return kappa_swiglu(gate, up, logit, alpha, bias, 4.0, 0.15, 2.0, backend="torch", tokens_per_expert=counts)
-    compiled = torch.compile(op)
+    def op(gate, up, logit, alpha, bias, counts, backend="torch"):
+        return kappa_swiglu(gate, up, logit, alpha, bias, 4.0, 0.15, 2.0, backend=backend, tokens_per_expert=counts)
+    compiled = torch.compile(functools.partial(op, backend=backend))
     generator = torch.Generator().manual_seed(0)
     for counts in ([5, 0, 7], [2, 9, 1], [4, 4, 4, ], [0, 3, 10]):
         n, counts = sum(counts), torch.tensor(counts)

@@ -5,6 +5,8 @@ Modules:
   attention_kinds/     The built-in attention kinds' pieces that need torch, one module per kind,
                        each handing its own to the attention registry
                        (megatron_kappa.attention_kinds.implement) when imported
+  aux_loss.py          The router losses' gradient scale, in a form Dynamo traces (model.compile
+                       compiles the routers)
   build.py             Config → megatron-core TransformerConfig + layer specs → GPTModel
   capacity.py          Expert capacity in training and in evaluation, as the authors run it
   compile.py           model.compile: each transformer layer compiled on its own, as torchtitan

@@ -153,12 +153,10 @@ def pin_vector_isa() -> int:
 
 def compile_layers(model) -> dict:
     """Compile each transformer layer of `model` in place; returns what was done, for the start
-    line (`describe`): the layer count and the MoE layers whose experts stay eager. A run sets
-    its router losses' scale before (model/aux_loss.py: the compiled routers read that tensor)."""
+    line (`describe`): the layer count and the MoE layers whose experts stay eager."""
     layers = transformer_layers(model)
     pin_vector_isa()
     aux_loss.install()
-    aux_loss.capture_scale(next(model.parameters()).device)
     # megatron 0.19.2 warns on rank 0 inside its linears' forward ("tp_group is None, using default
     # tp group", a DeprecationWarning with keyword arguments, which Dynamo can neither trace nor
     # reorder): inside compiled code the call is dropped instead of breaking every layer's graph

@@ -231,8 +231,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         setting = False
     # the router losses' gradient scale (CP / micro-batches: with context parallelism each rank's
     # router losses are its tokens' share, like the LM loss); megatron's pipeline schedule sets it
-    # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there.
-    # Set before model.compile, whose routers read this tensor (model/aux_loss.py)
+    # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.megatron_schedule else (),
                                                    context.backward_scale() / grad_accum, device=device))

@@ -19,8 +19,9 @@ Rows, each from a fresh process (the bench re-executes itself):
                    the dispatch eager, the router a compiled graph; fp32 experts stay eager there)
   no-drop, old      with --old-root: the project's layer from this checkout and from that one
                    (megatron_kappa imported from it), both without the capacity drop on either side
-                   (capacity_factor null; the authors' factor E/k): older code lacks the authors'
-                   capacity rule, and would otherwise compute something else and be refused
+                   (capacity_factor null; the authors' capacity the busiest expert's count):
+                   older code lacks the authors' capacity rule, and would otherwise compute
+                   something else and be refused
 Each row times the variants interleaved (megatron_kappa/bench/interleave.py) and prints medians and
 ratios against the authors' layer measured in the same process; the default row also profiles one
 forward + backward of each layer (torch.profiler): the top ops by self CPU time and what the
@@ -88,6 +89,8 @@ def child(args) -> dict:
     km.randomize(project)
     km.copy_weights(project, authors)
     x, g = km.inputs(args.batch, args.seq, args.hidden)
+    if args.no_drop:
+        km.fit_capacity(project, authors, x)
     out = {"row": args.row, "load_before": load_average(), "shape": dict(zip(("d", "head", "E", "seq"), shape)),
            "tokens": args.batch * args.seq, "code": sys.modules[type(project).__module__].__file__,
            "diff": km.differences(project, authors, x, g)}

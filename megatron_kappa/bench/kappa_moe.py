@@ -96,7 +96,7 @@ def build_authors(d: int, head_dim: int, experts: int, seq: int, drop: bool = Tr
     layer = model.transformer.h[2].mlp
     assert isinstance(layer, gpt.MOELayer) and layer.experts.use_kappa_swiglu
     if not drop:
-        layer.router.train_capacity = experts / layer.router.top_k
+        layer.router.train_capacity = experts / layer.router.top_k  # `fit_capacity` lowers it for an input
     return layer.train()
 
 
@@ -135,6 +135,16 @@ def _moe_weights(params: dict) -> dict:
             "experts.c_proj": params["experts.fc2_weight"].transpose(1, 2),
             "experts.kappa_bias": params["experts.kappa_bias"],
             "experts.kappa_scale": params["experts.kappa_alpha"]}
+
+
+def fit_capacity(project, authors, x):
+    """Without drops (drop=False): the authors' capacity factor set so that their capacity is the
+    busiest expert's count for x (rounded up to even, as theirs): nothing dropped, and their
+    [E, capacity] buffers padded no more than that needs (at factor E/k every expert gets T rows)."""
+    top = (x.reshape(-1, x.shape[-1]) @ project.router.weight.T).topk(authors.router.top_k, dim=-1).indices
+    most, tokens = torch.bincount(top.reshape(-1)).max().item(), top.shape[0]
+    authors.router.train_capacity = (most + 0.5) * authors.n_exp / (authors.router.top_k * tokens)
+    assert authors.router.get_capacity(tokens) >= most
 
 
 def inputs(batch: int, seq: int, d: int, seed: int = 3):

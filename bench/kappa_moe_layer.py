@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,9 @@ def profile(step) -> dict:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         step()
+        wall = time.perf_counter() - start
     events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     pointwise = [e for e in events if e.key.removeprefix("aten::") in ELEMENTWISE]
@@ -66,7 +69,7 @@ def profile(step) -> dict:
     return {"aten_calls": sum(e.count for e in events),
             "elementwise_calls": sum(e.count for e in pointwise),
             "elementwise_share": sum(e.self_cpu_time_total for e in pointwise) / max(total, 1),
-            "self_cpu_ms": total / 1e3,
+            "self_cpu_ms": total / 1e3, "wall_ms": wall * 1e3,
             "top": [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in top]}
 
 
@@ -168,7 +171,8 @@ def show(res: dict):
     print("   ratios:    " + ", ".join(f"{k}{'' if '/' in k else '/authors'} {v:.3f}" for k, v in res["ratio"].items()))
     for name, p in res.get("profile", {}).items():
         print(f"   profile {name}: {p['aten_calls']} aten calls, {p['elementwise_calls']} elementwise "
-              f"({100 * p['elementwise_share']:.0f} % of {p['self_cpu_ms']:.1f} ms self CPU)")
+              f"({100 * p['elementwise_share']:.0f} % of {p['self_cpu_ms']:.1f} ms self CPU in ops; "
+              f"{p['wall_ms']:.1f} ms wall under the profiler)")
         for key, count, self_ms in p["top"]:
             print(f"      {key:<40} {count:>5} calls {self_ms:8.2f} ms")
 

@@ -307,6 +307,14 @@ def test_the_check_finds_a_script_importing_another():
     assert scripts_offences(Path("launch/demo.py"), "from megatron_kappa.analysis.plots import make_plots\n") == []
 
 
+# The one script allowed both, on purpose: bench/kappa_moe_layer.py times the project's MoE layer
+# against the authors' code, which is vendored only under tests/ (loaded by tests/support/
+# authors_loop.py), and with --old-root imports the package of another checkout (its child puts
+# that checkout first on sys.path). (file, what it does)
+EXEMPT = {("bench/kappa_moe_layer.py", "edits sys.path"),
+          ("bench/kappa_moe_layer.py", "imports tests.support.authors_loop")}
+
+
 @pytest.mark.parametrize("folder", SCRIPT_DIRS)
 def test_scripts_import_only_the_package_without_sys_path_edits(folder):
     offenders = []
@@ -316,9 +324,9 @@ def test_scripts_import_only_the_package_without_sys_path_edits(folder):
             if isinstance(node, ast.Attribute) and node.attr in ("insert", "append") and \
                     isinstance(node.value, ast.Attribute) and node.value.attr == "path" and \
                     isinstance(node.value.value, ast.Name) and node.value.value.id == "sys":
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} edits sys.path")
         offenders += scripts_offences(path.relative_to(ROOT), path.read_text())
-    assert offenders == []
+    assert [o for o in offenders if (o.split(":")[0], o.split(" ", 1)[1]) not in EXEMPT] == []
 
 
 def third_party_imports(source: str) -> set[str]:

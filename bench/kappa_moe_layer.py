@@ -5,7 +5,7 @@ a ratio project / authors, on the CPU in fp32 on one thread (issue 60, deliverab
     python bench/kappa_moe_layer.py --hidden 192 --head-dim 64 --rounds 30   # a small, overhead-bound slice
     python bench/kappa_moe_layer.py --old-root /work/wt/old5c   # also the project's layer from another checkout
 
-Both layers are built as their code builds them (megatron_kappa/bench/kappa_moe.py): the project's
+Both layers are built as their code builds them (tests/support/kappa_moe.py): the project's
 from configs/moe8.yaml (KappaMoELayer, KappaRouter, grouped κ experts), the authors' MOELayer from
 their base_train.py's build_model_meta; the project's weights copied into theirs. Before timing,
 one forward + backward of each on the same input: the output, the input gradient and the router
@@ -82,7 +82,7 @@ def child(args) -> dict:
 
     import torch
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("kappa_moe_bench", ROOT / "megatron_kappa/bench/kappa_moe.py")
+    spec = importlib.util.spec_from_file_location("kappa_moe_bench", ROOT / "tests/support/kappa_moe.py")
     km = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(km)
     from megatron_kappa.bench.interleave import time_interleaved

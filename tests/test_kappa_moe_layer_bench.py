@@ -1,11 +1,11 @@
-"""bench/kappa_moe_layer.py's equality check (megatron_kappa/bench/kappa_moe.py): the project's κ MoE
+"""bench/kappa_moe_layer.py's equality check (tests/support/kappa_moe.py): the project's κ MoE
 layer and the authors' (14c9b04) MOELayer, built as each code builds them with the project's
 weights copied into theirs, agree on a tiny shape (output, input gradient, router gradient), and
 one perturbed weight of theirs is caught by the same check (the negative control)."""
 import pytest
 import torch
 
-from megatron_kappa.bench import kappa_moe
+from tests.support import kappa_moe
 
 SHAPE = dict(d=48, head_dim=16, experts=4, seq=16)
 

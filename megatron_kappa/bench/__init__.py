@@ -3,8 +3,6 @@ benchmarks whose functions other benchmarks and the tests use (run them as bench
 
 Modules:
   interleave.py        Timing variants against each other in one process, their steps interleaved
-  kappa_moe.py         The project's κ MoE layer and the authors' (14c9b04) MoE layer, built side by
-                       side with the same weights, for bench/kappa_moe_layer.py and its test
   model_step.py        Whole-model forward + backward from `build_model`, on this machine's device,
                        as ratios
   optimizers.py        AdamW vs Muon vs Aurora at the demo's scale: losses and step time, as ratios

@@ -127,9 +127,11 @@ def test_no_graph_break_inside_the_compiled_layers(world1, dynamo, sets):
 @pytest.mark.slow
 def test_no_graph_break_with_the_experts_compiled_in_bf16(world1, dynamo):
     """bf16, where the grouped GEMMs trace and the experts compile inside the dispatch boundary
-    with κ-SwiGLU (the GPU's path): 0 breaks but the boundary's; it was 4 ("Data dependent
-    operator": the κ op read the expert counts on the host) and recompiled at each row count."""
-    done = forward_backward(["precision=bf16"])
+    with κ-SwiGLU (the GPU's path), with the frontier configs' MoE settings (configs/frontier/
+    base.yaml: grouped GEMM, dropless) at tiny's size: 0 breaks but the boundary's; it was 4 ("Data
+    dependent operator": the κ op read the expert counts on the host) and recompiled at each row
+    count. (Their selective recompute is refused with model.compile: test_refused_with_...)"""
+    done = forward_backward(["precision=bf16", "model.moe.grouped_gemm=true", "model.moe.capacity_factor=null"])
     assert done["eager_experts"] == 0 and model_compile.break_reasons() == []
     assert model_compile.graph_breaks()["other"] == 0
 

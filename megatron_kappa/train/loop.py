@@ -229,12 +229,6 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
     if setting == "auto" and refusal and model_compile.enabled(setting, device):  # (true is refused at config)
         log(f"compile: off (auto) with {refusal}")
         setting = False
-    # the router losses' gradient scale (CP / micro-batches: with context parallelism each rank's
-    # router losses are its tokens' share, like the LM loss); megatron's pipeline schedule sets it
-    # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.megatron_schedule else (),
-                                                   context.backward_scale() / grad_accum, device=device))
     compiled = model_compile.apply(model, setting, device)  # before DeepSpeed wraps the model
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg.model.kappa)
@@ -268,6 +262,12 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
 
     # --- the loop
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
+    # the router losses' gradient scale (CP / micro-batches: with context parallelism each rank's
+    # router losses are its tokens' share, like the LM loss); megatron's pipeline schedule sets it
+    # again per micro-batch as a [1] tensor, copied into this one: the shape must be [1] there
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a fresh tensor of this run's shape
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.megatron_schedule else (),
+                                                   context.backward_scale() / grad_accum, device=device))
     # the MTP loss's likewise (model.mtp); its process-wide tracker starts empty (an earlier model's
     # training forwards in this process would otherwise count in the first step's mtp_loss)
     MTPLossAutoScaler.set_loss_scale(torch.full((1,) if cfg.parallel.megatron_schedule else (), 1.0 / grad_accum,

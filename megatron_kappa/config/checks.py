@@ -5,6 +5,8 @@ megatron_kappa.preflight; both run before any process group or model exists.
 """
 from __future__ import annotations
 
+import math
+
 from megatron_kappa import attention_kinds, routers
 from megatron_kappa.config import ranges, stage_layout
 from megatron_kappa.config import recompute as selective
@@ -120,17 +122,12 @@ def validate(cfg: Config):
         _validate_fp8(m, par, cfg.train, need)
     _validate_profile(cfg.profile, need)
     if cfg.train.steps is not None:  # else the token budget's steps: checked by the trainer (profile_past_end)
-        need(not profile_past_end(cfg.profile.steps, cfg.train.steps, "train.steps"), "profile.steps",
-             profile_past_end(cfg.profile.steps, cfg.train.steps, "train.steps"))
+        past = profile_past_end(cfg.profile.steps, cfg.train.steps, "train.steps")
+        need(not past, "profile.steps", past)
     ckpt = cfg.checkpoint
     need(ckpt.hf_every % ckpt.interval == 0, "checkpoint.hf_every",
          f"{ckpt.hf_every} is not a multiple of checkpoint.interval ({ckpt.interval}): only checkpoints are "
-         f"exported, so the exports would come every {_lcm(ckpt.hf_every, ckpt.interval)} steps")
-
-
-def _lcm(a: int, b: int) -> int:
-    import math
-    return a * b // math.gcd(a, b)
+         f"exported, so the exports would come every {math.lcm(ckpt.hf_every, ckpt.interval)} steps")
 
 
 def profile_past_end(window: list[int], steps: int, source: str) -> str | None:

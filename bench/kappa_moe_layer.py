@@ -125,31 +125,24 @@ def child(args) -> dict:
 
 
 def compile_router(layer):
-    """model.compile's treatment of one MoE layer (megatron_kappa/model/compile.py compile_layers):
-    the layer's forward (the dispatch) eager at its named boundary, the router compiled; fp32
-    grouped experts do not trace (torch._grouped_mm takes bf16/fp16 only) and stay eager."""
-    import warnings
-
-    import torch
-
-    from megatron_kappa.model import aux_loss
+    """model.compile's treatment of one MoE layer (megatron_kappa/model/compile.py): the layer's
+    forward (the dispatch) eager at its named boundary, the router compiled; fp32 grouped experts
+    do not trace (torch._grouped_mm takes bf16/fp16 only) and stay eager."""
     from megatron_kappa.model import compile as model_compile
-    model_compile.pin_vector_isa()
-    aux_loss.install()
-    aux_loss.capture_scale(torch.device("cpu"))
-    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
-    layer.forward = torch.compiler.disable(layer.forward, reason=model_compile.MOE_DISPATCH)
-    layer.router.compile()
+    model_compile.prepare()
+    model_compile.compile_moe_layer(layer)
 
 
 def run_row(args, row: str, env: dict, extra: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--child", row, *extra,
+    # run as a module from the repository root, so that the child finds tests/support (the authors'
+    # vendored code and its loader live there, not in the installed package)
+    cmd = [sys.executable, "-m", "bench.kappa_moe_layer", "--child", row, *extra,
            *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("hidden", "head_dim", "experts", "seq",
                                                                       "batch", "rounds", "warmup"))]
     env = {**os.environ, **env}
     if row == "compiled":  # this row compiles, whatever the shell says
         env.pop("TORCHDYNAMO_DISABLE", None)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         return {"row": row, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}

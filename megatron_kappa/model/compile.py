@@ -151,10 +151,8 @@ def pin_vector_isa() -> int:
     return config.cpp.simdlen
 
 
-def compile_layers(model) -> dict:
-    """Compile each transformer layer of `model` in place; returns what was done, for the start
-    line (`describe`): the layer count and the MoE layers whose experts stay eager."""
-    layers = transformer_layers(model)
+def prepare() -> None:
+    """What compiling needs set for the process, before any module is compiled."""
     pin_vector_isa()
     aux_loss.install()
     # megatron 0.19.2 warns on rank 0 inside its linears' forward ("tp_group is None, using default
@@ -162,16 +160,28 @@ def compile_layers(model) -> dict:
     # reorder): inside compiled code the call is dropped instead of breaking every layer's graph
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
     _synchronous_tp_collectives()
+
+
+def compile_moe_layer(moe) -> bool:
+    """One MoE layer: its forward (the dispatch) the eager boundary, the router and, where grouped
+    GEMMs trace, the experts graphs of their own inside it. Returns whether the experts compiled."""
+    moe.forward = torch.compiler.disable(moe.forward, reason=MOE_DISPATCH)
+    moe.router.compile()
+    if not _grouped_gemm_traces(moe.experts):
+        return False
+    moe.experts.compile()
+    return True
+
+
+def compile_layers(model) -> dict:
+    """Compile each transformer layer of `model` in place; returns what was done, for the start
+    line (`describe`): the layer count and the MoE layers whose experts stay eager."""
+    layers = transformer_layers(model)
+    prepare()
     eager_experts = 0
     for layer in layers:
         for moe in _moe_layers(layer):
-            # the MoE layer is the one eager boundary; its experts are a graph of their own inside it
-            moe.forward = torch.compiler.disable(moe.forward, reason=MOE_DISPATCH)
-            moe.router.compile()
-            if _grouped_gemm_traces(moe.experts):
-                moe.experts.compile()
-            else:
-                eager_experts += 1
+            eager_experts += not compile_moe_layer(moe)
         layer.compile()
     return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(layer)) for layer in layers),
             "eager_experts": eager_experts, "start": time.perf_counter(),

@@ -236,6 +236,20 @@ def train(bt: BaseTrain, batches: list[dict], record=None) -> list[dict]:
 
 
 # ---- weights: the project's names and layouts → 14c9b04's ------------------------------------
+def moe_weights(params: dict, ours: str = "", theirs: str = "") -> dict:
+    """One κ MoE layer's parameters (under the prefix `ours`) as 14c9b04's MOELayer holds them (under
+    `theirs`): fc1's [gate; up] rows split and transposed to gate_proj / c_fc [E, in, out], fc2
+    transposed to c_proj, α and b to kappa_scale and kappa_bias."""
+    fc1 = params[ours + "experts.fc1_weight"]  # [E, 2F, d]
+    ffn = fc1.shape[1] // 2
+    return {theirs + "router.w_g.weight": params[ours + "router.weight"],
+            theirs + "experts.gate_proj": fc1[:, :ffn].transpose(1, 2),
+            theirs + "experts.c_fc": fc1[:, ffn:].transpose(1, 2),
+            theirs + "experts.c_proj": params[ours + "experts.fc2_weight"].transpose(1, 2),
+            theirs + "experts.kappa_bias": params[ours + "experts.kappa_bias"],
+            theirs + "experts.kappa_scale": params[ours + "experts.kappa_alpha"]}
+
+
 def authors_weights(params: dict, layers: int, heads: int) -> dict:
     """The project's parameters (named_parameters of a one-process nanochat-block model, κ on,
     query groups = heads) under 14c9b04's names and layouts. megatron's fused [q; k; v] rows per
@@ -263,14 +277,7 @@ def authors_weights(params: dict, layers: int, heads: int) -> dict:
             out[f"value_embeds.{i}.weight"] = params[ours + "self_attention.value_embedding"]
             out[theirs + "attn.ve_gate.weight"] = params[ours + "self_attention.value_gate"]
         if ours + "mlp.router.weight" in params:
-            fc1 = params[ours + "mlp.experts.fc1_weight"]  # [E, 2F, d]
-            ffn = fc1.shape[1] // 2
-            out[theirs + "mlp.router.w_g.weight"] = params[ours + "mlp.router.weight"]
-            out[theirs + "mlp.experts.gate_proj"] = fc1[:, :ffn].transpose(1, 2)
-            out[theirs + "mlp.experts.c_fc"] = fc1[:, ffn:].transpose(1, 2)
-            out[theirs + "mlp.experts.c_proj"] = params[ours + "mlp.experts.fc2_weight"].transpose(1, 2)
-            out[theirs + "mlp.experts.kappa_bias"] = params[ours + "mlp.experts.kappa_bias"]
-            out[theirs + "mlp.experts.kappa_scale"] = params[ours + "mlp.experts.kappa_alpha"]
+            out.update(moe_weights(params, ours + "mlp.", theirs + "mlp."))
         else:
             fc1 = params[ours + "mlp.linear_fc1.weight"]  # [2F, d]
             ffn = fc1.shape[0] // 2

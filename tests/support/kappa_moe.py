@@ -5,9 +5,7 @@ The project's layer is what `build_model` puts in a MoE slot for a config (layer
 KappaMoELayer with its KappaRouter and grouped κ experts); the authors' is the MOELayer of a GPT
 built by 14c9b04's own base_train.py (`build_model_meta`, read from the vendored file and run as
 written: tests/support/authors_loop.py), on the CPU in fp32. The project's weights are copied into
-the authors' layer with the mapping the whole-model comparison uses (authors_loop.authors_weights:
-fc1 [gate; up] rows split and transposed to gate_proj / c_fc, fc2 transposed to c_proj, α and b to
-kappa_scale and kappa_bias).
+the authors' layer with the mapping the whole-model comparison uses (authors_loop.moe_weights).
 
 Token order: megatron's activations are [sequence, batch, hidden], the authors' [batch, sequence,
 hidden]; the capacity drop depends on the token order, and the project's `drop_order: authors`
@@ -115,26 +113,16 @@ def randomize(project, seed: int = 1):
 
 
 def copy_weights(project, authors):
-    """The project's layer weights into the authors' layer (authors_loop.authors_weights' layouts)."""
-    mapped = _moe_weights({n: p.detach() for n, p in project.named_parameters()})
+    """The project's layer weights into the authors' layer (authors_loop.moe_weights)."""
+    from tests.support import authors_loop
+
+    mapped = authors_loop.moe_weights({n: p.detach() for n, p in project.named_parameters()})
     own = dict(authors.named_parameters())
     assert set(mapped) == set(own), set(mapped) ^ set(own)
     with torch.no_grad():
         for name, value in mapped.items():
             assert own[name].shape == value.shape, (name, own[name].shape, value.shape)
             own[name].copy_(value)
-
-
-def _moe_weights(params: dict) -> dict:
-    """authors_loop.authors_weights' MoE part, under the MOELayer's own names."""
-    fc1 = params["experts.fc1_weight"]  # [E, 2F, d]
-    ffn = fc1.shape[1] // 2
-    return {"router.w_g.weight": params["router.weight"],
-            "experts.gate_proj": fc1[:, :ffn].transpose(1, 2),
-            "experts.c_fc": fc1[:, ffn:].transpose(1, 2),
-            "experts.c_proj": params["experts.fc2_weight"].transpose(1, 2),
-            "experts.kappa_bias": params["experts.kappa_bias"],
-            "experts.kappa_scale": params["experts.kappa_alpha"]}
 
 
 def fit_capacity(project, authors, x):

@@ -386,11 +386,10 @@ def main(argv=None) -> int:
     try:
         with _Signals() as _signals:
             return _main(args)
-    except Stopped as e:
-        name = "SIGTERM" if e.signum == signal.SIGTERM else "SIGINT"
-        print(f"{'terminated' if e.signum == signal.SIGTERM else 'interrupted'} ({name}): {e.what} was stopped "
-              "(a training writes its checkpoint first); the same command resumes the study", file=sys.stderr,
-              flush=True)
+    except Stopped as e:  # worded as every command line's (megatron_kappa/entry.py run_command)
+        how = "terminated (SIGTERM)" if e.signum == signal.SIGTERM else "interrupted"
+        print(f"{how}: {e.what} was stopped (a training writes its checkpoint first); the same command resumes "
+              "the study", file=sys.stderr, flush=True)
         return 128 + e.signum
     finally:
         _signals = None

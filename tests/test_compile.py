@@ -196,7 +196,7 @@ def test_the_kappa_op_compiles_whole_for_every_row_count(dynamo, backend):
         return kappa_swiglu(gate, up, logit, alpha, bias, 4.0, 0.15, 2.0, backend=backend, tokens_per_expert=counts)
     compiled = torch.compile(functools.partial(op, backend=backend))
     generator = torch.Generator().manual_seed(0)
-    for counts in ([5, 0, 7], [2, 9, 1], [4, 4, 4, ], [0, 3, 10]):
+    for counts in ([5, 0, 7], [2, 9, 1], [4, 4, 4], [0, 3, 10]):
         n, counts = sum(counts), torch.tensor(counts)
         inputs = [torch.randn(shape, generator=generator, dtype=torch.float64)
                   for shape in ((n, 8), (n, 8), (n,), (3, 8), (3, 8))]

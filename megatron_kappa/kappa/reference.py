@@ -123,7 +123,7 @@ def kappa_swiglu_traced(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
     dt = gate.dtype
     n = gate.shape[0]
     if tokens_per_expert is not None and (alpha is not None or bias is not None):
-        counts = tokens_per_expert.to(gate.device)
+        counts = tokens_per_expert.to(gate.device, non_blocking=True)  # the host counts: no sync
         expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=gate.device), counts, output_size=n)
         alpha = None if alpha is None else alpha[expert]
         bias = None if bias is None else bias[expert]

@@ -20,8 +20,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 
 @functools.cache
-def _scaled_ones():
-    """The custom op `megatron_kappa::aux_loss_grad` (registered on first use, not at import):
+def _register_grad_op() -> None:
+    """Registers the custom op `megatron_kappa::aux_loss_grad` once (at install, not at import):
     ones like the loss × megatron's scale as it is at the call (1 where none is set, as megatron's
     backward does). Opaque to the compiler, so it runs in the compiled backward when that runs."""
 
@@ -34,8 +34,6 @@ def _scaled_ones():
     @aux_loss_grad.register_fake
     def _(aux_loss):
         return torch.empty_like(aux_loss)
-
-    return aux_loss_grad
 
 
 class _ScaledAuxLoss(torch.autograd.Function):
@@ -73,5 +71,5 @@ def install() -> None:
     if getattr(router, "MoEAuxLossAutoScaler", None) not in (MoEAuxLossAutoScaler, TraceableAuxLossScaler):
         raise RuntimeError(f"megatron_kappa.model.aux_loss: {ROUTER_MODULE}.MoEAuxLossAutoScaler is gone or "
                            "changed upstream; review the compiled routers for this megatron-core version")
-    _scaled_ones()
+    _register_grad_op()
     router.MoEAuxLossAutoScaler = TraceableAuxLossScaler

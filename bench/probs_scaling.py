@@ -1,14 +1,16 @@
-"""The κ experts' scaling by the routing probabilities: `ScaledByProbs` against autograd's h · p.
+"""The κ experts' scaling by the routing probabilities: three ways of (κ-SwiGLU · p).
 
     python bench/probs_scaling.py [--tokens 8192] [--ffn 1024] [--dtype fp32] [--reps 5] [--set k=v ...]
 
-Both run κ-SwiGLU (the torch op; the Triton kernels on CUDA) and scale its output by p, on the
-same inputs in the same run. Autograd's h · p keeps h for p's gradient beside the scaled output;
-ScaledByProbs keeps only p and makes h again in backward (one more κ-SwiGLU forward). Printed:
-the bytes each keeps for backward (saved_tensors_hooks: each storage once, read when the forward
-ends) and the median fwd+bwd time, each as a ratio over autograd's. Then a whole forward and
-backward of configs/tiny.yaml (with --set), one process, both ways in turn (autograd's h · p put
-back in place of ScaledByProbs for the baseline).
+All run κ-SwiGLU and scale its output by p, on the same inputs in the same run:
+  autograd   h · p under autograd: keeps h for p's gradient beside the scaled output (the baseline)
+  remade     `ScaledByProbs` (the Triton path): keeps p only and makes h again in backward (one
+             more κ-SwiGLU forward)
+  fused      the torch op scaling by p itself (the CPU path, megatron_kappa/kappa/reference.py):
+             p's gradient from the h its backward computes anyway (torch backend only)
+Printed: the bytes each keeps for backward (saved_tensors_hooks: each storage once, read when the
+forward ends) and the median fwd+bwd time, each as a ratio over autograd's. Then, on the CPU, a
+whole forward and backward of configs/tiny.yaml (with --set), one process, the three ways in turn.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def scaled(method, leaves, backend):
     gate, up, logit, alpha, bias, probs = leaves
     settings = (4.0, 1.0, 1.0)
+    if method == "fused":
+        return kappa_swiglu(gate, up, logit, alpha, bias, *settings, backend="torch", probs=probs)
     h = kappa_swiglu(gate, up, logit, alpha, bias, *settings, backend=backend)
     if method == "autograd":
         return (h * probs.unsqueeze(-1)).to(gate.dtype)
@@ -70,8 +74,10 @@ def step_ms(method, leaves, dy, backend, reps, device) -> float:
 
 
 def model_step_ms(overrides, reps) -> dict:
-    """Median fwd+bwd ms of one micro-batch of tiny, with ScaledByProbs and with autograd's h · p,
-    alternated twice (the first of each pair warms up)."""
+    """Median fwd+bwd ms of one micro-batch of tiny, each way in turn, twice (the first of each
+    pass warms up). The experts take the fused op on the CPU; `remade` and `autograd` go the
+    Triton path's way (model/experts.py's backend check answering "not torch"), with autograd's
+    h · p put in place of ScaledByProbs for the latter."""
     from megatron_kappa.config import load_config
     from megatron_kappa.model.build import build_model
     from megatron_kappa.parallel.groups import init_distributed
@@ -83,26 +89,30 @@ def model_step_ms(overrides, reps) -> dict:
     b, s = cfg.train.micro_batch, cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s))
     positions = torch.arange(s).expand(b, -1)
-    remade = ScaledByProbs.apply
+    remade, backend_of = ScaledByProbs.apply, experts.resolve_backend
 
     def autograd(h, probs, dtype, remake, *inputs):
         return (h * probs.unsqueeze(-1)).to(dtype)
 
+    def unfused(backend, device):
+        return "unfused"
+
     def once():
         model(tokens, positions, None, labels=tokens).float().mean().backward()
         model.zero_grad(set_to_none=True)
-    times = {"autograd": [], "remade": []}
+    ways = {"autograd": (autograd, unfused), "remade": (remade, unfused), "fused": (remade, backend_of)}
+    times = {name: [] for name in ways}
     try:
         for _ in range(2):
-            for name, fn in (("autograd", autograd), ("remade", remade)):
-                experts.ScaledByProbs.apply = fn
+            for name, (scale, backend) in ways.items():
+                experts.ScaledByProbs.apply, experts.resolve_backend = scale, backend
                 once()
                 for _ in range(reps):
                     start = time.perf_counter()
                     once()
                     times[name].append((time.perf_counter() - start) * 1e3)
     finally:
-        experts.ScaledByProbs.apply = remade
+        experts.ScaledByProbs.apply, experts.resolve_backend = remade, backend_of
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -127,18 +137,17 @@ def main(argv=None) -> int:
     leaves = [t.requires_grad_() for t in leaves]
     dy = r(n, f)
     print(f"{n} rows × {f}, {args.dtype}, κ-SwiGLU backend {backend} on {device.type}")
-    base_bytes, base_ms = kept_bytes("autograd", leaves, backend), step_ms("autograd", leaves, dy, backend,
-                                                                           args.reps, device)
-    mine_bytes, mine_ms = kept_bytes("remade", leaves, backend), step_ms("remade", leaves, dy, backend,
-                                                                         args.reps, device)
-    print(f"{'':<14}{'kept MB':>9}{'fwd+bwd ms':>12}")
-    print(f"{'autograd h·p':<14}{base_bytes / 1e6:>9.1f}{base_ms:>12.1f}")
-    print(f"{'ScaledByProbs':<14}{mine_bytes / 1e6:>9.1f}{mine_ms:>12.1f}")
-    print(f"ScaledByProbs / autograd: kept {mine_bytes / base_bytes:.3f}, time {mine_ms / base_ms:.2f}")
+    methods = ["autograd", "remade"] + (["fused"] if backend == "torch" else [])
+    kept = {m: kept_bytes(m, leaves, backend) for m in methods}
+    ms = {m: step_ms(m, leaves, dy, backend, args.reps, device) for m in methods}
+    print(f"{'':<14}{'kept MB':>9}{'fwd+bwd ms':>12}{'kept/autograd':>15}{'time/autograd':>15}")
+    for m in methods:
+        print(f"{m:<14}{kept[m] / 1e6:>9.1f}{ms[m]:>12.1f}{kept[m] / kept['autograd']:>15.3f}"
+              f"{ms[m] / ms['autograd']:>15.2f}")
     if device.type == "cpu":
-        ms = model_step_ms(args.set, args.reps)
-        print(f"tiny ({' '.join(args.set)}), one micro-batch fwd+bwd: autograd h·p {ms['autograd']:.0f} ms, "
-              f"ScaledByProbs {ms['remade']:.0f} ms, ratio {ms['remade'] / ms['autograd']:.3f}")
+        whole = model_step_ms(args.set, args.reps)
+        print(f"tiny ({' '.join(args.set)}), one micro-batch fwd+bwd: "
+              + ", ".join(f"{k} {v:.0f} ms ({v / whole['autograd']:.3f}×)" for k, v in whole.items()))
     return 0
 
 

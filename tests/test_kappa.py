@@ -117,3 +117,91 @@ def test_bad_shapes_are_one_line_errors():
         kappa_swiglu(g, u[:, :3], s, a, b)
     with pytest.raises(ValueError, match="U must be >= 1"):
         kappa_swiglu(g, u, s, a, b, U=0.9)
+
+
+# ---- rows grouped by expert, scaled by their routing probabilities (the experts' torch path) ----
+
+COUNTS = [5, 0, 11, 3, 18]  # an expert with no rows among them
+
+
+def grouped_inputs(dtype, use_a=True, use_b=True, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    n, f, e = sum(COUNTS), 24, len(COUNTS)
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+    leaves = [r(n, f, scale=2.0), r(n, f), r(n, scale=3.0), r(e, f, scale=0.5) if use_a else None,
+              r(e, f, scale=0.5) if use_b else None, torch.rand(n, generator=gen, dtype=torch.float64)]
+    return [None if t is None else t.to(dtype if i != 2 and i != 5 else torch.float32 if dtype != torch.float64
+                                      else dtype).requires_grad_() for i, t in enumerate(leaves)]
+
+
+def grouped_reference(g, u, s, a, b, p, U, scale, gain):
+    """Each row with its own expert's α and b, naively, then · p (autograd gives the gradients)."""
+    expert = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+    rows = [reference(g[i:i + 1], u[i:i + 1], s[i:i + 1], None if a is None else a[e], None if b is None else b[e],
+                      U, scale, gain) for i, e in enumerate(expert.tolist())]
+    return torch.cat(rows) * p.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grouped_rows_scaled_by_probs_match_a_float64_row_by_row_loop(variant, monkeypatch):
+    """kappa_swiglu(tokens_per_expert=..., probs=...) in fp32, in one chunk and in chunks of 3
+    rows that cross the experts' edges, against the formula row by row in float64: the output and
+    the gradients of gate, up, logit, α, b and p. Negative control: the counts of two experts
+    swapped (each row then gets another expert's α, b) is far off."""
+    from megatron_kappa.kappa import reference as kappa_module
+    use_a, use_b, scale, gain = VARIANTS[variant]
+    ref_leaves = grouped_inputs(torch.float64, use_a, use_b)
+    ref = grouped_reference(*ref_leaves, 3.0, scale, gain)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (ref * w).sum().backward()
+    for elements in (1 << 18, 72):
+        monkeypatch.setattr(kappa_module, "_CHUNK_ELEMENTS", elements)
+        mine = [None if t is None else t.detach().float().requires_grad_() for t in ref_leaves]
+        out = kappa_swiglu(*mine[:5], U=3.0, logit_scale=scale, tanh_gain=gain, backend="torch",
+                           tokens_per_expert=torch.tensor(COUNTS), probs=mine[5])
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        (out.double() * w).sum().backward()
+        for got, want in zip(mine, ref_leaves):
+            if got is not None:  # the logit without α gets a zero gradient, autograd gives None
+                expected = torch.zeros_like(want) if want.grad is None else want.grad
+                torch.testing.assert_close(got.grad.double(), expected, rtol=1e-5, atol=1e-5)
+    swapped = torch.tensor([COUNTS[2], 0, COUNTS[0], *COUNTS[3:]])
+    wrong = kappa_swiglu(*mine[:5], U=3.0, logit_scale=scale, tanh_gain=gain, backend="torch",
+                         tokens_per_expert=swapped, probs=mine[5])
+    assert (wrong.double() - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_op_gives_what_expert_by_expert_calls_and_autograds_scaling_gave(dtype):
+    """The experts' torch path before this op: κ-SwiGLU called expert by expert, then autograd's
+    (h · p).to(dtype). The same math elementwise, but not to the bit: which elements fall in a
+    vectorised loop's scalar tail (torch's tanh/exp there round differently in the last place)
+    depends on the chunk's shape, and the logit, α and b gradients are summed per expert in
+    another order. So: within a few units in the last place of the dtype."""
+    leaves = grouped_inputs(dtype)
+    dy = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    fused = [t.detach().clone().requires_grad_() for t in leaves]
+    out = kappa_swiglu(*fused[:5], U=4.0, logit_scale=0.15, tanh_gain=2.0, backend="torch",
+                       tokens_per_expert=torch.tensor(COUNTS), probs=fused[5])
+    out.backward(dy)
+    old = [t.detach().clone().requires_grad_() for t in leaves]
+    g, u, s, a, b, p = old
+    parts = [kappa_swiglu(gg, uu, ss, a[e], b[e], 4.0, 0.15, 2.0, backend="torch")
+             for e, (gg, uu, ss) in enumerate(zip(g.split(COUNTS), u.split(COUNTS), s.split(COUNTS)))]
+    want = (torch.cat(parts) * p.unsqueeze(-1)).to(dtype)
+    want.backward(dy)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # of the largest value (observed 1.1e-7; bf16 3.6e-3)
+    def off(x, y):
+        return ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+    assert off(out, want) <= tol
+    for i in range(6):
+        assert off(fused[i].grad, old[i].grad) <= tol, i
+    assert old[3].grad.abs().sum() > 0 and old[5].grad.abs().sum() > 0
+
+
+def test_probs_are_refused_where_the_op_does_not_scale_them():
+    g, u, s, a, b = inputs(dtype=torch.float32)
+    with pytest.raises(ValueError, match="probs are scaled in the op on the torch backend"):
+        kappa_swiglu(g, u, s, a, b, backend="triton", probs=torch.rand(g.shape[0]))

@@ -87,18 +87,23 @@ def resolve_backend(backend: str, device) -> str:
 
 def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
                  logit_scale: float = DEFAULTS.logit_scale, tanh_gain: float = DEFAULTS.tanh_gain,
-                 backend: str = "auto", tokens_per_expert: torch.Tensor | None = None):
+                 backend: str = "auto", tokens_per_expert: torch.Tensor | None = None,
+                 probs: torch.Tensor | None = None):
     """κ-SwiGLU of gate/up [N, F] with router logits [N].
 
     α, b: [F] (one expert), or [E, F] with `tokens_per_expert` [E] giving how many consecutive
     rows belong to each expert (the grouped-experts layout); either may be None (ablations).
     backend: one of BACKENDS (config: model.kappa.backend).
+    probs [N] (the torch backend, eager): (h · p).to(gate's dtype), each row scaled by its routing
+    probability in the same op, whose backward makes p's gradient from the h it computes anyway.
     """
     import torch
 
     from megatron_kappa.kappa.reference import kappa_swiglu_torch, kappa_swiglu_traced
 
     _check(gate, up, logit, alpha, bias, U, tokens_per_expert)
+    if probs is not None and (torch.compiler.is_compiling() or resolve_backend(backend, gate.device) != "torch"):
+        raise ValueError("kappa_swiglu: probs are scaled in the op on the torch backend, eager, only")
     if torch.compiler.is_compiling():  # model.compile: inductor's fused kernels, whatever the backend
         return kappa_swiglu_traced(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain, tokens_per_expert)
     setting = backend
@@ -113,17 +118,12 @@ def kappa_swiglu(gate, up, logit, alpha, bias, U: float = DEFAULTS.U,
             tokens_per_expert = tokens_per_expert.to(gate.device, non_blocking=True)
         return kappa_swiglu_triton(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain,
                                    tokens_per_expert, backend=setting)
-    if tokens_per_expert is None:
-        return kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain)
-    # Grouped rows on the torch path: one call per expert segment. The sizes are read on the
-    # host: free for the host counts megatron's dispatchers give, and the Triton path (CUDA)
-    # reads them on the device instead.
-    counts = tokens_per_expert.tolist()
-    def pick(p, e):
-        return None if p is None else p[e]
-    parts = [kappa_swiglu_torch(g, u, s, pick(alpha, e), pick(bias, e), U, logit_scale, tanh_gain)
-             for e, (g, u, s) in enumerate(zip(gate.split(counts), up.split(counts), logit.split(counts)))]
-    return torch.cat(parts) if parts else gate.new_empty(0, gate.shape[1])
+    # Grouped rows on the torch path: one pass over all rows, each with its expert's α and b. The
+    # counts are read on the host: free for the host counts megatron's dispatchers give, and the
+    # Triton path (CUDA) reads them on the device instead.
+    counts = None if tokens_per_expert is None else tokens_per_expert.tolist()
+    return kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain, counts, probs,
+                              None if probs is None else gate.dtype)
 
 
 def kappa_values(logit, alpha, bias, U: float = DEFAULTS.U, logit_scale: float = DEFAULTS.logit_scale,

@@ -3,13 +3,17 @@
     h = g · σ(κ g) · u,   κ = U ** tanh(gain · (α · (scale · s) + b))
 
 g, u: the expert's gate and up projections [N, F]; s: the raw router logit of each row's
-expert [N]; α, b: per gate unit [F]. scale = gain = 1 is the paper; the authors' code uses
-scale 0.15 and gain 2. α = None or b = None are the paper's ablations (that term ≡ 0).
+expert [N]; α, b: per gate unit [F] (or [E, F] for rows grouped by expert: each row takes its
+expert's). scale = gain = 1 is the paper; the authors' code uses scale 0.15 and gain 2. α = None or
+b = None are the paper's ablations (that term ≡ 0).
 
 The backward is explicit so that autograd saves only g, u and s (plain SwiGLU saves g, silu(g)
 and u): κ and σ(κg) are recomputed from them instead of being stored as [N, F] tensors. Both
 passes walk the rows in chunks, so their temporaries are small (bench/kappa_activation.py measures
-time and peak memory against plain SwiGLU). Math is done in the input dtype.
+time and peak memory against plain SwiGLU). Math is done in the input dtype. The experts call it
+once over all their rows, scaled by the routing probabilities in the same op (bench/
+kappa_moe_layer.py: a call per expert, and h made a third time for p's gradient, were most of the
+elementwise calls the κ MoE layer made beyond the authors').
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ import torch.nn.functional as F
 
 
 def _kappa(logit, alpha, bias, log_u, scale, gain):
-    """κ as a fresh [N, F] tensor ([N, 1] when both α and b are ablated)."""
+    """κ as a fresh [N, F] tensor ([N, 1] when both α and b are ablated). α, b: [F], or [N, F]
+    (each row's own, gathered by expert: the grouped layout)."""
     if alpha is not None:
-        z = torch.outer(logit * scale, alpha)
+        z = torch.outer(logit * scale, alpha) if alpha.dim() == 1 else alpha.mul((logit * scale).unsqueeze(1))
         if bias is not None:
             z.add_(bias)
     elif bias is not None:
@@ -44,32 +49,59 @@ def _row_chunks(n: int, f: int):
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
+def _expert_of_rows(counts: list | None, n: int, device):
+    """Each row's expert index [N] for rows grouped by expert (`counts` rows each), or None."""
+    if counts is None:
+        return None
+    return torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                   torch.tensor(counts, device=device), output_size=n)
+
+
+def _per_row(p, expert, rows):
+    """α or b for a chunk of rows: the one [F] vector, or each row's expert's [F] row."""
+    if p is None or expert is None:
+        return p
+    return p.index_select(0, expert[rows])
+
+
 class KappaSwiGLU(torch.autograd.Function):
+    """h = κ-SwiGLU(gate, up) over rows [N, F], optionally scaled by each row's routing probability:
+    (h · p).to(out_dtype), as the experts use it. Rows may be grouped by expert (`counts`, host
+    ints) with α, b [E, F]: one pass over all rows, each row with its expert's α and b. With p,
+    p's gradient Σ_f dy·h is made from the h the backward computes anyway, so h is neither kept
+    nor made a second time (model/experts.py's ScaledByProbs remakes it, for the Triton path)."""
+
     @staticmethod
-    def forward(ctx, gate, up, logit, alpha, bias, U, scale, gain):
+    def forward(ctx, gate, up, logit, alpha, bias, U, scale, gain, counts=None, probs=None, out_dtype=None):
         dt = gate.dtype
         def cast(t):
             return None if t is None else t.to(dt)
         s, a, b = logit.to(dt), cast(alpha), cast(bias)
+        expert = _expert_of_rows(counts, gate.shape[0], gate.device)
         log_u = math.log(U)
-        out = torch.empty_like(gate)
+        out = torch.empty_like(gate, dtype=out_dtype or dt)
         for rows in _row_chunks(*gate.shape):
-            kappa = _kappa(s[rows], a, b, log_u, scale, gain)
+            kappa = _kappa(s[rows], _per_row(a, expert, rows), _per_row(b, expert, rows), log_u, scale, gain)
             # g·σ(κg) written as silu(κg)/κ: at κ = 1 this is bit-for-bit torch's silu(g).
-            torch.mul(F.silu(kappa * gate[rows], inplace=True).div_(kappa), up[rows], out=out[rows])
-        ctx.save_for_backward(gate, up, logit, alpha, bias)
-        ctx.consts = (U, scale, gain)
+            h = F.silu(kappa * gate[rows], inplace=True).div_(kappa)
+            if probs is None:
+                torch.mul(h, up[rows], out=out[rows])
+            else:
+                out[rows] = (h.mul_(up[rows]) * probs[rows].unsqueeze(-1)).to(out.dtype)
+        ctx.save_for_backward(gate, up, logit, alpha, bias, probs)
+        ctx.consts = (U, scale, gain, counts)
         return out
 
     @staticmethod
-    def backward(ctx, dh):
-        gate, up, logit, alpha, bias = ctx.saved_tensors
-        U, scale, gain = ctx.consts
+    def backward(ctx, dy_out):
+        gate, up, logit, alpha, bias, probs = ctx.saved_tensors
+        U, scale, gain, counts = ctx.consts
         log_u = math.log(U)
         dt = gate.dtype
         s = logit.to(dt)
         a = None if alpha is None else alpha.to(dt)
         b = None if bias is None else bias.to(dt)
+        expert = _expert_of_rows(counts, gate.shape[0], gate.device)
         need = ctx.needs_input_grad
         need_z = (a is not None and any(need[2:4])) or (b is not None and need[4])
         # U = 1 (the start of the authors' U ramp): κ ≡ 1, so dκ/dz = 0 and the logit, α and b
@@ -80,13 +112,23 @@ class KappaSwiGLU(torch.autograd.Function):
         d_logit = torch.zeros_like(s) if need[2] else None
         d_alpha = torch.zeros_like(a) if a is not None and need[3] else None
         d_bias = torch.zeros_like(b) if b is not None and need[4] else None
+        d_probs = torch.empty_like(probs) if probs is not None and need[9] else None
         for rows in _row_chunks(*gate.shape):
-            g, u, dy = gate[rows], up[rows], dh[rows]
-            kappa = _kappa(s[rows], a, b, log_u, scale, gain)
+            g, u = gate[rows], up[rows]
+            a_rows, b_rows = _per_row(a, expert, rows), _per_row(b, expert, rows)
+            kappa = _kappa(s[rows], a_rows, b_rows, log_u, scale, gain)
             kg = kappa * g
             sig = torch.sigmoid(kg)
-            torch.mul(F.silu(kg, inplace=True).div_(kappa), dy, out=d_up[rows])  # as forward
+            act = F.silu(kg, inplace=True).div_(kappa)  # g·σ(κg), as forward
             del kg
+            if probs is None:
+                dy = dy_out[rows]
+            else:  # the gradients autograd gives (h · p).to(out_dtype), in h · p's dtype
+                dy_hp, p = dy_out[rows].to(torch.result_type(act, probs)), probs[rows].unsqueeze(-1)
+                if d_probs is not None:
+                    d_probs[rows] = (dy_hp * (act * u)).sum(-1)
+                dy = (dy_hp * p).to(dt)
+            torch.mul(act, dy, out=d_up[rows])
             # d(gσ(κg))/dg = σ(1 + κg(1-σ)) =: E;  κ · d(gσ(κg))/dκ = κg²σ(1-σ) = g(E - σ)
             e = torch.sub(1.0, sig).mul_(g).mul_(kappa).add_(1.0).mul_(sig)
             grad_act = torch.mul(dy, u)
@@ -94,23 +136,35 @@ class KappaSwiGLU(torch.autograd.Function):
                 # dz = dh·u · g(E - σ) · ln U · gain · (1 - t²), with t = ln κ / ln U
                 dz = sig.sub_(e).neg_().mul_(g).mul_(grad_act)
                 dz.mul_(kappa.log_().div_(log_u).square_().neg_().add_(1.0)).mul_(log_u * gain)
-                if d_logit is not None and a is not None:
-                    torch.mv(dz, a, out=d_logit[rows]).mul_(scale)
-                if d_alpha is not None:
-                    d_alpha.addmv_(dz.T, s[rows], alpha=scale)
-                if d_bias is not None:
-                    d_bias.add_(dz.sum(0))
+                if expert is None:
+                    if d_logit is not None and a is not None:
+                        torch.mv(dz, a, out=d_logit[rows]).mul_(scale)
+                    if d_alpha is not None:
+                        d_alpha.addmv_(dz.T, s[rows], alpha=scale)
+                    if d_bias is not None:
+                        d_bias.add_(dz.sum(0))
+                else:  # each row's α and b are its expert's: their gradients are summed by expert
+                    if d_logit is not None and a is not None:
+                        torch.sum(dz * a_rows, dim=-1, out=d_logit[rows]).mul_(scale)
+                    if d_bias is not None:
+                        d_bias.index_add_(0, expert[rows], dz)
+                    if d_alpha is not None:
+                        d_alpha.index_add_(0, expert[rows], dz.mul_(s[rows].unsqueeze(1)), alpha=scale)
             torch.mul(e, grad_act, out=d_gate[rows])
         def to(x, ref):
             return None if x is None or ref is None else x.to(ref.dtype)
         return (d_gate, d_up, to(d_logit, logit), to(d_alpha, alpha), to(d_bias, bias),
-                None, None, None)
+                None, None, None, None, d_probs, None)
 
 
-def kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain):
-    """κ-SwiGLU of gate/up [N, F] with router logits [N] and per-unit α, b [F] (either may be None)."""
-    return KappaSwiGLU.apply(gate, up, logit, alpha, bias, float(U), float(logit_scale),
-                             float(tanh_gain))
+def kappa_swiglu_torch(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain, counts=None, probs=None,
+                       out_dtype=None):
+    """κ-SwiGLU of gate/up [N, F] with router logits [N] and per-unit α, b [F] (either may be None);
+    or of rows grouped by expert, `counts` (host ints) rows each, with α, b [E, F]. With `probs`
+    [N]: (h · p).to(out_dtype or the gate's dtype), the experts' scaling by the routing
+    probabilities, fused."""
+    return KappaSwiGLU.apply(gate, up, logit, alpha, bias, float(U), float(logit_scale), float(tanh_gain),
+                             None if counts is None else [int(c) for c in counts], probs, out_dtype)
 
 
 def kappa_swiglu_traced(gate, up, logit, alpha, bias, U, logit_scale, tanh_gain, tokens_per_expert=None):

@@ -13,7 +13,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_kappa.kappa import DEFAULTS, KappaSettings, kappa_swiglu, kappa_values
+from megatron_kappa.kappa import DEFAULTS, KappaSettings, kappa_swiglu, kappa_values, resolve_backend
 from megatron_kappa.model import fp8 as fp8_gemm
 from megatron_kappa.model.deferred_wgrad import WgradQueue, deferred_gemm, grouped_gemm
 from megatron_kappa.model.fp8 import FP8Settings
@@ -73,6 +73,11 @@ class KappaExpertActivation:
         k = self.kappa
         alpha, bias = self._alpha_bias(expert)
         settings = (self.kappa_U, k.logit_scale, k.tanh_gain)
+        if not torch.compiler.is_compiling() and resolve_backend(k.backend, gate.device) == "torch":
+            # the torch op scales by p itself, and makes p's gradient from the h its backward
+            # computes anyway: h neither kept nor made again
+            return kappa_swiglu(gate, up, logits, alpha, bias, *settings, backend="torch",
+                                tokens_per_expert=tokens_per_expert, probs=probs)
         h = kappa_swiglu(gate, up, logits, alpha, bias, *settings, backend=k.backend,
                          tokens_per_expert=tokens_per_expert)
         if torch.compiler.is_compiling():  # model.compile: the partitioner decides what is kept
@@ -91,7 +96,8 @@ class KappaExpertActivation:
 
 
 class ScaledByProbs(torch.autograd.Function):
-    """(h · p).to(dtype) for rows h [N, F] and their routing probabilities p [N], keeping p but not
+    """The Triton path's scaling (the torch op scales by p itself: kappa.reference.KappaSwiGLU).
+    (h · p).to(dtype) for rows h [N, F] and their routing probabilities p [N], keeping p but not
     h: p's gradient, Σ_f dy·h, makes h again (`remake(*inputs)`, from `inputs` saved here, the
     tensors h's own backward keeps too, so they cost nothing more), as megatron's weighted SwiGLU
     does for plain experts. Autograd's h · p would keep h beside the scaled copy fc2 keeps: rows·F

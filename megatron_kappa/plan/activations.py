@@ -95,8 +95,9 @@ def activation_bytes(cfg: Config, layout, stage: int, recompute: str, micro_batc
     glu = 3 if planned.fused_swiglu else 5  # F-wide tensors a dense MLP or shared expert keeps a token
     shared_ffn = tokens * (moe.shared_ffn_hidden_size or 0) / t
     # F-wide tensors a routed row keeps: fc1's output and fc2's input (the grouped experts, κ or
-    # plain, keep no unscaled activation: model/experts.py ScaledByProbs, megatron's weighted
-    # SwiGLU); megatron's SequentialMLP of plain experts, its MLPs' unfused glu and the scaling
+    # plain, keep no unscaled activation: kappa/reference.py's op scales by p itself, Triton's
+    # through model/experts.py ScaledByProbs, plain through megatron's weighted SwiGLU);
+    # megatron's SequentialMLP of plain experts, its MLPs' unfused glu and the scaling
     routed = 3 if moe.grouped_gemm or m.kappa.enabled else 6
     shape = model_shape(cfg, layout)
     modules = set(selective.selected(m, shape.has_moe)) if recompute == "selective" else set()

@@ -124,9 +124,9 @@ def test_bad_shapes_are_one_line_errors():
 COUNTS = [5, 0, 11, 3, 18]  # an expert with no rows among them
 
 
-def grouped_inputs(dtype, use_a=True, use_b=True, seed=2):
+def grouped_inputs(dtype, use_a=True, use_b=True, seed=2, f=24):
     gen = torch.Generator().manual_seed(seed)
-    n, f, e = sum(COUNTS), 24, len(COUNTS)
+    n, e = sum(COUNTS), len(COUNTS)
     def r(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
     leaves = [r(n, f, scale=2.0), r(n, f), r(n, scale=3.0), r(e, f, scale=0.5) if use_a else None,
@@ -174,31 +174,42 @@ def test_grouped_rows_scaled_by_probs_match_a_float64_row_by_row_loop(variant, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_op_gives_what_expert_by_expert_calls_and_autograds_scaling_gave(dtype):
+@pytest.mark.parametrize("f", [128, 24])
+def test_the_fused_op_gives_what_expert_by_expert_calls_and_autograds_scaling_gave(dtype, f, monkeypatch):
     """The experts' torch path before this op: κ-SwiGLU called expert by expert, then autograd's
-    (h · p).to(dtype). The same math elementwise, but not to the bit: which elements fall in a
-    vectorised loop's scalar tail (torch's tanh/exp there round differently in the last place)
-    depends on the chunk's shape, and the logit, α and b gradients are summed per expert in
-    another order. So: within a few units in the last place of the dtype."""
-    leaves = grouped_inputs(dtype)
+    (h · p).to(dtype). With F a multiple of torch's vector loop (128 here; real widths are
+    multiples of 64): the output and every gradient equal to the bit, in one chunk and in chunks
+    that cut the largest expert's rows (α, b and the logit's gradients are summed over the same
+    pieces in the same order). With F = 24, a vectorised loop's scalar tail (where torch's tanh and
+    exp round differently in the last place) falls elsewhere in a chunk of several experts' rows:
+    within a few units in the last place of the dtype."""
+    from megatron_kappa.kappa import reference as kappa_module
+    leaves = grouped_inputs(dtype, f=f)
     dy = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(7)).to(dtype)
-    fused = [t.detach().clone().requires_grad_() for t in leaves]
-    out = kappa_swiglu(*fused[:5], U=4.0, logit_scale=0.15, tanh_gain=2.0, backend="torch",
-                       tokens_per_expert=torch.tensor(COUNTS), probs=fused[5])
-    out.backward(dy)
-    old = [t.detach().clone().requires_grad_() for t in leaves]
-    g, u, s, a, b, p = old
-    parts = [kappa_swiglu(gg, uu, ss, a[e], b[e], 4.0, 0.15, 2.0, backend="torch")
-             for e, (gg, uu, ss) in enumerate(zip(g.split(COUNTS), u.split(COUNTS), s.split(COUNTS)))]
-    want = (torch.cat(parts) * p.unsqueeze(-1)).to(dtype)
-    want.backward(dy)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2  # of the largest value (observed 1.1e-7; bf16 3.6e-3)
-    def off(x, y):
-        return ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-    assert off(out, want) <= tol
-    for i in range(6):
-        assert off(fused[i].grad, old[i].grad) <= tol, i
-    assert old[3].grad.abs().sum() > 0 and old[5].grad.abs().sum() > 0
+    for elements in (1 << 18, 10 * f):  # chunks of 10 rows: two for the 18-row expert, 5 + 0 + 11 > 10
+        monkeypatch.setattr(kappa_module, "_CHUNK_ELEMENTS", elements)
+        fused = [t.detach().clone().requires_grad_() for t in leaves]
+        out = kappa_swiglu(*fused[:5], U=4.0, logit_scale=0.15, tanh_gain=2.0, backend="torch",
+                           tokens_per_expert=torch.tensor(COUNTS), probs=fused[5])
+        out.backward(dy)
+        old = [t.detach().clone().requires_grad_() for t in leaves]
+        g, u, s, a, b, p = old
+        parts = [kappa_swiglu(gg, uu, ss, a[e], b[e], 4.0, 0.15, 2.0, backend="torch")
+                 for e, (gg, uu, ss) in enumerate(zip(g.split(COUNTS), u.split(COUNTS), s.split(COUNTS)))]
+        want = (torch.cat(parts) * p.unsqueeze(-1)).to(dtype)
+        want.backward(dy)
+        assert old[3].grad.abs().sum() > 0 and old[5].grad.abs().sum() > 0  # the gradients are there
+        if f % 64 == 0:
+            assert torch.equal(out, want)
+            for i in range(6):
+                assert torch.equal(fused[i].grad, old[i].grad), i
+            continue
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # of the largest value (observed 1.1e-7; bf16 3.6e-3)
+        def off(x, y):
+            return ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+        assert off(out, want) <= tol
+        for i in range(6):
+            assert off(fused[i].grad, old[i].grad) <= tol, i
 
 
 def test_probs_are_refused_where_the_op_does_not_scale_them():

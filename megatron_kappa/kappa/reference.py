@@ -49,25 +49,50 @@ def _row_chunks(n: int, f: int):
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
-def _expert_of_rows(counts: list | None, n: int, device):
-    """Each row's expert index [N] for rows grouped by expert (`counts` rows each), or None."""
+def _chunks(n: int, f: int, counts: list | None) -> list:
+    """The row chunks a pass walks, each with its expert segments [(expert, rows)] (one segment,
+    expert None, without `counts`). Grouped rows: whole segments gathered up to a chunk's size,
+    and a segment larger than that cut as a call for that expert alone would cut it, so each
+    expert's α, b and logit gradients are summed over the same pieces, in the same order, as when
+    the op was called expert by expert (bit for bit, tests/test_kappa.py)."""
     if counts is None:
-        return None
-    return torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                   torch.tensor(counts, device=device), output_size=n)
+        return [(rows, [(None, rows)]) for rows in _row_chunks(n, f)]
+    step = max(1, _CHUNK_ELEMENTS // max(f, 1))
+    chunks, segments, start = [], [], 0
+    def close():
+        if segments:
+            chunks.append((slice(segments[0][1].start, segments[-1][1].stop), list(segments)))
+            segments.clear()
+    for e, count in enumerate(counts):
+        if count > step:
+            close()
+            chunks += [(piece, [(e, piece)]) for piece in
+                       (slice(start + i, start + min(i + step, count)) for i in range(0, count, step))]
+        elif count:
+            if segments and segments[-1][1].stop - segments[0][1].start + count > step:
+                close()
+            segments.append((e, slice(start, start + count)))
+        start += count
+    close()
+    return chunks
 
 
-def _per_row(p, expert, rows):
-    """α or b for a chunk of rows: the one [F] vector, or each row's expert's [F] row."""
-    if p is None or expert is None:
+def _per_row(p, chunk_segments, n: int):
+    """α or b for a chunk's rows: the one [F] vector, or each row's expert's [F] row."""
+    if p is None or chunk_segments[0][0] is None:
         return p
-    return p.index_select(0, expert[rows])
+    if len(chunk_segments) == 1:
+        return p[chunk_segments[0][0]]
+    experts = torch.tensor([e for e, _ in chunk_segments], device=p.device)
+    sizes = torch.tensor([rows.stop - rows.start for _, rows in chunk_segments], device=p.device)
+    return p.index_select(0, experts).repeat_interleave(sizes, dim=0, output_size=n)
 
 
 class KappaSwiGLU(torch.autograd.Function):
     """h = κ-SwiGLU(gate, up) over rows [N, F], optionally scaled by each row's routing probability:
     (h · p).to(out_dtype), as the experts use it. Rows may be grouped by expert (`counts`, host
-    ints) with α, b [E, F]: one pass over all rows, each row with its expert's α and b. With p,
+    ints) with α, b [E, F]: one pass over all rows, each row with its expert's α and b (the
+    elementwise work over chunks of several experts' rows, the sums per expert). With p,
     p's gradient Σ_f dy·h is made from the h the backward computes anyway, so h is neither kept
     nor made a second time (model/experts.py's ScaledByProbs remakes it, for the Triton path)."""
 
@@ -77,11 +102,11 @@ class KappaSwiGLU(torch.autograd.Function):
         def cast(t):
             return None if t is None else t.to(dt)
         s, a, b = logit.to(dt), cast(alpha), cast(bias)
-        expert = _expert_of_rows(counts, gate.shape[0], gate.device)
         log_u = math.log(U)
         out = torch.empty_like(gate, dtype=out_dtype or dt)
-        for rows in _row_chunks(*gate.shape):
-            kappa = _kappa(s[rows], _per_row(a, expert, rows), _per_row(b, expert, rows), log_u, scale, gain)
+        for rows, segments in _chunks(*gate.shape, counts):
+            n = rows.stop - rows.start
+            kappa = _kappa(s[rows], _per_row(a, segments, n), _per_row(b, segments, n), log_u, scale, gain)
             # g·σ(κg) written as silu(κg)/κ: at κ = 1 this is bit-for-bit torch's silu(g).
             h = F.silu(kappa * gate[rows], inplace=True).div_(kappa)
             if probs is None:
@@ -101,7 +126,6 @@ class KappaSwiGLU(torch.autograd.Function):
         s = logit.to(dt)
         a = None if alpha is None else alpha.to(dt)
         b = None if bias is None else bias.to(dt)
-        expert = _expert_of_rows(counts, gate.shape[0], gate.device)
         need = ctx.needs_input_grad
         need_z = (a is not None and any(need[2:4])) or (b is not None and need[4])
         # U = 1 (the start of the authors' U ramp): κ ≡ 1, so dκ/dz = 0 and the logit, α and b
@@ -113,10 +137,10 @@ class KappaSwiGLU(torch.autograd.Function):
         d_alpha = torch.zeros_like(a) if a is not None and need[3] else None
         d_bias = torch.zeros_like(b) if b is not None and need[4] else None
         d_probs = torch.empty_like(probs) if probs is not None and need[9] else None
-        for rows in _row_chunks(*gate.shape):
+        for rows, segments in _chunks(*gate.shape, counts):
             g, u = gate[rows], up[rows]
-            a_rows, b_rows = _per_row(a, expert, rows), _per_row(b, expert, rows)
-            kappa = _kappa(s[rows], a_rows, b_rows, log_u, scale, gain)
+            n = rows.stop - rows.start
+            kappa = _kappa(s[rows], _per_row(a, segments, n), _per_row(b, segments, n), log_u, scale, gain)
             kg = kappa * g
             sig = torch.sigmoid(kg)
             act = F.silu(kg, inplace=True).div_(kappa)  # g·σ(κg), as forward
@@ -136,20 +160,20 @@ class KappaSwiGLU(torch.autograd.Function):
                 # dz = dh·u · g(E - σ) · ln U · gain · (1 - t²), with t = ln κ / ln U
                 dz = sig.sub_(e).neg_().mul_(g).mul_(grad_act)
                 dz.mul_(kappa.log_().div_(log_u).square_().neg_().add_(1.0)).mul_(log_u * gain)
-                if expert is None:
-                    if d_logit is not None and a is not None:
-                        torch.mv(dz, a, out=d_logit[rows]).mul_(scale)
-                    if d_alpha is not None:
-                        d_alpha.addmv_(dz.T, s[rows], alpha=scale)
-                    if d_bias is not None:
-                        d_bias.add_(dz.sum(0))
-                else:  # each row's α and b are its expert's: their gradients are summed by expert
-                    if d_logit is not None and a is not None:
-                        torch.sum(dz * a_rows, dim=-1, out=d_logit[rows]).mul_(scale)
-                    if d_bias is not None:
-                        d_bias.index_add_(0, expert[rows], dz)
-                    if d_alpha is not None:
-                        d_alpha.index_add_(0, expert[rows], dz.mul_(s[rows].unsqueeze(1)), alpha=scale)
+                # α, b and the logit's gradients: summed per expert segment of the chunk
+                for expert, seg in segments:
+                    dz_e, a_e = dz[seg.start - rows.start:seg.stop - rows.start], a
+                    d_alpha_e, d_bias_e = d_alpha, d_bias
+                    if expert is not None:
+                        a_e = None if a is None else a[expert]
+                        d_alpha_e = None if d_alpha is None else d_alpha[expert]
+                        d_bias_e = None if d_bias is None else d_bias[expert]
+                    if d_logit is not None and a_e is not None:
+                        torch.mv(dz_e, a_e, out=d_logit[seg]).mul_(scale)
+                    if d_alpha_e is not None:
+                        d_alpha_e.addmv_(dz_e.T, s[seg], alpha=scale)
+                    if d_bias_e is not None:
+                        d_bias_e.add_(dz_e.sum(0))
             torch.mul(e, grad_act, out=d_gate[rows])
         def to(x, ref):
             return None if x is None or ref is None else x.to(ref.dtype)

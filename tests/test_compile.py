@@ -54,12 +54,13 @@ def test_key_resolves_and_refuses_bad_values():
 
 
 def test_refused_with_what_does_not_trace():
-    """model.compile true is refused in one line with selective recompute, FP8 and the EP overlap
-    (each breaks the layers' graphs); auto is not (control: the same config without the feature loads)."""
+    """model.compile true is refused in one line with selective recompute and the EP overlap
+    (each breaks the layers' graphs); auto is not (control: the same config without the feature
+    loads; FP8 compiles: test_fp8_linears_compile_whole_and_as_eager)."""
     load_config("configs/tiny.yaml", ["model.compile=true", "model.recompute=full"])
+    load_config("configs/tiny.yaml", ["model.compile=true", "precision=fp8"])
     overlap = "parallel.overlap_moe_expert_parallel_comm=true parallel.ep=2 precision=bf16"
-    for feature, why in (("model.recompute=selective", "get_rng_state"), ("precision=fp8", "sourceless builder"),
-                         (overlap, "data-dependent")):
+    for feature, why in (("model.recompute=selective", "get_rng_state"), (overlap, "data-dependent")):
         with pytest.raises(ConfigError, match=rf"^config: model\.compile: true with .*{why}"):
             load_config("configs/tiny.yaml", ["model.compile=true", *feature.split()])
         auto = load_config("configs/tiny.yaml", ["model.compile=auto", *feature.split()])
@@ -134,6 +135,45 @@ def test_no_graph_break_with_the_experts_compiled_in_bf16(world1, dynamo):
     done = forward_backward(["precision=bf16", "model.moe.grouped_gemm=true", "model.moe.capacity_factor=null"])
     assert done["eager_experts"] == 0 and model_compile.break_reasons() == []
     assert model_compile.graph_breaks()["other"] == 0
+
+
+def test_fp8_linears_compile_whole_and_as_eager(world1, dynamo):
+    """precision fp8 (torchao's rowwise recipe, emulated on the CPU): one FP8 linear compiled as a
+    single graph (fullgraph) gives the eager one's output and both gradients to the bit (the same
+    casts, amax and scales). Negative control: torchao's configs looked up inside the traced code,
+    as before, do not trace."""
+    from megatron_kappa.model import fp8
+    cfg = load_config("configs/tiny.yaml", ["precision=fp8"])
+    settings = fp8.settings("fp8", cfg.model.fp8, "cpu", "attention")
+    configs = fp8._linear_configs(settings)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=gen).bfloat16(), (torch.randn(128, 256, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(64, 128, generator=gen).bfloat16()
+    def linear(x, w):
+        return fp8.fp8_linear(x, w, settings, configs)
+    results = []
+    for fn in (linear, torch.compile(linear, fullgraph=True)):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww)
+        y.backward(dy)
+        results.append((y.detach(), xx.grad, ww.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert (results[0][0].float() - x.float() @ w.float().t()).abs().max() > 0  # FP8, not bf16
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="sourceless builder"):
+        torch.compile(lambda x, w: fp8.fp8_linear(x, w, settings), fullgraph=True)(x, w)
+
+
+@pytest.mark.slow
+def test_fp8_models_compile_without_a_graph_break(world1, dynamo):
+    """tiny's and MLA's layers with precision fp8: no break but the MoE boundary (it was one in
+    every FP8 linear: torchao's configs, test_fp8_linears_compile_whole_and_as_eager)."""
+    mla = MLA + ["model.mla.kv_lora_rank=32", "model.mla.qk_pos_emb_head_dim=16"]  # widths FP8 takes (multiples of 16)
+    for sets in ([], mla):  # MLA: its down projections made FP8 linears by a class swap (mla.py)
+        torch._dynamo.reset()
+        dynamo.clear()
+        done = forward_backward(["precision=fp8", *sets])
+        assert done["layers"] == 4 and model_compile.break_reasons() == [], sets
 
 
 def test_negative_control_an_unsupported_op_is_counted(world1, dynamo):

@@ -144,9 +144,6 @@ def compile_refusal(m: ModelConfig, par: ParallelConfig, precision: str) -> str 
     if m.recompute == "selective":
         return ("model.recompute selective: megatron's recompute saves the RNG state (torch.random.get_rng_state), "
                 "which Dynamo does not trace (a graph break in every layer)")
-    if precision == "fp8":
-        return ("precision fp8: the project's torchao FP8 linears do not trace (Dynamo: 'Unexpected type in "
-                "sourceless builder', a graph break in every layer)")
     if par.overlap_moe_expert_parallel_comm:
         return ("parallel.overlap_moe_expert_parallel_comm: megatron's overlapped schedule runs the layer's parts "
                 "apart; in an EP2 run Dynamo counts 10 graph breaks (data-dependent operators) and recompiles")

@@ -220,7 +220,8 @@ def describe(done: dict) -> str:
         n = done["moe_layers"]
         text += f" (the MoE dispatch of {n} layer{'s' * (n != 1)} eager at its named boundary"
         if done["eager_experts"]:
-            text += f"; fp32 experts eager in {done['eager_experts']}: grouped GEMMs trace in bf16 only"
+            text += (f"; experts eager in {done['eager_experts']}: grouped GEMMs trace in bf16 only, "
+                     "not in fp32 nor as FP8 emulated off CUDA")
         text += ")"
     return text
 

@@ -77,11 +77,15 @@ def _linear_configs(s: FP8Settings):
     return config, mm
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, s: FP8Settings) -> torch.Tensor:
-    """x @ weightᵀ with the FP8 casts of torchao's recipe (forward and both backward GEMMs)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, s: FP8Settings, configs=None) -> torch.Tensor:
+    """x @ weightᵀ with the FP8 casts of torchao's recipe (forward and both backward GEMMs).
+    `configs`: `_linear_configs(s)`, kept by the calling module (below) as torchao's Float8Linear
+    keeps its own: Dynamo cannot put torchao's config objects in a graph when they come out of
+    the lru_cache call inside the traced code (a graph break in every linear), but can when it
+    reads them from a module's attributes."""
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
-    config, mm = _linear_configs(s)
+    config, mm = configs or _linear_configs(s)
     return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm, config)
 
 
@@ -98,20 +102,24 @@ class _FP8Matmul:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:  # identity; backward: all-reduce the input gradient over TP
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        out = fp8_linear(input, weight, self.fp8)
+        out = fp8_linear(input, weight, self.fp8, self.fp8_configs)
         return out if bias is None else out + bias
+
+    def set_fp8(self, s: FP8Settings):
+        """The settings and torchao's configs made from them (read by `fp8_linear`)."""
+        self.fp8, self.fp8_configs = s, _linear_configs(s)
 
 
 class FP8ColumnParallelLinear(_FP8Matmul, ColumnParallelLinear):
     def __init__(self, *args, fp8: FP8Settings, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fp8 = fp8
+        self.set_fp8(fp8)
 
 
 class FP8RowParallelLinear(_FP8Matmul, RowParallelLinear):
     def __init__(self, *args, fp8: FP8Settings, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fp8 = fp8
+        self.set_fp8(fp8)
 
 
 # --- grouped GEMMs (experts) --------------------------------------------------------------------

@@ -39,7 +39,8 @@ class SequenceParallelMLA(MLASelfAttention):
             for name in ("linear_q_down_proj", "linear_kv_down_proj"):
                 module = getattr(self, name, None)
                 if module is not None:
-                    module.__class__, module.fp8 = fp8.FP8ColumnParallelLinear, down_fp8
+                    module.__class__ = fp8.FP8ColumnParallelLinear
+                    module.set_fp8(down_fp8)
 
     def _qkv_down_projection(self, hidden_states):
         q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)

@@ -77,15 +77,14 @@ def _chunks(n: int, f: int, counts: list | None) -> list:
     return chunks
 
 
-def _per_row(p, chunk_segments, n: int):
+def _per_row(p, chunk_segments):
     """α or b for a chunk's rows: the one [F] vector, or each row's expert's [F] row."""
     if p is None or chunk_segments[0][0] is None:
         return p
     if len(chunk_segments) == 1:
         return p[chunk_segments[0][0]]
-    experts = torch.tensor([e for e, _ in chunk_segments], device=p.device)
-    sizes = torch.tensor([rows.stop - rows.start for _, rows in chunk_segments], device=p.device)
-    return p.index_select(0, experts).repeat_interleave(sizes, dim=0, output_size=n)
+    # from p's own rows, no index tensor made from host ints (a host-to-device copy on a GPU)
+    return torch.cat([p[e].expand(rows.stop - rows.start, -1) for e, rows in chunk_segments])
 
 
 class KappaSwiGLU(torch.autograd.Function):
@@ -105,8 +104,7 @@ class KappaSwiGLU(torch.autograd.Function):
         log_u = math.log(U)
         out = torch.empty_like(gate, dtype=out_dtype or dt)
         for rows, segments in _chunks(*gate.shape, counts):
-            n = rows.stop - rows.start
-            kappa = _kappa(s[rows], _per_row(a, segments, n), _per_row(b, segments, n), log_u, scale, gain)
+            kappa = _kappa(s[rows], _per_row(a, segments), _per_row(b, segments), log_u, scale, gain)
             # g·σ(κg) written as silu(κg)/κ: at κ = 1 this is bit-for-bit torch's silu(g).
             h = F.silu(kappa * gate[rows], inplace=True).div_(kappa)
             if probs is None:
@@ -139,8 +137,7 @@ class KappaSwiGLU(torch.autograd.Function):
         d_probs = torch.empty_like(probs) if probs is not None and need[9] else None
         for rows, segments in _chunks(*gate.shape, counts):
             g, u = gate[rows], up[rows]
-            n = rows.stop - rows.start
-            kappa = _kappa(s[rows], _per_row(a, segments, n), _per_row(b, segments, n), log_u, scale, gain)
+            kappa = _kappa(s[rows], _per_row(a, segments), _per_row(b, segments), log_u, scale, gain)
             kg = kappa * g
             sig = torch.sigmoid(kg)
             act = F.silu(kg, inplace=True).div_(kappa)  # g·σ(κg), as forward

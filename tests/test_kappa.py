@@ -131,8 +131,9 @@ def grouped_inputs(dtype, use_a=True, use_b=True, seed=2, f=24):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
     leaves = [r(n, f, scale=2.0), r(n, f), r(n, scale=3.0), r(e, f, scale=0.5) if use_a else None,
               r(e, f, scale=0.5) if use_b else None, torch.rand(n, generator=gen, dtype=torch.float64)]
-    return [None if t is None else t.to(dtype if i != 2 and i != 5 else torch.float32 if dtype != torch.float64
-                                      else dtype).requires_grad_() for i, t in enumerate(leaves)]
+    routing = torch.float64 if dtype == torch.float64 else torch.float32  # the logit's and p's dtype
+    return [None if t is None else t.to(routing if i in (2, 5) else dtype).requires_grad_()
+            for i, t in enumerate(leaves)]
 
 
 def grouped_reference(g, u, s, a, b, p, U, scale, gain):

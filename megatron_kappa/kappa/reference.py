@@ -44,9 +44,13 @@ def _kappa(logit, alpha, bias, log_u, scale, gain):
 _CHUNK_ELEMENTS = 1 << 18
 
 
-def _row_chunks(n: int, f: int):
-    step = max(1, _CHUNK_ELEMENTS // max(f, 1))
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+def _rows_per_chunk(f: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(f, 1))
+
+
+def _row_chunks(n: int, f: int, start: int = 0):
+    step = _rows_per_chunk(f)
+    return [slice(start + i, start + min(i + step, n)) for i in range(0, n, step)]
 
 
 def _chunks(n: int, f: int, counts: list | None) -> list:
@@ -57,7 +61,7 @@ def _chunks(n: int, f: int, counts: list | None) -> list:
     the op was called expert by expert (bit for bit, tests/test_kappa.py)."""
     if counts is None:
         return [(rows, [(None, rows)]) for rows in _row_chunks(n, f)]
-    step = max(1, _CHUNK_ELEMENTS // max(f, 1))
+    step = _rows_per_chunk(f)
     chunks, segments, start = [], [], 0
     def close():
         if segments:
@@ -66,8 +70,7 @@ def _chunks(n: int, f: int, counts: list | None) -> list:
     for e, count in enumerate(counts):
         if count > step:
             close()
-            chunks += [(piece, [(e, piece)]) for piece in
-                       (slice(start + i, start + min(i + step, count)) for i in range(0, count, step))]
+            chunks += [(piece, [(e, piece)]) for piece in _row_chunks(count, f, start)]
         elif count:
             if segments and segments[-1][1].stop - segments[0][1].start + count > step:
                 close()

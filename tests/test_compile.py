@@ -4,7 +4,8 @@
   paper block (nanochat, κ scaled) and MLA; the MoE dispatch's named boundary is the only eager
   crossing. Negative control: an unsupported op put in a layer on purpose is counted.
 - compiled equals eager: the same steps from the same weights, losses and gradient norms within
-  1e-5 (fp32), and a run resumes across the switch both ways.
+  1e-5 (fp32), and a run resumes across the switch both ways; with full and selective recompute
+  (megatron's checkpoints eager at a second named boundary).
 Compiling on CPU is slow (tens of seconds a model): the models are tiny and the tests few.
 """
 import functools
@@ -54,35 +55,32 @@ def test_key_resolves_and_refuses_bad_values():
 
 
 def test_refused_with_what_does_not_trace():
-    """model.compile true is refused in one line with selective recompute and the EP overlap
-    (each breaks the layers' graphs); auto is not (control: the same config without the feature
-    loads; FP8 compiles: test_fp8_linears_compile_whole_and_as_eager)."""
-    load_config("configs/tiny.yaml", ["model.compile=true", "model.recompute=full"])
-    load_config("configs/tiny.yaml", ["model.compile=true", "precision=fp8"])
-    overlap = "parallel.overlap_moe_expert_parallel_comm=true parallel.ep=2 precision=bf16"
-    for feature, why in (("model.recompute=selective", "get_rng_state"), (overlap, "data-dependent")):
-        with pytest.raises(ConfigError, match=rf"^config: model\.compile: true with .*{why}"):
-            load_config("configs/tiny.yaml", ["model.compile=true", *feature.split()])
-        auto = load_config("configs/tiny.yaml", ["model.compile=auto", *feature.split()])
-        assert why in compile_refusal(auto.model, auto.parallel, auto.precision)  # auto: eager on CUDA too
-    plain = load_config("configs/tiny.yaml")
-    assert compile_refusal(plain.model, plain.parallel, plain.precision) is None
+    """model.compile true is refused in one line with the EP overlap (it breaks the layers' graphs);
+    auto is not (control: the same config without the feature loads; FP8 and selective recompute
+    compile: test_fp8_linears_compile_whole_and_as_eager, test_composes_with_selective_recompute)."""
+    for sets in ("model.recompute=full", "precision=fp8", "model.recompute=selective"):
+        load_config("configs/tiny.yaml", ["model.compile=true", sets])
+    overlap = "parallel.overlap_moe_expert_parallel_comm=true parallel.ep=2 precision=bf16".split()
+    with pytest.raises(ConfigError, match=r"^config: model\.compile: true with .*data-dependent"):
+        load_config("configs/tiny.yaml", ["model.compile=true", *overlap])
+    auto = load_config("configs/tiny.yaml", ["model.compile=auto", *overlap])
+    assert "data-dependent" in compile_refusal(auto.parallel)  # auto: eager on CUDA too
+    assert compile_refusal(load_config("configs/tiny.yaml").parallel) is None
 
 
 def test_auto_stays_eager_with_what_does_not_trace(world1, dynamo, tmp_path, monkeypatch):
-    """auto where it would compile (CUDA; here enabled() says so) with selective recompute: the run
-    stays eager and says why; the same run without the feature compiles (control)."""
+    """auto where it would compile (CUDA; here enabled() says so) with a feature that does not
+    trace (the EP overlap, which needs two processes: its refusal is put in here): the run stays
+    eager and says why; the same run without it compiles (control)."""
+    from megatron_kappa.train import loop
     monkeypatch.setattr(model_compile, "enabled", lambda setting, device: setting == "auto" or bool(setting))
-    _, lines = train(tmp_path / "selective", ["model.recompute=selective", "checkpoint.interval=100"], steps=1)
-    assert [line for line in lines if line.startswith("compile:")] == [
-        "compile: off (auto) with " + compile_refusal(*_sections(["model.recompute=selective"]))]
+    why = "parallel.overlap_moe_expert_parallel_comm: (its refusal)"
+    with monkeypatch.context() as patched:
+        patched.setattr(loop, "compile_refusal", lambda par: why)
+        _, lines = train(tmp_path / "refused", ["checkpoint.interval=100"], steps=1)
+    assert [line for line in lines if line.startswith("compile:")] == [f"compile: off (auto) with {why}"]
     _, lines = train(tmp_path / "plain", ["checkpoint.interval=100"], steps=1)
     assert any(line.startswith("compile: 4 layers, 0 graph breaks") for line in lines), lines
-
-
-def _sections(sets):
-    cfg = load_config("configs/tiny.yaml", sets)
-    return cfg.model, cfg.parallel, cfg.precision
 
 
 def test_fusers_eager_on_cpu(world1, dynamo):
@@ -131,7 +129,7 @@ def test_no_graph_break_with_the_experts_compiled_in_bf16(world1, dynamo):
     with κ-SwiGLU (the GPU's path), with the frontier configs' MoE settings (configs/frontier/
     base.yaml: grouped GEMM, dropless) at tiny's size: 0 breaks but the boundary's; it was 4 ("Data
     dependent operator": the κ op read the expert counts on the host) and recompiled at each row
-    count. (Their selective recompute is refused with model.compile: test_refused_with_...)"""
+    count. (Their selective recompute: test_selective_recompute_sites_compile_without_a_graph_break.)"""
     done = forward_backward(["precision=bf16", "model.moe.grouped_gemm=true", "model.moe.capacity_factor=null"])
     assert done["eager_experts"] == 0 and model_compile.break_reasons() == []
     assert model_compile.graph_breaks()["other"] == 0
@@ -300,13 +298,47 @@ def test_composes_with_full_recompute_mtp_and_the_sorted_dispatcher(world1, dyna
     assert close(eager, compiled) <= 1e-5
 
 
+def test_composes_with_selective_recompute(world1, dynamo, tmp_path, monkeypatch):
+    """Selective recompute of the attention core, the dense layer's MLP and the whole MoE layer:
+    megatron's checkpoints eager at their named boundary, 0 other breaks, equal to eager. Negative
+    control: without the boundary the checkpoints break the layers' graphs, and it is counted."""
+    sets = ["model.recompute=selective", "model.recompute_modules=[core_attn,mlp,moe]", "checkpoint.interval=100"]
+    eager, _ = train(tmp_path / "eager", sets + ["model.compile=false"], steps=3)
+    compiled, lines = train(tmp_path / "compiled", sets + ["model.compile=true"], steps=3)
+    assert model_compile.break_reasons() == [] and model_compile.graph_breaks()["deliberate"] > 0
+    line = next(line for line in lines if line.startswith("compile:"))
+    assert line.startswith("compile: 4 layers, 0 graph breaks, ") and "checkpoints eager: core_attn, mlp)" in line
+    assert close(eager, compiled) <= 1e-5
+    torch._dynamo.reset()
+    monkeypatch.setattr(model_compile, "_eager_recompute_sites", lambda layer: [])
+    forward_backward(sets[:2])
+    assert model_compile.graph_breaks()["other"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sets, sites", [
+    (MLA + ["model.recompute_modules=[mla_up_proj,core_attn]"], ["core_attn", "mla_up_proj"]),
+    (["precision=bf16", "model.moe.grouped_gemm=true", "model.moe.capacity_factor=null",
+      "model.moe.shared_ffn_hidden_size=64", "model.recompute_modules=[moe_act,shared_experts]"], ["moe_act"])],
+    ids=["mla_up_proj", "moe_act-bf16"])
+def test_selective_recompute_sites_compile_without_a_graph_break(world1, dynamo, sets, sites):
+    """MLA's up-projections (its forward eager, its projections and core compiled) and the experts'
+    activation in bf16 (fc1 compiled, the checkpointed activation and fc2 eager; the shared
+    experts' checkpoint is inside the dispatch boundary): 0 breaks but the named boundaries'."""
+    done = forward_backward(["model.recompute=selective", *sets])
+    assert model_compile.break_reasons() == [] and model_compile.graph_breaks()["other"] == 0
+    assert done["recompute"] == sites and (done["eager_experts"] == 0) == ("precision=bf16" in sets)
+
+
 # ---- the same in 2-process layouts (tests/support/compile_worker.py: eager then compiled in one launch) ----
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2 parallel.vpp=2", "parallel.cp=2"],
-                         ids=["ep2", "tp2", "pp2-vpp2", "cp2"])
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2 model.recompute=selective", "parallel.pp=2 parallel.vpp=2",
+                                    "parallel.cp=2"],
+                         ids=["ep2", "tp2-selective", "pp2-vpp2", "cp2"])
 def test_compiled_equals_eager_in_two_processes(tmp_path, layout):
     """PP with virtual stages (2 model chunks a rank, interleaved 1F1B) covers plain PP's path too:
-    the layers of every chunk compiled."""
+    the layers of every chunk compiled. TP2 runs with selective recompute (the attention core's
+    checkpoint eager, under the tensor-parallel RNG tracker)."""
     from tests.support.processes import env, records
     root = Path(__file__).resolve().parents[1]
     sets = COMMON + ["train.steps=3", "checkpoint.interval=100", *layout.split()]

@@ -49,7 +49,7 @@ def validate(cfg: Config):
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
     _validate_block(m, par, need)
     _validate_recompute(cfg.model, need)
-    refusal = compile_refusal(m, par, cfg.precision)
+    refusal = compile_refusal(par)
     need(m.compile is not True or refusal is None, "model.compile", f"true with {refusal}; leave it auto or false")
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
@@ -138,12 +138,9 @@ def profile_past_end(window: list[int], steps: int, source: str) -> str | None:
     return None
 
 
-def compile_refusal(m: ModelConfig, par: ParallelConfig, precision: str) -> str | None:
+def compile_refusal(par: ParallelConfig) -> str | None:
     """What keeps model.compile from compiling the layers without graph breaks (None: nothing):
     `true` is refused with it, and `auto` stays eager (train/loop.py)."""
-    if m.recompute == "selective":
-        return ("model.recompute selective: megatron's recompute saves the RNG state (torch.random.get_rng_state), "
-                "which Dynamo does not trace (a graph break in every layer)")
     if par.overlap_moe_expert_parallel_comm:
         return ("parallel.overlap_moe_expert_parallel_comm: megatron's overlapped schedule runs the layer's parts "
                 "apart; in an EP2 run Dynamo counts 10 graph breaks (data-dependent operators) and recompiles")

@@ -15,13 +15,21 @@ cannot); so are the experts where grouped GEMMs trace: `torch._grouped_mm`'s tra
 bf16/fp16 (fp32: "Expected mat_a to be BFloat16"), so fp32 experts stay eager, and so do FP8
 experts off CUDA (torchao's emulation multiplies fp32 operands).
 
+Selective recompute's checkpoints are the other named boundary, RECOMPUTE: megatron's checkpoint
+saves and restores the RNG states on the host and runs its function under no_grad, which Dynamo
+does not trace (a break in every layer). Each site runs eager and what it calls is compiled on its
+own (`_eager_recompute_sites`): the attention core (core_attn), the dense MLP with its norm (mlp),
+MLA's attention with its projections and core (mla_up_proj), the experts' fc2 side (moe_act).
+The whole MoE layer's and the shared experts' checkpoints (moe, shared_experts) are already inside
+the dispatch boundary.
+
 Under tensor parallelism megatron's linears overlap their backward's all-gather and
 reduce-scatter with the input-gradient GEMM (`async_op=True`, which Dynamo does not trace: 13
 breaks in TP2's layers). Compiled, those two collectives are called synchronously
 (`_synchronous_tp_collectives`): the same sums, and the compiler schedules the graph itself.
 
 Graph breaks are read from Dynamo's own counters (`torch._dynamo.utils.counters`); the breaks at
-the named boundary are deliberate and counted apart (`graph_breaks`).
+the named boundaries are deliberate and counted apart (`graph_breaks`).
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ from megatron_kappa.model import aux_loss
 
 # the reasons given to torch.compiler.disable: Dynamo's graph-break counter names them
 MOE_DISPATCH = "megatron_kappa MoE dispatch: data-dependent host work around collectives, left eager"
+RECOMPUTE = ("megatron_kappa selective recompute: megatron's checkpoint saves the RNG state on the host and "
+             "runs under no_grad, left eager")
+BOUNDARIES = (MOE_DISPATCH, RECOMPUTE)
 
 
 def enabled(setting: str | bool, device) -> bool:
@@ -162,15 +173,46 @@ def prepare() -> None:
     _synchronous_tp_collectives()
 
 
+def _eager(owner, method: str, reason: str) -> None:
+    """owner.method left eager at a named boundary (an instance attribute: the class is untouched)."""
+    setattr(owner, method, torch.compiler.disable(getattr(owner, method), reason=reason))
+
+
 def compile_moe_layer(moe) -> bool:
     """One MoE layer: its forward (the dispatch) the eager boundary, the router and, where grouped
     GEMMs trace, the experts graphs of their own inside it. Returns whether the experts compiled."""
-    moe.forward = torch.compiler.disable(moe.forward, reason=MOE_DISPATCH)
+    _eager(moe, "forward", MOE_DISPATCH)
     moe.router.compile()
     if not _grouped_gemm_traces(moe.experts):
         return False
+    if getattr(moe.experts, "recompute_activation", False):  # moe_act: fc1 compiled, the checkpoint eager
+        _eager(moe.experts, "recomputed_fc2", RECOMPUTE)
     moe.experts.compile()
     return True
+
+
+def _eager_recompute_sites(layer) -> list[str]:
+    """Selective recompute's checkpoints in `layer` left eager at the RECOMPUTE boundary, what they
+    call compiled on its own. Returns the sites (megatron's module names) found."""
+    sites = []
+    attn = getattr(layer, "self_attention", None)
+    if getattr(attn, "recompute_up_proj", False):  # its checkpoint spans get_query_key_value_tensors to
+        _eager(attn, "forward", RECOMPUTE)         # a hook on the core's output: MLA's forward eager
+        for child in attn.children():  # its projections, norms and core (RoPE's forward is an lru_cache)
+            if child is attn.core_attention or any(True for _ in child.parameters()):
+                child.compile()
+        sites.append("mla_up_proj")
+    elif getattr(attn, "checkpoint_core_attention", False):
+        _eager(attn, "_checkpointed_attention_forward", RECOMPUTE)
+        attn.core_attention.compile()
+    if getattr(attn, "checkpoint_core_attention", False):
+        sites.append("core_attn")
+    if getattr(layer, "recompute_mlp", False):  # a dense layer's MLP (megatron: not in MoE layers)
+        _eager(layer, "_forward_mlp", RECOMPUTE)
+        layer.pre_mlp_layernorm.compile()
+        layer.mlp.compile()
+        sites.append("mlp")
+    return sites
 
 
 def compile_layers(model) -> dict:
@@ -178,13 +220,16 @@ def compile_layers(model) -> dict:
     line (`describe`): the layer count and the MoE layers whose experts stay eager."""
     layers = transformer_layers(model)
     prepare()
-    eager_experts = 0
+    eager_experts, recompute = 0, set()
     for layer in layers:
         for moe in _moe_layers(layer):
             eager_experts += not compile_moe_layer(moe)
+            if getattr(moe.experts, "recompute_activation", False):
+                recompute.add("moe_act")
+        recompute.update(_eager_recompute_sites(layer))
         layer.compile()
     return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(layer)) for layer in layers),
-            "eager_experts": eager_experts, "start": time.perf_counter(),
+            "eager_experts": eager_experts, "recompute": sorted(recompute), "start": time.perf_counter(),
             "breaks_before": graph_breaks()}
 
 
@@ -194,7 +239,7 @@ def graph_breaks() -> dict:
 
     deliberate = other = 0
     for reason, n in counters["graph_break"].items():
-        if MOE_DISPATCH in reason:
+        if _at_boundary(reason):
             deliberate += n
         else:
             other += n
@@ -205,8 +250,11 @@ def break_reasons() -> list[str]:
     """The first line of every graph break that is not at a named boundary (for tests and errors)."""
     from torch._dynamo.utils import counters
 
-    return [reason.splitlines()[0] for reason in counters["graph_break"]
-            if MOE_DISPATCH not in reason]
+    return [reason.splitlines()[0] for reason in counters["graph_break"] if not _at_boundary(reason)]
+
+
+def _at_boundary(reason: str) -> bool:
+    return any(named in reason for named in BOUNDARIES)
 
 
 def describe(done: dict) -> str:
@@ -223,6 +271,8 @@ def describe(done: dict) -> str:
             text += (f"; experts eager in {done['eager_experts']}: grouped GEMMs trace in bf16 only, "
                      "not in fp32 nor as FP8 emulated off CUDA")
         text += ")"
+    if done.get("recompute"):
+        text += f" (selective recompute's checkpoints eager: {', '.join(done['recompute'])})"
     return text
 
 

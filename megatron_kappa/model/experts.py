@@ -238,13 +238,17 @@ class GroupedExperts(MegatronModule, KappaExpertActivation):
             act_args = (fc1, permuted_probs)
         if not self.recompute_activation:
             return self._gemm(act_fn(*act_args), self.fc2_weight, offs), None
-        # Selective recompute ("moe_act"): fc2's input is dropped after fc2's forward and made
-        # again from fc1's output just before fc2's backward needs it.
+        return self.recomputed_fc2(act_fn, act_args, offs), None
+
+    def recomputed_fc2(self, act_fn, act_args, offs):
+        """Selective recompute ("moe_act"): fc2's input is dropped after fc2's forward and made
+        again from fc1's output just before fc2's backward needs it. (model.compile leaves this
+        eager: megatron's checkpoint does not trace.)"""
         checkpoint = CheckpointWithoutOutput(fp8=self.config.fp8)  # megatron reads `fp8 is not None`
         act = checkpoint.checkpoint(act_fn, *act_args)
         out = self._gemm(act, self.fc2_weight, offs)
         checkpoint.discard_output_and_register_recompute(out)
-        return out, None
+        return out
 
     def _gemm(self, x, weight, offs):
         """Each expert's rows times its [out, in] weight: one grouped GEMM (FP8 with model.fp8)."""

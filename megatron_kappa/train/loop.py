@@ -225,7 +225,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         raise ConfigError(f"config: profile.steps: {past}")  # (with train.steps set, config/checks.py said it)
     flops_token = throughput.flops_per_token(cfg.model, full_count(model, cfg))
     peak = throughput.peak_tflops(cfg.log, device)
-    setting, refusal = cfg.model.compile, compile_refusal(cfg.model, cfg.parallel, cfg.precision)
+    setting, refusal = cfg.model.compile, compile_refusal(cfg.parallel)
     if setting == "auto" and refusal and model_compile.enabled(setting, device):  # (true is refused at config)
         log(f"compile: off (auto) with {refusal}")
         setting = False

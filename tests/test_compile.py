@@ -332,8 +332,8 @@ def test_selective_recompute_sites_compile_without_a_graph_break(world1, dynamo,
 
 # ---- the same in 2-process layouts (tests/support/compile_worker.py: eager then compiled in one launch) ----
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2 model.recompute=selective", "parallel.pp=2 parallel.vpp=2",
-                                    "parallel.cp=2"],
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2 model.recompute=selective",
+                                    "parallel.pp=2 parallel.vpp=2", "parallel.cp=2"],
                          ids=["ep2", "tp2-selective", "pp2-vpp2", "cp2"])
 def test_compiled_equals_eager_in_two_processes(tmp_path, layout):
     """PP with virtual stages (2 model chunks a rank, interleaved 1F1B) covers plain PP's path too:

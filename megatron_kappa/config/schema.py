@@ -125,8 +125,8 @@ class ModelConfig:
     compile: Literal["auto", True, False] = _f(
         "auto", "torch.compile each transformer layer, as torchtitan compiles its blocks "
                 "(megatron_kappa/model/compile.py: the MoE dispatch and selective recompute's checkpoints stay "
-                "eager at named boundaries; the start line counts the graph breaks): auto (on for CUDA, off on CPU, where eager is the "
-                "faster start), true or false")
+                "eager at named boundaries; the start line counts the graph breaks): auto (on for CUDA, "
+                "off on CPU, where eager is the faster start), true or false")
     mla: MLAConfig = _section(MLAConfig, state=True)
     mtp: MTPConfig = _section(MTPConfig)
     moe: MoEConfig = _section(MoEConfig)

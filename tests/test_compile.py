@@ -35,7 +35,8 @@ def dynamo(monkeypatch):
     torch.compile reads the variable itself), with empty caches and counters."""
     from torch._dynamo.utils import counters
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
-    with torch._dynamo.config.patch(disable=False):
+    # (the recompile limits at torch's defaults, restored after: model_compile raises them)
+    with torch._dynamo.config.patch(disable=False, recompile_limit=8, accumulated_recompile_limit=256):
         torch._dynamo.reset()
         counters.clear()
         yield counters
@@ -172,6 +173,26 @@ def test_fp8_models_compile_without_a_graph_break(world1, dynamo):
         dynamo.clear()
         done = forward_backward(["precision=fp8", *sets])
         assert done["layers"] == 4 and model_compile.break_reasons() == [], sets
+
+
+@pytest.mark.slow
+def test_more_layers_than_dynamos_recompile_limit_all_compile(world1, dynamo, monkeypatch):
+    """10 layers (9 MoE): each router's graph is specialised to its layer number, so the router's
+    code object needs 10 cache entries, past Dynamo's default limit of 8; compile_layers raises the
+    limit and every frame compiles. Negative control: at the default limit the later routers run
+    eager, and that is counted as a break (it was a silent "0 graph breaks")."""
+    from torch._dynamo.utils import counters
+    with monkeypatch.context() as unraised:  # first, while the fixture keeps the default limit
+        unraised.setattr(model_compile, "raise_recompile_limit", lambda layers: 8)
+        done = forward_backward(["model.num_layers=10"])
+    assert model_compile.graph_breaks()["other"] >= 1
+    assert any("recompile limit" in reason for reason in model_compile.break_reasons())
+    assert " 0 graph breaks" not in model_compile.describe(done)
+    torch._dynamo.reset()
+    counters.clear()
+    done = forward_backward(["model.num_layers=10"])
+    assert done["layers"] == 10 and model_compile.graph_breaks()["other"] == 0, model_compile.break_reasons()
+    assert counters["frames"]["ok"] == counters["frames"]["total"]
 
 
 def test_negative_control_an_unsupported_op_is_counted(world1, dynamo):

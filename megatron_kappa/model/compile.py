@@ -29,7 +29,9 @@ breaks in TP2's layers). Compiled, those two collectives are called synchronousl
 (`_synchronous_tp_collectives`): the same sums, and the compiler schedules the graph itself.
 
 Graph breaks are read from Dynamo's own counters (`torch._dynamo.utils.counters`); the breaks at
-the named boundaries are deliberate and counted apart (`graph_breaks`).
+the named boundaries are deliberate and counted apart, and a code object Dynamo leaves eager at its
+recompile limit counts as a break (`graph_breaks`). The limit is raised with the layer count
+(`raise_recompile_limit`): the routers' graphs are one per layer.
 """
 from __future__ import annotations
 
@@ -162,6 +164,18 @@ def pin_vector_isa() -> int:
     return config.cpp.simdlen
 
 
+def raise_recompile_limit(layers: int) -> int:
+    """Dynamo's recompile limit per code object raised to cover `layers` layers. The router's graph
+    is specialised to its layer (megatron's loss tracker is keyed by the layer's number, an int
+    Dynamo treats as static), so each MoE layer adds an entry to the same code object's cache; at
+    the default limit of 8, a model of more layers ran the later routers eager without a word
+    (tests/test_compile.py). Returns the limit."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * layers + 8)  # (grad on and off: recompute)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
+    return config.recompile_limit
+
+
 def prepare() -> None:
     """What compiling needs set for the process, before any module is compiled."""
     pin_vector_isa()
@@ -220,6 +234,7 @@ def compile_layers(model) -> dict:
     line (`describe`): the layer count and the MoE layers whose experts stay eager."""
     layers = transformer_layers(model)
     prepare()
+    raise_recompile_limit(len(layers))
     eager_experts, recompute = 0, set()
     for layer in layers:
         for moe in _moe_layers(layer):
@@ -233,8 +248,15 @@ def compile_layers(model) -> dict:
             "breaks_before": graph_breaks()}
 
 
+def _eager_by_limit(counters) -> dict:
+    """Dynamo's give-ups at a recompile limit: the code object runs eager from then on, which the
+    graph-break counter does not count (it is in "unimplemented")."""
+    return {reason: n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason}
+
+
 def graph_breaks() -> dict:
-    """Dynamo's graph-break counter so far: {"deliberate": n at the named boundaries, "other": n}."""
+    """Dynamo's graph-break counter so far: {"deliberate": n at the named boundaries, "other": n},
+    a code object left eager at the recompile limit counted as other."""
     from torch._dynamo.utils import counters
 
     deliberate = other = 0
@@ -243,14 +265,16 @@ def graph_breaks() -> dict:
             deliberate += n
         else:
             other += n
-    return {"deliberate": deliberate, "other": other}
+    return {"deliberate": deliberate, "other": other + sum(_eager_by_limit(counters).values())}
 
 
 def break_reasons() -> list[str]:
-    """The first line of every graph break that is not at a named boundary (for tests and errors)."""
+    """The first line of every graph break that is not at a named boundary, and of each recompile
+    limit reached (for tests and errors)."""
     from torch._dynamo.utils import counters
 
-    return [reason.splitlines()[0] for reason in counters["graph_break"] if not _at_boundary(reason)]
+    return [reason.splitlines()[0] for reason in [*counters["graph_break"], *_eager_by_limit(counters)]
+            if not _at_boundary(reason)]
 
 
 def _at_boundary(reason: str) -> bool:

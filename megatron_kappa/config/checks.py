@@ -49,8 +49,6 @@ def validate(cfg: Config):
              f"sets the top-k routers' losses; the {moe.router} router has its own (keep the default)")
     _validate_block(m, par, need)
     _validate_recompute(cfg.model, need)
-    refusal = compile_refusal(par)
-    need(m.compile is not True or refusal is None, "model.compile", f"true with {refusal}; leave it auto or false")
     if m.layout == "moe":
         need(0 <= m.first_dense < m.num_layers, "model.first_dense",
              f"must be in [0, num_layers) = [0, {m.num_layers}), got {m.first_dense}")
@@ -135,15 +133,6 @@ def profile_past_end(window: list[int], steps: int, source: str) -> str | None:
     a window that starts after the last step traces nothing; None when it is fine."""
     if window and window[0] > steps:
         return f"{window} starts after the run's last step ({source}={steps}): nothing would be traced"
-    return None
-
-
-def compile_refusal(par: ParallelConfig) -> str | None:
-    """What keeps model.compile from compiling the layers without graph breaks (None: nothing):
-    `true` is refused with it, and `auto` stays eager (train/loop.py)."""
-    if par.overlap_moe_expert_parallel_comm:
-        return ("parallel.overlap_moe_expert_parallel_comm: megatron's overlapped schedule runs the layer's parts "
-                "apart; in an EP2 run Dynamo counts 10 graph breaks (data-dependent operators) and recompiles")
     return None
 
 

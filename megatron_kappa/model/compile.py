@@ -23,6 +23,12 @@ MLA's attention with its projections and core (mla_up_proj), the experts' fc2 si
 The whole MoE layer's and the shared experts' checkpoints (moe, shared_experts) are already inside
 the dispatch boundary.
 
+Under the EP overlap (parallel.overlap_moe_expert_parallel_comm) megatron's schedule calls each
+layer's parts apart instead of its forward (models/gpt/fine_grained_callables.py): those are
+compiled apart too (`_compile_schedule_parts`): the attention with its residual, the pre-MLP norm,
+a dense layer's MLP. Experts whose weight gradients are deferred (parallel.delay_wgrad_compute)
+stay eager: their GEMM queues the gradients' inputs, a side effect Dynamo does not trace.
+
 Under tensor parallelism megatron's linears overlap their backward's all-gather and
 reduce-scatter with the input-gradient GEMM (`async_op=True`, which Dynamo does not trace: 13
 breaks in TP2's layers). Compiled, those two collectives are called synchronously
@@ -115,13 +121,19 @@ def _moe_layers(layer) -> list[torch.nn.Module]:
     return [m for m in layer.modules() if isinstance(m, MoELayer)]
 
 
-def _grouped_gemm_traces(experts) -> bool:
+def experts_eager_reason(experts) -> str | None:
+    """Why these experts stay eager when compiled (None: they compile)."""
     weight = getattr(experts, "fc1_weight", None)
     if weight is None:
-        return True
+        return None
     if getattr(experts, "fp8", None) is not None and weight.device.type != "cuda":
-        return False  # FP8 emulated off CUDA: the grouped GEMM runs on fp32 operands (model/fp8.py)
-    return weight.dtype in (torch.bfloat16, torch.float16)
+        # FP8 emulated off CUDA: the grouped GEMM runs on fp32 operands (model/fp8.py)
+        return "grouped GEMMs trace in bf16 only, not as FP8 emulated off CUDA"
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return "grouped GEMMs trace in bf16 only, not in fp32"
+    if getattr(experts, "wgrad_queue", None) is not None:
+        return "parallel.delay_wgrad_compute queues the weight gradients, a side effect Dynamo does not trace"
+    return None
 
 
 class _Done:
@@ -192,17 +204,18 @@ def _eager(owner, method: str, reason: str) -> None:
     setattr(owner, method, torch.compiler.disable(getattr(owner, method), reason=reason))
 
 
-def compile_moe_layer(moe) -> bool:
-    """One MoE layer: its forward (the dispatch) the eager boundary, the router and, where grouped
-    GEMMs trace, the experts graphs of their own inside it. Returns whether the experts compiled."""
+def compile_moe_layer(moe) -> str | None:
+    """One MoE layer: its forward (the dispatch) the eager boundary, the router and, where they
+    trace, the experts graphs of their own inside it. Returns why the experts stay eager, or None."""
     _eager(moe, "forward", MOE_DISPATCH)
     moe.router.compile()
-    if not _grouped_gemm_traces(moe.experts):
-        return False
+    why = experts_eager_reason(moe.experts)
+    if why is not None:
+        return why
     if getattr(moe.experts, "recompute_activation", False):  # moe_act: fc1 compiled, the checkpoint eager
         _eager(moe.experts, "recomputed_fc2", RECOMPUTE)
     moe.experts.compile()
-    return True
+    return None
 
 
 def _eager_recompute_sites(layer) -> list[str]:
@@ -229,23 +242,40 @@ def _eager_recompute_sites(layer) -> list[str]:
     return sites
 
 
+def _compile_schedule_parts(layer) -> None:
+    """The parts megatron's EP-overlap schedule calls apart instead of the layer's forward
+    (models/gpt/fine_grained_callables.py): the attention with its residual, the pre-MLP norm (the
+    router and experts are compiled with the MoE layer) and a dense layer's MLP."""
+    layer._forward_attention = torch.compile(layer._forward_attention)
+    if _moe_layers(layer):
+        layer.pre_mlp_layernorm.compile()
+    else:
+        layer._forward_mlp = torch.compile(layer._forward_mlp)
+
+
 def compile_layers(model) -> dict:
     """Compile each transformer layer of `model` in place; returns what was done, for the start
-    line (`describe`): the layer count and the MoE layers whose experts stay eager."""
+    line (`describe`): the layer count, the MoE layers, why experts stay eager ({reason: layers}),
+    the recompute sites left eager and whether the EP overlap's schedule parts were compiled."""
     layers = transformer_layers(model)
     prepare()
     raise_recompile_limit(len(layers))
-    eager_experts, recompute = 0, set()
+    eager_experts, recompute = {}, set()
+    overlap = any(layer.config.overlap_moe_expert_parallel_comm for layer in layers)
     for layer in layers:
         for moe in _moe_layers(layer):
-            eager_experts += not compile_moe_layer(moe)
+            why = compile_moe_layer(moe)
+            if why is not None:
+                eager_experts[why] = eager_experts.get(why, 0) + 1
             if getattr(moe.experts, "recompute_activation", False):
                 recompute.add("moe_act")
         recompute.update(_eager_recompute_sites(layer))
+        if overlap:
+            _compile_schedule_parts(layer)
         layer.compile()
     return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(layer)) for layer in layers),
-            "eager_experts": eager_experts, "recompute": sorted(recompute), "start": time.perf_counter(),
-            "breaks_before": graph_breaks()}
+            "eager_experts": eager_experts, "recompute": sorted(recompute), "schedule_parts": overlap,
+            "start": time.perf_counter(), "breaks_before": graph_breaks()}
 
 
 def _eager_by_limit(counters) -> dict:
@@ -291,10 +321,11 @@ def describe(done: dict) -> str:
     if done["moe_layers"]:
         n = done["moe_layers"]
         text += f" (the MoE dispatch of {n} layer{'s' * (n != 1)} eager at its named boundary"
-        if done["eager_experts"]:
-            text += (f"; experts eager in {done['eager_experts']}: grouped GEMMs trace in bf16 only, "
-                     "not in fp32 nor as FP8 emulated off CUDA")
+        for why, count in done["eager_experts"].items():
+            text += f"; experts eager in {count}: {why}"
         text += ")"
+    if done["schedule_parts"]:
+        text += " (the EP overlap's schedule runs each layer's parts apart: attention, norm and MLP compiled apart)"
     if done.get("recompute"):
         text += f" (selective recompute's checkpoints eager: {', '.join(done['recompute'])})"
     return text

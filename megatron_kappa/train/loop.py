@@ -29,7 +29,7 @@ from megatron_kappa.checkpoint import async_save, resume
 from megatron_kappa.checkpoint.listing import CheckpointDir
 from megatron_kappa.checkpoint.store import Checkpoints
 from megatron_kappa.config import Config, ConfigError, TrainConfig, to_dict
-from megatron_kappa.config.checks import compile_refusal, profile_past_end
+from megatron_kappa.config.checks import profile_past_end
 from megatron_kappa.data import coverage
 from megatron_kappa.data.bestfit import cropped_report
 from megatron_kappa.data.bos import documents_start_with_bos
@@ -225,11 +225,7 @@ def train(cfg: Config, layout, device, log, start: int) -> dict:
         raise ConfigError(f"config: profile.steps: {past}")  # (with train.steps set, config/checks.py said it)
     flops_token = throughput.flops_per_token(cfg.model, full_count(model, cfg))
     peak = throughput.peak_tflops(cfg.log, device)
-    setting, refusal = cfg.model.compile, compile_refusal(cfg.parallel)
-    if setting == "auto" and refusal and model_compile.enabled(setting, device):  # (true is refused at config)
-        log(f"compile: off (auto) with {refusal}")
-        setting = False
-    compiled = model_compile.apply(model, setting, device)  # before DeepSpeed wraps the model
+    compiled = model_compile.apply(model, cfg.model.compile, device)  # before DeepSpeed wraps the model
     install_tensor_parallel_grad_hooks(model)
     freeze = recipe.KappaFreeze(model, steps, cfg.model.kappa)
     engine_settings = ds_engine.EngineSettings.of(cfg.train, cfg.zero, cfg.parallel, cfg.precision)

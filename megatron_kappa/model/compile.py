@@ -223,16 +223,17 @@ def _eager_recompute_sites(layer) -> list[str]:
     call compiled on its own. Returns the sites (megatron's module names) found."""
     sites = []
     attn = getattr(layer, "self_attention", None)
+    core = getattr(attn, "checkpoint_core_attention", False)
     if getattr(attn, "recompute_up_proj", False):  # its checkpoint spans get_query_key_value_tensors to
         _eager(attn, "forward", RECOMPUTE)         # a hook on the core's output: MLA's forward eager
         for child in attn.children():  # its projections, norms and core (RoPE's forward is an lru_cache)
             if child is attn.core_attention or any(True for _ in child.parameters()):
                 child.compile()
         sites.append("mla_up_proj")
-    elif getattr(attn, "checkpoint_core_attention", False):
+    elif core:
         _eager(attn, "_checkpointed_attention_forward", RECOMPUTE)
         attn.core_attention.compile()
-    if getattr(attn, "checkpoint_core_attention", False):
+    if core:
         sites.append("core_attn")
     if getattr(layer, "recompute_mlp", False):  # a dense layer's MLP (megatron: not in MoE layers)
         _eager(layer, "_forward_mlp", RECOMPUTE)
@@ -242,12 +243,12 @@ def _eager_recompute_sites(layer) -> list[str]:
     return sites
 
 
-def _compile_schedule_parts(layer) -> None:
+def _compile_schedule_parts(layer, has_moe: bool) -> None:
     """The parts megatron's EP-overlap schedule calls apart instead of the layer's forward
     (models/gpt/fine_grained_callables.py): the attention with its residual, the pre-MLP norm (the
     router and experts are compiled with the MoE layer) and a dense layer's MLP."""
     layer._forward_attention = torch.compile(layer._forward_attention)
-    if _moe_layers(layer):
+    if has_moe:
         layer.pre_mlp_layernorm.compile()
     else:
         layer._forward_mlp = torch.compile(layer._forward_mlp)
@@ -260,10 +261,12 @@ def compile_layers(model) -> dict:
     layers = transformer_layers(model)
     prepare()
     raise_recompile_limit(len(layers))
-    eager_experts, recompute = {}, set()
+    eager_experts, recompute, moe_layers = {}, set(), 0
     overlap = any(layer.config.overlap_moe_expert_parallel_comm for layer in layers)
     for layer in layers:
-        for moe in _moe_layers(layer):
+        moes = _moe_layers(layer)
+        moe_layers += len(moes)
+        for moe in moes:
             why = compile_moe_layer(moe)
             if why is not None:
                 eager_experts[why] = eager_experts.get(why, 0) + 1
@@ -271,9 +274,9 @@ def compile_layers(model) -> dict:
                 recompute.add("moe_act")
         recompute.update(_eager_recompute_sites(layer))
         if overlap:
-            _compile_schedule_parts(layer)
+            _compile_schedule_parts(layer, bool(moes))
         layer.compile()
-    return {"layers": len(layers), "moe_layers": sum(len(_moe_layers(layer)) for layer in layers),
+    return {"layers": len(layers), "moe_layers": moe_layers,
             "eager_experts": eager_experts, "recompute": sorted(recompute), "schedule_parts": overlap,
             "start": time.perf_counter(), "breaks_before": graph_breaks()}
 
